@@ -1,0 +1,1 @@
+"""Model-side code of the Triton repository: the request contract, repository rendering, backends."""

@@ -1,0 +1,105 @@
+"""The request contract every speech model in the Triton repository serves.
+
+The gateway and the Triton models agree on these names and nothing else, so a
+new backend (Piper, CosyVoice2 on PyTorch, CosyVoice2 on TensorRT-LLM) plugs in
+without gateway changes. Each speech model is deployed twice from one source
+directory: ``NAME`` (offline, one response) and ``NAME_stream`` (decoupled, one
+response per audio chunk, then an empty final response).
+
+Inputs (all ``max_batch_size: 0``; only ``target_text`` is required):
+
+==================== ======== ======= =============================================
+name                 dtype    dims    meaning
+==================== ======== ======= =============================================
+target_text          BYTES    [1]     UTF-8 text to speak
+reference_wav        FP32     [-1]    reference recording, mono, 16 kHz, [-1, 1]
+reference_wav_len    INT32    [1]     valid samples in ``reference_wav``
+reference_text       BYTES    [1]     transcript of the reference recording
+speed                FP32     [1]     tempo factor, 1.0 = natural
+seed                 INT64    [1]     sampling seed (reproducible output)
+temperature          FP32     [1]     LLM sampling temperature
+top_p                FP32     [1]     LLM nucleus sampling
+top_k                INT32    [1]     LLM top-k sampling
+==================== ======== ======= =============================================
+
+Output: ``waveform`` FP32 [-1], mono, at the model's declared ``sample_rate``.
+
+Models declare their capabilities as string ``parameters`` in ``config.pbtxt``
+(see :data:`CAPABILITY_PARAMETERS`); the gateway reads them from Triton's
+model-config API and sends only inputs the model's config lists.
+
+This module must stay importable without ``triton_python_backend_utils`` and
+without third-party packages: both sides of the contract import it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+TARGET_TEXT: Final = "target_text"
+REFERENCE_WAV: Final = "reference_wav"
+REFERENCE_WAV_LEN: Final = "reference_wav_len"
+REFERENCE_TEXT: Final = "reference_text"
+SPEED: Final = "speed"
+SEED: Final = "seed"
+TEMPERATURE: Final = "temperature"
+TOP_P: Final = "top_p"
+TOP_K: Final = "top_k"
+
+WAVEFORM: Final = "waveform"
+
+REFERENCE_SAMPLE_RATE: Final = 16_000
+STREAM_SUFFIX: Final = "_stream"
+
+# Triton dtype of every contract input, as written in config.pbtxt / the client.
+INPUT_DTYPES: Final[dict[str, str]] = {
+    TARGET_TEXT: "BYTES",
+    REFERENCE_WAV: "FP32",
+    REFERENCE_WAV_LEN: "INT32",
+    REFERENCE_TEXT: "BYTES",
+    SPEED: "FP32",
+    SEED: "INT64",
+    TEMPERATURE: "FP32",
+    TOP_P: "FP32",
+    TOP_K: "INT32",
+}
+
+# config.pbtxt ``parameters`` keys by which a model declares what it can do.
+PARAM_SAMPLE_RATE: Final = "sample_rate"  # integer, Hz
+PARAM_SUPPORTS_CLONING: Final = "supports_cloning"  # "true" / "false"
+PARAM_SUPPORTS_SPEED: Final = "supports_speed"  # "true" / "false"
+PARAM_BUILTIN_VOICES: Final = "builtin_voices"  # comma-separated ids, may be empty
+PARAM_LANGUAGES: Final = "languages"  # comma-separated BCP-47 tags
+PARAM_DESCRIPTION: Final = "description"
+PARAM_TTS_CONTRACT: Final = "tts_contract"  # "1": marks a model that serves this contract
+
+CAPABILITY_PARAMETERS: Final = (
+    PARAM_SAMPLE_RATE,
+    PARAM_SUPPORTS_CLONING,
+    PARAM_SUPPORTS_SPEED,
+    PARAM_BUILTIN_VOICES,
+    PARAM_LANGUAGES,
+    PARAM_DESCRIPTION,
+    PARAM_TTS_CONTRACT,
+)
+CONTRACT_VERSION: Final = "1"
+
+
+def stream_model_name(model: str) -> str:
+    """Name of the decoupled twin of offline model ``model``."""
+    return model + STREAM_SUFFIX
+
+
+def parse_bool(value: str) -> bool:
+    """Parse a config.pbtxt boolean parameter strictly."""
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def parse_list(value: str) -> tuple[str, ...]:
+    """Parse a comma-separated config.pbtxt parameter into its non-empty items."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())
