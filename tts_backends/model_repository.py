@@ -1,7 +1,7 @@
 """Render ``triton_repo/`` templates into a Triton model repository for one profile.
 
 ``triton_repo/`` holds one source directory per model (``config.pbtxt.tmpl`` with
-``${var}`` placeholders plus ``1/model.py``) and ``profiles.toml``, which lists for
+``${var}`` placeholders plus ``1/model.py``) and ``profiles/*.toml``, which list for
 each profile the models to deploy, under which names, with which values. A source
 directory may be deployed several times (``piper`` as ``piper`` and ``piper_stream``).
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TEMPLATE_NAME = "config.pbtxt.tmpl"
-PROFILES_FILE = "profiles.toml"
+PROFILES_DIR = "profiles"
 
 
 class TemplateError(ValueError):
@@ -58,21 +58,31 @@ def fill_template(template: str, values: Mapping[str, str]) -> str:
 
 
 def load_profiles(source_root: Path) -> dict[str, Profile]:
-    """Read ``profiles.toml`` from the source repository."""
-    with (source_root / PROFILES_FILE).open("rb") as fh:
-        raw = tomllib.load(fh)
+    """Read every ``profiles/*.toml`` of the source repository; a profile is defined once."""
     profiles: dict[str, Profile] = {}
-    for name, body in raw.get("profiles", {}).items():
-        models = tuple(
-            ModelDeployment(
-                source=str(entry["source"]),
-                name=str(entry.get("name", entry["source"])),
-                values={key: _stringify(val) for key, val in entry.get("values", {}).items()},
-            )
-            for entry in body.get("models", [])
-        )
-        profiles[name] = Profile(name=name, description=str(body.get("description", "")), models=models)
+    for path in sorted((source_root / PROFILES_DIR).glob("*.toml")):
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+        for name, body in raw.get("profiles", {}).items():
+            if name in profiles:
+                raise TemplateError(f"profile {name!r} is defined twice (again in {path.name})")
+            profiles[name] = _parse_profile(name, body)
     return profiles
+
+
+def _parse_profile(name: str, body: dict[str, object]) -> Profile:
+    entries = body.get("models", [])
+    if not isinstance(entries, list):
+        raise TemplateError(f"profile {name!r}: 'models' must be an array of tables")
+    models = tuple(
+        ModelDeployment(
+            source=str(entry["source"]),
+            name=str(entry.get("name", entry["source"])),
+            values={key: _stringify(val) for key, val in entry.get("values", {}).items()},
+        )
+        for entry in entries
+    )
+    return Profile(name=name, description=str(body.get("description", "")), models=models)
 
 
 def _stringify(value: object) -> str:

@@ -1,0 +1,1 @@
+"""OpenAI-compatible speech gateway in front of Triton Inference Server."""
