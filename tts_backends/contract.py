@@ -20,6 +20,7 @@ seed                 INT64    [1]     sampling seed (reproducible output)
 temperature          FP32     [1]     LLM sampling temperature
 top_p                FP32     [1]     LLM nucleus sampling
 top_k                INT32    [1]     LLM top-k sampling
+voice                BYTES    [1]     one of the model's ``builtin_voices``
 ==================== ======== ======= =============================================
 
 Output: ``waveform`` FP32 [-1], mono, at the model's declared ``sample_rate``.
@@ -45,6 +46,7 @@ SEED: Final = "seed"
 TEMPERATURE: Final = "temperature"
 TOP_P: Final = "top_p"
 TOP_K: Final = "top_k"
+VOICE: Final = "voice"
 
 WAVEFORM: Final = "waveform"
 
@@ -62,6 +64,7 @@ INPUT_DTYPES: Final[dict[str, str]] = {
     TEMPERATURE: "FP32",
     TOP_P: "FP32",
     TOP_K: "INT32",
+    VOICE: "BYTES",
 }
 
 # config.pbtxt ``parameters`` keys by which a model declares what it can do.

@@ -1,0 +1,107 @@
+"""``create_app(settings)``: the FastAPI application and the lifespan that wires it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from app.backend import SpeechBackend
+from app.dependencies import Services
+from app.embedded_triton import EmbeddedTriton
+from app.errors import install_error_handlers
+from app.metrics import GatewayMetrics, HttpMetricsMiddleware
+from app.routes import health, models, speech, voices
+from app.settings import OPENAI_MODEL_NAMES, Settings
+from app.speech_service import SpeechService
+from app.triton_client import TritonClient
+from app.voice_registry import VoiceRegistry
+from tts_backends.model_repository import render_repository
+
+logger = logging.getLogger(__name__)
+
+# How long a gateway pointed at a remote Triton waits for it at start-up before serving 503s.
+_REMOTE_STARTUP_WAIT = 10.0
+
+
+def _start_embedded(settings: Settings, stack: AsyncExitStack) -> EmbeddedTriton:
+    """Render the embedded profile and start ``tritonserver`` over it (blocking)."""
+    if settings.embedded_workdir is not None:
+        workdir = settings.embedded_workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="tts-gateway-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+    repository = workdir / "model_repository"
+    names = render_repository(settings.triton_repository, settings.embedded_profile, repository)
+    logger.info("starting embedded Triton (profile %s: %s)", settings.embedded_profile, ", ".join(names))
+    server = EmbeddedTriton(
+        repository,
+        workdir=workdir,
+        startup_timeout=settings.embedded_startup_timeout,
+        log_path=workdir / "tritonserver.log",
+    )
+    server.start()
+    return server
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            url = settings.triton_url
+            if url is None:
+                server = await asyncio.to_thread(_start_embedded, settings, stack)
+                stack.push_async_callback(asyncio.to_thread, server.stop)
+                url = server.grpc_url
+            backend = SpeechBackend(
+                TritonClient(url, timeout=settings.backend_timeout),
+                metrics,
+                default_model=settings.default_model,
+                model_aliases=settings.model_aliases,
+                openai_model_names=OPENAI_MODEL_NAMES,
+            )
+            stack.push_async_callback(backend.close)
+            registry = VoiceRegistry(
+                settings.ref_audios_dir,
+                settings.voices_dir,
+                min_seconds=settings.ref_min_seconds,
+                max_seconds=settings.ref_max_seconds,
+                aliases=settings.voice_aliases,
+            )
+            await asyncio.to_thread(registry.load)
+            wait = settings.embedded_startup_timeout if settings.triton_url is None else _REMOTE_STARTUP_WAIT
+            if not await backend.wait_ready(wait):
+                logger.warning("Triton at %s is not ready; serving 503 until it is", url)
+            backend.start_watching()
+            app.state.services = Services(
+                settings=settings,
+                backend=backend,
+                voices=registry,
+                speech=SpeechService(backend, registry, settings, metrics),
+                metrics=metrics,
+                started_at=int(time.time()),
+            )
+            yield
+
+    app = FastAPI(
+        title="TTS gateway",
+        summary="OpenAI-compatible text-to-speech over NVIDIA Triton (CosyVoice2, Piper)",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (speech, voices, models, health):
+        app.include_router(module.router)
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,43 @@
+"""``tts-gateway``: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import uvicorn
+
+from app.app_factory import create_app
+from app.settings import Settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tts-gateway", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible speech API")
+    serve.add_argument("--host", help="bind address (TTS_HOST)")
+    serve.add_argument("--port", type=int, help="port (TTS_PORT)")
+    serve.add_argument(
+        "--triton-url", help="Triton gRPC host:port (TTS_TRITON_URL); without it the embedded server starts"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (("host", args.host), ("port", args.port), ("triton_url", args.triton_url))
+        if value is not None
+    }
+    settings = Settings(**overrides)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=30,
+    )

@@ -1,0 +1,32 @@
+"""What routes receive: the services built once by the app's lifespan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.backend import SpeechBackend
+from app.metrics import GatewayMetrics
+from app.settings import Settings
+from app.speech_service import SpeechService
+from app.voice_registry import VoiceRegistry
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    backend: SpeechBackend
+    voices: VoiceRegistry
+    speech: SpeechService
+    metrics: GatewayMetrics
+    started_at: int
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]

@@ -1,0 +1,125 @@
+"""Gateway errors and their one translation into OpenAI's error envelope.
+
+Lower layers raise their own exceptions; services translate them once into a
+:class:`GatewayError` subclass, and the handlers here turn those into
+``{"error": {"message", "type", "param", "code"}}`` with the right status.
+Status codes are deliberate: the OpenAI SDK retries 408/409/429/5xx, so a bad
+request must never come back as 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    status_code = 500
+    error_type = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class InvalidRequestError(GatewayError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFoundError(GatewayError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ConflictError(GatewayError):
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class PayloadTooLargeError(GatewayError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class BackendUnavailableError(GatewayError):
+    status_code = 503
+    error_type = "server_error"
+    default_code = "backend_unavailable"
+
+
+class BackendTimeoutError(GatewayError):
+    status_code = 504
+    error_type = "server_error"
+    default_code = "backend_timeout"
+
+
+class BackendError(GatewayError):
+    """The backend failed on a request the gateway considered valid."""
+
+    status_code = 502
+    error_type = "server_error"
+    default_code = "backend_error"
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _validation_param(loc: tuple[int | str, ...]) -> str | None:
+    """``("body", "voice", "id")`` -> ``"voice.id"``; the location's head says where, not what."""
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "form") else []
+    return ".".join(parts) or None
+
+
+async def _gateway_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, GatewayError)
+    if exc.status_code >= 500:
+        logger.warning("request failed: %s (%s)", exc.message, exc.code)
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _validation_param(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request"))
+    if param:
+        message = f"{param}: {message}"
+    return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error", exc_info=exc)
+    return JSONResponse(error_body("internal server error", "server_error", None, "internal_error"), status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(GatewayError, _gateway_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,51 @@
+"""Voice listing, upload and deletion."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, UploadFile
+
+from app.dependencies import ServicesDep
+from app.errors import PayloadTooLargeError
+from app.protocol import VoiceDeleted, VoiceList, VoiceObject
+
+router = APIRouter()
+
+_READ_CHUNK = 1 << 16
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(services: ServicesDep) -> VoiceList:
+    return VoiceList(voices=services.voices.describe(services.backend.catalog))
+
+
+@router.post("/v1/audio/voices", status_code=201)
+async def upload_voice(
+    services: ServicesDep,
+    name: Annotated[str, Form(max_length=64)],
+    audio_sample: Annotated[UploadFile, File(description="reference recording, any common format")],
+    transcript: Annotated[str | None, Form(description="what the recording says; improves cloning")] = None,
+    consent: Annotated[str | None, Form(description="accepted for OpenAI compatibility")] = None,
+) -> VoiceObject:
+    limit = services.settings.upload_max_bytes
+    data = bytearray()
+    while chunk := await audio_sample.read(_READ_CHUNK):
+        data += chunk
+        if len(data) > limit:
+            raise PayloadTooLargeError(f"audio_sample is larger than {limit} bytes", param="audio_sample")
+    reserved = [v for m in services.backend.catalog.models.values() for v in m.builtin_voices]
+    voice = await services.voices.add_upload(name, bytes(data), transcript, reserved)
+    return VoiceObject(
+        id=voice.id,
+        name=voice.id,
+        created_at=voice.created_at,
+        transcript=voice.transcript,
+        duration=round(voice.audio.duration, 3),
+    )
+
+
+@router.delete("/v1/audio/voices/{voice_id}")
+async def delete_voice(voice_id: str, services: ServicesDep) -> VoiceDeleted:
+    await services.voices.delete(voice_id)
+    return VoiceDeleted(id=voice_id)

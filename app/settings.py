@@ -1,0 +1,88 @@
+"""Gateway configuration: one settings class, read from ``TTS_*`` variables and ``.env``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+# OpenAI's model and voice names, so clients that only know those (Pipecat, LiveKit,
+# Home Assistant) work unchanged. Models map to the default model; voices map to
+# shipped reference voices (see ``voice_aliases``).
+OPENAI_MODEL_NAMES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+OPENAI_VOICE_NAMES = (
+    "alloy",
+    "ash",
+    "ballad",
+    "coral",
+    "echo",
+    "fable",
+    "onyx",
+    "nova",
+    "sage",
+    "shimmer",
+    "verse",
+    "marin",
+    "cedar",
+)
+_DEFAULT_VOICE_ALIASES = {name: ("harbor" if index % 2 else "lumen") for index, name in enumerate(OPENAI_VOICE_NAMES)}
+_GRPC_URL = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+class Settings(BaseSettings):
+    """Every setting has a ``TTS_`` environment variable (``TTS_TRITON_URL`` ...)."""
+
+    model_config = SettingsConfigDict(env_prefix="TTS_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=1, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    triton_url: str | None = Field(None, description="Triton gRPC address host:port; unset starts the embedded server")
+    triton_repository: Path = Field(
+        PROJECT_ROOT / "triton_repo", description="source model repository (templates + profiles)"
+    )
+    embedded_profile: str = Field("cpu", description="profile rendered for the embedded server")
+    embedded_workdir: Path | None = Field(
+        None, description="where the embedded server's repository and logs go (default: a temp dir)"
+    )
+    embedded_startup_timeout: float = Field(180.0, gt=0)
+
+    ref_audios_dir: Path = Field(PROJECT_ROOT / "ref_audios", description="shipped voices: NAME.wav + NAME.txt")
+    voices_dir: Path = Field(Path("data/voices"), description="uploaded voices, persistent")
+    default_model: str | None = Field(None, description="model behind tts-1 etc.; unset: best available")
+    model_aliases: dict[str, str] = Field(default_factory=dict, description="extra alias -> model id")
+    voice_aliases: dict[str, str] = Field(default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES))
+
+    backend_mode: Literal["stream", "offline"] = Field(
+        "stream", description="use the decoupled `_stream` models (low latency) or offline ones"
+    )
+    sentence_max_chars: int = Field(250, ge=20, le=4096)
+    first_sentence_max_chars: int = Field(120, ge=10, le=4096)
+    synthesis_parallelism: int = Field(2, ge=1, le=16, description="sentences in flight per request")
+    backend_timeout: float = Field(120.0, gt=0, description="seconds one backend call may take")
+
+    ref_min_seconds: float = Field(1.0, gt=0)
+    ref_max_seconds: float = Field(30.0, gt=0)
+    upload_max_bytes: int = Field(10 * 1024 * 1024, gt=0)
+
+    @field_validator("triton_url")
+    @classmethod
+    def _check_triton_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        stripped = value.removeprefix("grpc://")
+        if not _GRPC_URL.match(stripped):
+            raise ValueError(f"TTS_TRITON_URL must be host:port of Triton's gRPC endpoint, got {value!r}")
+        return stripped
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        if self.ref_min_seconds >= self.ref_max_seconds:
+            raise ValueError("ref_min_seconds must be below ref_max_seconds")
+        return self

@@ -1,0 +1,271 @@
+"""One speech request, from validated body to encoded bytes.
+
+:meth:`SpeechService.plan` does every check that can fail because of the request
+(model, voice, capabilities), so errors reach the client with a proper status
+before any byte is sent. :meth:`SpeechService.open_stream` then synthesises: the
+input is split into sentences, up to ``synthesis_parallelism`` of them are in flight
+at the backend at once, and their audio is emitted strictly in order, chunk by chunk,
+as it arrives. The first chunk is awaited before the response starts, so a backend
+that is down still yields a 503 rather than an empty 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from app.audio_encoding import AudioFormat, create_encoder
+from app.backend import SpeechBackend
+from app.errors import GatewayError
+from app.metrics import GatewayMetrics
+from app.model_catalog import SpeechModel
+from app.protocol import SpeechRequest
+from app.settings import Settings
+from app.text_splitting import split_sentences
+from app.time_stretch import TimeStretcher
+from app.voice_registry import ResolvedVoice, VoiceRegistry
+from tts_backends import contract
+
+logger = logging.getLogger(__name__)
+
+Audio = NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class SpeechPlan:
+    """Everything decided about a request before synthesis starts."""
+
+    model: SpeechModel
+    triton_model: str
+    streaming_backend: bool
+    voice: ResolvedVoice
+    sentences: tuple[str, ...]
+    speed: float
+    response_format: AudioFormat
+    sse: bool
+    input_chars: int
+
+    @property
+    def backend_speed(self) -> bool:
+        return self.model.supports_speed and contract.SPEED in self.model.inputs
+
+    def backend_inputs(self, sentence: str) -> dict[str, Any]:
+        values: dict[str, Any] = {contract.TARGET_TEXT: sentence}
+        inputs = self.model.inputs
+        if self.backend_speed and self.speed != 1.0:
+            values[contract.SPEED] = self.speed
+        reference = self.voice.reference
+        if reference is not None:
+            values[contract.REFERENCE_WAV] = reference.audio.samples
+            values[contract.REFERENCE_WAV_LEN] = reference.audio.samples.size
+            if reference.transcript and contract.REFERENCE_TEXT in inputs:
+                values[contract.REFERENCE_TEXT] = reference.transcript
+        elif contract.VOICE in inputs:
+            values[contract.VOICE] = self.voice.id
+        return values
+
+
+class _End:
+    """Marks the end of one sentence's audio in its queue."""
+
+
+_END = _End()
+
+
+class SpeechService:
+    def __init__(
+        self, backend: SpeechBackend, voices: VoiceRegistry, settings: Settings, metrics: GatewayMetrics
+    ) -> None:
+        self._backend = backend
+        self._voices = voices
+        self._settings = settings
+        self._metrics = metrics
+
+    def plan(self, request: SpeechRequest) -> SpeechPlan:
+        catalog = self._backend.catalog
+        model = catalog.resolve(request.model)
+        voice = self._voices.resolve(request.voice_id, model, catalog)
+        triton_model = catalog.require_streaming_or_offline(model, self._settings.backend_mode)
+        sentences = split_sentences(
+            request.input,
+            max_chars=self._settings.sentence_max_chars,
+            first_max_chars=self._settings.first_sentence_max_chars,
+        )
+        return SpeechPlan(
+            model=model,
+            triton_model=triton_model,
+            streaming_backend=triton_model == model.stream_model,
+            voice=voice,
+            sentences=tuple(sentences),
+            speed=request.speed,
+            response_format=request.response_format,
+            sse=request.stream_format == "sse",
+            input_chars=len(request.input),
+        )
+
+    async def open_stream(self, plan: SpeechPlan) -> AsyncIterator[bytes]:
+        """Start synthesis, wait for the first bytes, and return the whole body as an iterator.
+
+        Raises a :class:`GatewayError` if synthesis fails before any byte exists.
+        """
+        started = time.perf_counter()
+        body = self._sse_body(plan) if plan.sse else self._audio_body(plan)
+        try:
+            first = await anext(body)
+        except StopAsyncIteration:
+            first = b""
+        except BaseException:
+            await body.aclose()
+            self._metrics.speech_requests.labels(plan.model.id, plan.response_format, "failed").inc()
+            raise
+        self._metrics.first_audio.labels(plan.model.id).observe(time.perf_counter() - started)
+        return self._measured(plan, first, body, started)
+
+    async def _measured(
+        self, plan: SpeechPlan, first: bytes, body: AsyncIterator[bytes], started: float
+    ) -> AsyncIterator[bytes]:
+        outcome = "cancelled"
+        self._metrics.in_flight.inc()
+        try:
+            yield first
+            async for piece in body:
+                yield piece
+            outcome = "ok"
+        finally:
+            self._metrics.in_flight.dec()
+            self._metrics.speech_requests.labels(plan.model.id, plan.response_format, outcome).inc()
+            self._metrics.duration.labels(plan.model.id).observe(time.perf_counter() - started)
+
+    # -- audio ---------------------------------------------------------------------------------------
+
+    async def _audio_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
+        encoder = create_encoder(plan.response_format, plan.model.sample_rate)
+        produced = 0
+        try:
+            async for chunk in self._audio(plan):
+                produced += chunk.size
+                data = await asyncio.to_thread(encoder.encode, chunk)
+                if data:
+                    yield data
+        except GatewayError as exc:
+            if produced == 0:
+                raise
+            # Headers are gone: end the file cleanly where the audio stops, and say why in the log.
+            logger.error("speech stream for model %s ended early: %s", plan.model.id, exc.message)
+        tail = await asyncio.to_thread(encoder.finish)
+        self._metrics.audio_seconds.labels(plan.model.id).inc(produced / plan.model.sample_rate)
+        if tail:
+            yield tail
+
+    async def _sse_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
+        encoder = create_encoder(plan.response_format, plan.model.sample_rate)
+        produced = 0
+        try:
+            async for chunk in self._audio(plan):
+                produced += chunk.size
+                data = await asyncio.to_thread(encoder.encode, chunk)
+                if data:
+                    yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        except GatewayError as exc:
+            if produced == 0:
+                raise
+            logger.error("SSE speech stream for model %s failed: %s", plan.model.id, exc.message)
+            yield _sse_event({"type": "error", **exc.body()})
+            return
+        tail = await asyncio.to_thread(encoder.finish)
+        if tail:
+            yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
+        seconds = produced / plan.model.sample_rate
+        self._metrics.audio_seconds.labels(plan.model.id).inc(seconds)
+        yield _sse_event({"type": "speech.audio.done", "usage": _usage(plan.input_chars, seconds)})
+
+    async def _audio(self, plan: SpeechPlan) -> AsyncIterator[Audio]:
+        """Audio at the model's rate, tempo-adjusted here when the model cannot do it."""
+        if plan.backend_speed or plan.speed == 1.0:
+            async for chunk in self._synthesise(plan):
+                yield chunk
+            return
+        stretcher = TimeStretcher(plan.speed, plan.model.sample_rate)
+        async for chunk in self._synthesise(plan):
+            stretched = await asyncio.to_thread(stretcher.process, chunk)
+            if stretched.size:
+                yield stretched
+        rest = stretcher.flush()
+        if rest.size:
+            yield rest
+
+    async def _synthesise(self, plan: SpeechPlan) -> AsyncIterator[Audio]:
+        """Sentences pipelined at the backend with bounded parallelism, audio in order."""
+        request_id = uuid.uuid4().hex
+        sentences: Iterator[tuple[int, str]] = enumerate(plan.sentences)
+        in_flight: deque[tuple[asyncio.Task[None], asyncio.Queue[Audio | _End | GatewayError]]] = deque()
+
+        def launch_next() -> None:
+            item = next(sentences, None)
+            if item is None:
+                return
+            index, sentence = item
+            queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue()
+            task = asyncio.create_task(self._sentence(plan, sentence, f"{request_id}-{index}", queue))
+            in_flight.append((task, queue))
+
+        for _ in range(self._settings.synthesis_parallelism):
+            launch_next()
+        try:
+            while in_flight:
+                _, queue = in_flight[0]
+                while not isinstance(item := await queue.get(), _End):
+                    if isinstance(item, GatewayError):
+                        raise item
+                    yield item
+                in_flight.popleft()
+                launch_next()
+        finally:
+            for task, _ in in_flight:
+                task.cancel()
+            for task, _ in in_flight:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _sentence(
+        self,
+        plan: SpeechPlan,
+        sentence: str,
+        request_id: str,
+        queue: asyncio.Queue[Audio | _End | GatewayError],
+    ) -> None:
+        values = plan.backend_inputs(sentence)
+        client = self._backend.client
+        try:
+            if plan.streaming_backend:
+                async for chunk in client.stream(plan.triton_model, values, request_id):
+                    queue.put_nowait(chunk)
+            else:
+                queue.put_nowait(await client.infer(plan.triton_model, values, request_id))
+        except GatewayError as exc:
+            queue.put_nowait(exc)
+        queue.put_nowait(_END)
+
+
+def _sse_event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def _usage(input_chars: int, audio_seconds: float) -> dict[str, int]:
+    """Estimated usage: ~4 characters per input token, 25 audio tokens per second (CosyVoice2's rate)."""
+    input_tokens = math.ceil(input_chars / 4)
+    output_tokens = math.ceil(audio_seconds * 25)
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}

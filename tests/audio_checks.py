@@ -1,0 +1,54 @@
+"""Decode what the gateway returns and check it is real speech."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import soundfile as sf
+from numpy.typing import NDArray
+
+
+@dataclass(frozen=True)
+class DecodedAudio:
+    samples: NDArray[np.float32]  # mono
+    sample_rate: int
+    channels: int
+
+    @property
+    def duration(self) -> float:
+        return self.samples.size / self.sample_rate
+
+    @property
+    def rms(self) -> float:
+        return float(np.sqrt(np.mean(np.square(self.samples)))) if self.samples.size else 0.0
+
+
+def decode(data: bytes, fmt: str) -> DecodedAudio:
+    """Decode a response body of OpenAI ``response_format`` ``fmt``."""
+    if fmt == "pcm":
+        assert len(data) % 2 == 0, "pcm must be whole 16-bit samples"
+        samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+        return DecodedAudio(samples, 24_000, 1)
+    if fmt in ("wav", "flac"):
+        with sf.SoundFile(io.BytesIO(data)) as fh:
+            samples = fh.read(dtype="float32", always_2d=True)
+            return DecodedAudio(samples.mean(axis=1), fh.samplerate, fh.channels)
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.audio[0]
+        frames = [frame.to_ndarray() for frame in container.decode(stream)]
+        rate = stream.codec_context.sample_rate
+        channels = stream.codec_context.channels
+    pcm = np.concatenate([f.reshape(channels, -1) if f.shape[0] == channels else f.T for f in frames], axis=1)
+    return DecodedAudio(pcm.mean(axis=0).astype(np.float32), rate, channels)
+
+
+def assert_speech(audio: DecodedAudio, *, expected_seconds: float, tolerance: float = 0.2) -> None:
+    """Mono 24 kHz, about as long as expected, and not silence."""
+    assert audio.sample_rate == 24_000, audio.sample_rate
+    assert audio.channels == 1, audio.channels
+    low, high = expected_seconds * (1 - tolerance), expected_seconds * (1 + tolerance) + 0.15
+    assert low <= audio.duration <= high, f"duration {audio.duration:.2f}s outside [{low:.2f}, {high:.2f}]"
+    assert audio.rms > 0.01, f"audio is (nearly) silent: rms {audio.rms:.4f}"

@@ -1,0 +1,78 @@
+"""One real Triton (cpu profile) and one gateway process for the whole e2e session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from openai import AsyncOpenAI, OpenAI
+
+from app.embedded_triton import EmbeddedTriton
+from tests.e2e.gateway_process import GatewayProcess
+from tts_backends.model_repository import render_repository
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    workdir = tmp_path_factory.mktemp("triton")
+    repository = workdir / "model_repository"
+    render_repository(REPO_ROOT / "triton_repo", "cpu", repository)
+    server = EmbeddedTriton(repository, workdir=workdir)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def voices_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("voices")
+
+
+@pytest.fixture(scope="session")
+def gateway(triton: EmbeddedTriton, voices_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    process = GatewayProcess(log, {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(voices_dir)})
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def client(gateway: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=f"{gateway.url}/v1", api_key="not-needed", max_retries=0)
+
+
+@pytest.fixture()
+def async_client(gateway: GatewayProcess) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="not-needed", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def piper_seconds(triton: EmbeddedTriton) -> "PiperReference":
+    return PiperReference(triton.grpc_url)
+
+
+class PiperReference:
+    """How long Piper's own offline model speaks a text: the expected duration of gateway audio."""
+
+    def __init__(self, url: str) -> None:
+        self._client = grpcclient.InferenceServerClient(url)
+
+    def __call__(self, text: str, speed: float = 1.0) -> float:
+        inputs = [grpcclient.InferInput("target_text", [1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+        if speed != 1.0:
+            speed_input = grpcclient.InferInput("speed", [1], "FP32")
+            speed_input.set_data_from_numpy(np.array([speed], dtype=np.float32))
+            inputs.append(speed_input)
+        result = self._client.infer("piper", inputs)
+        waveform = result.as_numpy("waveform")
+        assert waveform is not None
+        return float(waveform.size) / 22_050
