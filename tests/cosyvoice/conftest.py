@@ -1,0 +1,19 @@
+"""Shared fixtures of the CosyVoice2 model-side tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "var" / "reference"
+
+
+@pytest.fixture(scope="session")
+def reference_dir() -> Path:
+    """The upstream ``cosyvoice`` package unpacked for parity tests, or a skip saying how to get it."""
+    if not (REFERENCE_DIR / "cosyvoice" / "flow" / "flow.py").is_file():
+        pytest.skip(
+            "upstream reference code absent: pip install --no-deps --target var/reference cosyvoice-minicpmo==0.1.0"
+        )
+    return REFERENCE_DIR

@@ -1,0 +1,1 @@
+"""Inference-only CosyVoice2 model code that loads the official checkpoints unchanged."""
