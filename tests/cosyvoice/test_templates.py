@@ -1,0 +1,218 @@
+"""Every profile renders into configs Triton can parse, and the CosyVoice2 configs agree with the code.
+
+Configs are parsed with Triton's own ``ModelConfig`` protobuf (shipped in ``tritonclient``),
+so a misspelt field or a malformed value fails here rather than at server start.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tts_backends import contract
+from tts_backends.model_repository import load_profiles, render_repository
+
+pytestmark = pytest.mark.cosyvoice
+
+SOURCE = Path(__file__).resolve().parents[2] / "triton_repo"
+COSYVOICE_PROFILES = ("cosyvoice2-cpu", "gpu-trtllm", "gpu-torch")
+
+
+def _dtype(config_dtype: int) -> str:
+    """Config dtype enum -> contract spelling (BYTES for TYPE_STRING)."""
+    name = mc.DataType.Name(config_dtype).removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
+
+
+def _render(profile: str, dest: Path) -> dict[str, mc.ModelConfig]:
+    names = render_repository(SOURCE, profile, dest)
+    configs = {}
+    for name in names:
+        config = mc.ModelConfig()
+        text_format.Parse((dest / name / "config.pbtxt").read_text(encoding="utf-8"), config)
+        configs[name] = config
+    return configs
+
+
+def _params(config: mc.ModelConfig) -> dict[str, str]:
+    return {key: value.string_value for key, value in config.parameters.items()}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, mc.ModelConfig]]:
+    root = tmp_path_factory.mktemp("repos")
+    return {profile: _render(profile, root / profile) for profile in load_profiles(SOURCE)}
+
+
+def test_every_profile_renders_into_parseable_configs(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    assert set(COSYVOICE_PROFILES) <= set(rendered)
+    for profile, configs in rendered.items():
+        assert configs, profile
+        for name, config in configs.items():
+            assert config.backend in ("python", "tensorrtllm"), (profile, name)
+            assert "${" not in text_format.MessageToString(config), (profile, name)
+
+
+@pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
+def test_orchestrator_serves_the_contract(rendered: dict[str, dict[str, mc.ModelConfig]], profile: str) -> None:
+    configs = rendered[profile]
+    offline, stream = configs["cosyvoice2"], configs[contract.stream_model_name("cosyvoice2")]
+    assert not offline.model_transaction_policy.decoupled
+    assert stream.model_transaction_policy.decoupled
+    for config in (offline, stream):
+        inputs = {tensor.name: tensor for tensor in config.input}
+        declared = set(contract.INPUT_DTYPES) - {contract.VOICE}
+        assert set(inputs) == declared
+        for name, tensor in inputs.items():
+            assert _dtype(tensor.data_type) == contract.INPUT_DTYPES[name], name
+            assert tensor.optional == (name != contract.TARGET_TEXT), name
+        assert [(o.name, _dtype(o.data_type), list(o.dims)) for o in config.output] == [
+            (contract.WAVEFORM, "FP32", [-1])
+        ]
+        params = _params(config)
+        assert params[contract.PARAM_TTS_CONTRACT] == contract.CONTRACT_VERSION
+        assert params[contract.PARAM_SAMPLE_RATE] == "24000"
+        assert contract.parse_bool(params[contract.PARAM_SUPPORTS_CLONING])
+        assert contract.parse_bool(params[contract.PARAM_SUPPORTS_SPEED])
+        assert contract.parse_list(params[contract.PARAM_BUILTIN_VOICES]) == ()
+        assert "en" in contract.parse_list(params[contract.PARAM_LANGUAGES])
+
+
+@pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
+def test_offline_and_stream_deployments_differ_only_in_decoupling(
+    rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
+) -> None:
+    offline, stream = rendered[profile]["cosyvoice2"], rendered[profile]["cosyvoice2_stream"]
+    assert _params(offline) == _params(stream)
+    assert list(offline.input) == list(stream.input)
+    assert list(offline.instance_group) == list(stream.instance_group)
+
+
+@pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
+def test_orchestrator_parameters_build_pipeline_settings(
+    rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
+) -> None:
+    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+
+    configs = rendered[profile]
+    params = _params(configs["cosyvoice2"])
+    settings = PipelineSettings.from_parameters(params)
+    assert settings.hop_schedule.first_hop == int(params["first_hop_tokens"])
+    assert settings.max_output_tokens == int(params["max_output_tokens"])
+    for key in ("llm_model", "audio_tokenizer_model", "speaker_embedding_model", "token2wav_model"):
+        assert params[key] in configs, f"{profile}: {key} names {params[key]!r}, not deployed"
+
+
+def _llm_config(configs: dict[str, mc.ModelConfig]) -> mc.ModelConfig:
+    return configs[_params(configs["cosyvoice2"])["llm_model"]]
+
+
+@pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
+def test_llm_model_accepts_what_the_orchestrator_sends(
+    rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
+) -> None:
+    from tts_backends.cosyvoice2 import tensors
+    from tts_backends.cosyvoice2.pipeline import LLMRequest
+
+    llm = _llm_config(rendered[profile])
+    assert llm.model_transaction_policy.decoupled, "the orchestrator always streams from the LLM"
+    assert llm.max_batch_size >= 1
+    declared = {tensor.name: tensor for tensor in llm.input}
+    request = LLMRequest(
+        input_ids=[1, 2, 3],
+        max_new_tokens=10,
+        min_new_tokens=2,
+        end_id=7,
+        temperature=0.8,
+        top_p=0.9,
+        top_k=20,
+        repetition_penalty=1.1,
+        seed=5,
+        streaming=True,
+    )
+    sent = tensors.llm_inputs(request)
+    assert set(sent) == set(tensors.LLM_INPUT_DTYPES)
+    for name, array in sent.items():
+        tensor = declared[name]
+        assert _dtype(tensor.data_type) == tensors.LLM_INPUT_DTYPES[name], name
+        assert array.dtype == np.dtype(tensors.LLM_INPUT_DTYPES[name].lower().replace("fp", "float")), name
+        # Leading batch dimension, then the declared dims.
+        assert array.shape[0] == 1
+        assert len(array.shape) == 1 + len(tensor.dims), name
+    required = {tensor.name for tensor in llm.input if not tensor.optional}
+    assert required <= set(sent)
+    outputs = {tensor.name: _dtype(tensor.data_type) for tensor in llm.output}
+    assert {k: outputs[k] for k in tensors.LLM_OUTPUT_DTYPES} == tensors.LLM_OUTPUT_DTYPES
+
+
+def test_torch_llm_mirrors_the_tensorrt_llm_backend(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    torch_llm = rendered["cosyvoice2-cpu"]["llm"]
+    trt_llm = rendered["gpu-trtllm"]["tensorrt_llm"]
+    trt_inputs = {tensor.name: tensor for tensor in trt_llm.input}
+    for tensor in torch_llm.input:
+        twin = trt_inputs[tensor.name]
+        assert (tensor.data_type, list(tensor.dims), tensor.optional) == (
+            twin.data_type,
+            list(twin.dims),
+            twin.optional,
+        ), tensor.name
+    trt_outputs = {tensor.name: tensor for tensor in trt_llm.output}
+    for tensor in torch_llm.output:
+        assert (tensor.data_type, list(tensor.dims)) == (
+            trt_outputs[tensor.name].data_type,
+            list(trt_outputs[tensor.name].dims),
+        )
+
+
+def test_tensorrt_llm_config_matches_the_backend(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    config = rendered["gpu-trtllm"]["tensorrt_llm"]
+    params = _params(config)
+    assert config.backend == "tensorrtllm"
+    assert config.model_transaction_policy.decoupled
+    assert params["gpt_model_type"] == "inflight_fused_batching"
+    assert params["exclude_input_in_output"] == "true"
+    assert 0.0 < float(params["kv_cache_free_gpu_mem_fraction"]) < 1.0
+    assert int(params["max_attention_window_size"]) > 0
+    assert params["gpt_model_path"].startswith("/")
+    inputs = {tensor.name: tensor for tensor in config.input}
+    assert not inputs["input_ids"].optional
+    assert inputs["input_ids"].allow_ragged_batch
+    assert list(inputs["input_lengths"].reshape.shape) == []
+    assert _dtype(inputs["random_seed"].data_type) == "UINT64"
+
+
+@pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
+def test_voice_models_match_the_orchestrator(
+    rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
+) -> None:
+    from tts_backends.cosyvoice2 import tensors
+
+    configs = rendered[profile]
+    params = _params(configs["cosyvoice2"])
+    token2wav = configs[params["token2wav_model"]]
+    declared = {tensor.name: _dtype(tensor.data_type) for tensor in token2wav.input}
+    assert declared == tensors.TOKEN2WAV_INPUT_DTYPES
+    assert [o.name for o in token2wav.output] == [tensors.WAVEFORM_OUTPUT]
+    for key, output in (
+        ("audio_tokenizer_model", tensors.AUDIO_TOKENS_OUTPUT),
+        ("speaker_embedding_model", tensors.SPEAKER_EMBEDDING_OUTPUT),
+    ):
+        config = configs[params[key]]
+        assert {t.name: _dtype(t.data_type) for t in config.input} == tensors.REFERENCE_INPUT_DTYPES
+        assert [o.name for o in config.output] == [output]
+
+
+def test_gpu_profiles_put_token2wav_on_the_gpu(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    for profile in ("gpu-trtllm", "gpu-torch"):
+        token2wav = rendered[profile]["token2wav"]
+        assert token2wav.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+        assert _params(token2wav)["device"] == "cuda"
+    cpu = rendered["cosyvoice2-cpu"]
+    assert cpu["token2wav"].instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    assert _params(cpu["token2wav"])["device"] == "cpu"
+    assert _params(cpu["llm"])["device"] == "cpu"
+    assert "tensorrt_llm" not in cpu

@@ -1,0 +1,351 @@
+"""One CosyVoice2 request from contract inputs to audio: the orchestrator's logic.
+
+The Triton orchestrator (``triton_repo/cosyvoice2``) is a thin adapter around
+:class:`CosyVoice2Pipeline`. The pipeline reaches the other models only through the
+:class:`Stages` protocol, so it runs unchanged against Triton (``triton_stages.py``)
+or against in-process fakes in unit tests.
+
+Per request: the voice prompt (speech tokens, mel feats, speaker embedding) comes from a
+cache keyed by the reference recording; the LLM turns the prompt ids into speech tokens;
+token2wav converts them into audio, either once (offline) or chunk by chunk as tokens
+arrive (streaming, hop sizes from :class:`HopSchedule`). Every request gets its own
+token2wav session id, so concurrent streams never share vocoder state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from threading import Lock
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
+from tts_backends.request_parsing import ContractError, SpeechRequest
+
+if TYPE_CHECKING:
+    from tts_backends.cosyvoice2.frontend import VoicePrompt
+
+# Seeds drawn for requests that bring none: the LLM backends take an unsigned 64-bit seed.
+_SEED_BITS = 63
+
+
+class SynthesisError(RuntimeError):
+    """The models ran but produced no usable speech (an internal error, not the caller's)."""
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    """One generation call, in the terms of the TensorRT-LLM backend's inputs.
+
+    ``top_k`` 0 and ``top_p`` 1.0 switch that filter off; ``seed`` None lets the LLM draw one.
+    """
+
+    input_ids: list[int]
+    max_new_tokens: int
+    min_new_tokens: int
+    end_id: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int | None
+    streaming: bool
+
+
+@dataclass(frozen=True)
+class Token2WavRequest:
+    """One token2wav call.
+
+    ``speech_tokens`` are all target tokens so far. Offline calls have ``token_offset``
+    ``None`` and convert everything at once; streaming calls convert the tokens from
+    ``token_offset`` on and keep cross-fade state under ``session_id`` until ``finalize``.
+    """
+
+    session_id: str
+    speech_tokens: NDArray[np.int32]
+    prompt: VoicePrompt
+    token_offset: int | None
+    finalize: bool
+    speed: float
+
+
+class Stages(Protocol):
+    """What the pipeline needs from the models around it."""
+
+    def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
+        """Speech tokens, 24 kHz mel feats and speaker embedding of a 16 kHz recording."""
+        ...
+
+    def generate(self, request: LLMRequest) -> Iterator[Sequence[int]]:
+        """Generated LLM ids, in pieces as they arrive; closing the iterator abandons the rest."""
+        ...
+
+    def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
+        """Audio for the tokens of ``request`` (mono, 24 kHz)."""
+        ...
+
+    def release(self, session_id: str) -> None:
+        """Drop the streaming state of a session that will never be finalised."""
+        ...
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 50
+    repetition_penalty: float = 1.1
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Everything a deployment may tune; filled from the model's ``config.pbtxt`` parameters."""
+
+    sampling: SamplingDefaults
+    hop_schedule: HopSchedule
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+    max_output_tokens: int = 1500
+    voice_cache_size: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_token_text_ratio <= self.max_token_text_ratio:
+            raise ValueError("need 0 <= min_token_text_ratio <= max_token_text_ratio")
+        if self.max_output_tokens < 1:
+            raise ValueError("max_output_tokens must be at least 1")
+        if self.voice_cache_size < 0:
+            raise ValueError("voice_cache_size must not be negative")
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> PipelineSettings:
+        """Read the orchestrator's string parameters; a missing or malformed one is an error."""
+
+        def get(key: str) -> str:
+            if key not in params:
+                raise ValueError(f"model parameter {key!r} is missing")
+            return params[key]
+
+        max_hop = int(get("max_hop_tokens"))
+        return cls(
+            sampling=SamplingDefaults(
+                temperature=float(get("temperature")),
+                top_p=float(get("top_p")),
+                top_k=int(get("top_k")),
+                repetition_penalty=float(get("repetition_penalty")),
+            ),
+            hop_schedule=HopSchedule(
+                first_hop=int(get("first_hop_tokens")),
+                base_hop=int(get("base_hop_tokens")),
+                policy=HopPolicy(get("hop_policy")),
+                max_hop=max_hop if max_hop > 0 else None,
+            ),
+            min_token_text_ratio=float(get("min_token_text_ratio")),
+            max_token_text_ratio=float(get("max_token_text_ratio")),
+            max_output_tokens=int(get("max_output_tokens")),
+            voice_cache_size=int(get("voice_cache_size")),
+        )
+
+
+class VoicePromptCache:
+    """Least-recently-used voice prompts keyed by the SHA-256 of the reference samples.
+
+    The prompt depends only on the recording, and computing it (two ONNX models and a
+    mel spectrogram) costs more than the first streamed chunk is allowed to.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._entries: OrderedDict[str, VoicePrompt] = OrderedDict()
+        self._lock = Lock()
+
+    def get_or_build(
+        self, reference_wav: NDArray[np.float32], build: Callable[[NDArray[np.float32]], VoicePrompt]
+    ) -> VoicePrompt:
+        key = hashlib.sha256(np.ascontiguousarray(reference_wav, dtype=np.float32).tobytes()).hexdigest()
+        with self._lock:
+            prompt = self._entries.get(key)
+            if prompt is not None:
+                self._entries.move_to_end(key)
+                return prompt
+        prompt = build(reference_wav)
+        if self._capacity > 0:
+            with self._lock:
+                self._entries[key] = prompt
+                self._entries.move_to_end(key)
+                while len(self._entries) > self._capacity:
+                    self._entries.popitem(last=False)
+        return prompt
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class CosyVoice2Pipeline:
+    """Contract request -> waveform chunks, against any :class:`Stages`."""
+
+    def __init__(self, stages: Stages, tokenizer: vocab.TextTokenizer, settings: PipelineSettings) -> None:
+        self._stages = stages
+        self._tokenizer = tokenizer
+        self._settings = settings
+        self._voices = VoicePromptCache(settings.voice_cache_size)
+
+    def synthesize(
+        self,
+        request: SpeechRequest,
+        *,
+        streaming: bool,
+        is_cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[NDArray[np.float32]]:
+        """Yield the audio of ``request``: one waveform offline, successive chunks when streaming.
+
+        Stops early, without an error, once ``is_cancelled()`` turns true.
+        """
+        if request.reference_wav is None:
+            raise ContractError(
+                "CosyVoice2 has no built-in voices: send 'reference_wav' (and ideally 'reference_text')"
+            )
+        prompt = self._voices.get_or_build(request.reference_wav, self._stages.voice_prompt)
+        llm_request = self._llm_request(request, prompt, streaming=streaming)
+        if streaming:
+            yield from self._stream(request, prompt, llm_request, is_cancelled)
+        else:
+            yield from self._offline(request, prompt, llm_request, is_cancelled)
+
+    def _llm_request(self, request: SpeechRequest, prompt: VoicePrompt, *, streaming: bool) -> LLMRequest:
+        # Without a transcript the recording still sets the voice (flow prompt and speaker
+        # embedding) but cannot prefix the LLM: upstream's cross-lingual mode.
+        if request.reference_text is None:
+            input_ids = vocab.build_prompt_ids(self._tokenizer, "", request.target_text, [])
+        else:
+            input_ids = vocab.build_prompt_ids(
+                self._tokenizer, request.reference_text, request.target_text, prompt.speech_tokens
+            )
+        settings = self._settings
+        bounds = vocab.length_bounds(
+            max(1, len(self._tokenizer.encode(request.target_text))),
+            min_token_text_ratio=settings.min_token_text_ratio,
+            max_token_text_ratio=settings.max_token_text_ratio,
+            max_new_tokens_cap=settings.max_output_tokens,
+        )
+        sampling = settings.sampling
+        return LLMRequest(
+            input_ids=input_ids,
+            max_new_tokens=max(1, bounds.max_new_tokens),
+            min_new_tokens=bounds.min_new_tokens,
+            end_id=vocab.EOS1_ID,
+            temperature=sampling.temperature if request.temperature is None else request.temperature,
+            top_p=sampling.top_p if request.top_p is None else request.top_p,
+            top_k=sampling.top_k if request.top_k is None else request.top_k,
+            repetition_penalty=sampling.repetition_penalty,
+            seed=secrets.randbits(_SEED_BITS) if request.seed is None else request.seed,
+            streaming=streaming,
+        )
+
+    def _speech_tokens(self, llm_request: LLMRequest, is_cancelled: Callable[[], bool]) -> Iterator[int]:
+        """Speech tokens (not LLM ids) as generated; ends at the first non-speech id or on cancel."""
+        pieces = self._stages.generate(llm_request)
+        try:
+            for piece in pieces:
+                if is_cancelled():
+                    return
+                for llm_id in piece:
+                    token = vocab.id_to_speech_token(llm_id)
+                    if token is None:
+                        return
+                    yield token
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+
+    def _offline(
+        self,
+        request: SpeechRequest,
+        prompt: VoicePrompt,
+        llm_request: LLMRequest,
+        is_cancelled: Callable[[], bool],
+    ) -> Iterator[NDArray[np.float32]]:
+        tokens = list(self._speech_tokens(llm_request, is_cancelled))
+        if is_cancelled():
+            return
+        if not tokens:
+            raise SynthesisError("the LLM produced no speech tokens")
+        yield self._stages.token2wav(
+            Token2WavRequest(
+                session_id=_new_session_id(),
+                speech_tokens=np.asarray(tokens, dtype=np.int32),
+                prompt=prompt,
+                token_offset=None,
+                finalize=True,
+                speed=request.speed,
+            )
+        )
+
+    def _stream(
+        self,
+        request: SpeechRequest,
+        prompt: VoicePrompt,
+        llm_request: LLMRequest,
+        is_cancelled: Callable[[], bool],
+    ) -> Iterator[NDArray[np.float32]]:
+        schedule = self._settings.hop_schedule
+        session_id = _new_session_id()
+        tokens: list[int] = []
+        offset = 0
+        chunk_index = 0
+        hop = schedule.next_hop(0)
+        started = time.monotonic()
+        finalized = False
+
+        def convert(end: int, *, finalize: bool) -> NDArray[np.float32]:
+            return self._stages.token2wav(
+                Token2WavRequest(
+                    session_id=session_id,
+                    speech_tokens=np.asarray(tokens[:end], dtype=np.int32),
+                    prompt=prompt,
+                    token_offset=offset,
+                    finalize=finalize,
+                    speed=request.speed,
+                )
+            )
+
+        try:
+            for token in self._speech_tokens(llm_request, is_cancelled):
+                tokens.append(token)
+                if not schedule.can_emit(len(tokens), offset, hop):
+                    continue
+                yield convert(offset + hop + schedule.pre_lookahead, finalize=False)
+                offset += hop
+                chunk_index += 1
+                hop = schedule.next_hop(
+                    chunk_index,
+                    emitted_tokens=offset,
+                    pending_tokens=len(tokens) - offset,
+                    elapsed_s=time.monotonic() - started,
+                )
+                if is_cancelled():
+                    return
+            if is_cancelled():
+                return
+            if not tokens:
+                raise SynthesisError("the LLM produced no speech tokens")
+            final = convert(len(tokens), finalize=True)
+            finalized = True
+            yield final
+        finally:
+            if chunk_index > 0 and not finalized:
+                self._stages.release(session_id)
+
+
+def _new_session_id() -> str:
+    """A token2wav session id that no other request, on any instance, can share."""
+    return uuid.uuid4().hex
