@@ -14,20 +14,18 @@ token2wav session id, so concurrent streams never share vocoder state.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from threading import Lock
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.prompt_cache import PromptCache, voice_key
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
 from tts_backends.request_parsing import ContractError, SpeechRequest
 
@@ -85,7 +83,7 @@ class Stages(Protocol):
         """Speech tokens, 24 kHz mel feats and speaker embedding of a 16 kHz recording."""
         ...
 
-    def generate(self, request: LLMRequest) -> Iterator[Sequence[int]]:
+    def generate(self, request: LLMRequest) -> Generator[Sequence[int], None, None]:
         """Generated LLM ids, in pieces as they arrive; closing the iterator abandons the rest."""
         ...
 
@@ -122,8 +120,8 @@ class PipelineSettings:
             raise ValueError("need 0 <= min_token_text_ratio <= max_token_text_ratio")
         if self.max_output_tokens < 1:
             raise ValueError("max_output_tokens must be at least 1")
-        if self.voice_cache_size < 0:
-            raise ValueError("voice_cache_size must not be negative")
+        if self.voice_cache_size < 1:
+            raise ValueError("voice_cache_size must be at least 1")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> PipelineSettings:
@@ -155,40 +153,6 @@ class PipelineSettings:
         )
 
 
-class VoicePromptCache:
-    """Least-recently-used voice prompts keyed by the SHA-256 of the reference samples.
-
-    The prompt depends only on the recording, and computing it (two ONNX models and a
-    mel spectrogram) costs more than the first streamed chunk is allowed to.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._entries: OrderedDict[str, VoicePrompt] = OrderedDict()
-        self._lock = Lock()
-
-    def get_or_build(
-        self, reference_wav: NDArray[np.float32], build: Callable[[NDArray[np.float32]], VoicePrompt]
-    ) -> VoicePrompt:
-        key = hashlib.sha256(np.ascontiguousarray(reference_wav, dtype=np.float32).tobytes()).hexdigest()
-        with self._lock:
-            prompt = self._entries.get(key)
-            if prompt is not None:
-                self._entries.move_to_end(key)
-                return prompt
-        prompt = build(reference_wav)
-        if self._capacity > 0:
-            with self._lock:
-                self._entries[key] = prompt
-                self._entries.move_to_end(key)
-                while len(self._entries) > self._capacity:
-                    self._entries.popitem(last=False)
-        return prompt
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 class CosyVoice2Pipeline:
     """Contract request -> waveform chunks, against any :class:`Stages`."""
 
@@ -196,7 +160,7 @@ class CosyVoice2Pipeline:
         self._stages = stages
         self._tokenizer = tokenizer
         self._settings = settings
-        self._voices = VoicePromptCache(settings.voice_cache_size)
+        self._voices: PromptCache[VoicePrompt] = PromptCache(settings.voice_cache_size)
 
     def synthesize(
         self,
@@ -213,7 +177,9 @@ class CosyVoice2Pipeline:
             raise ContractError(
                 "CosyVoice2 has no built-in voices: send 'reference_wav' (and ideally 'reference_text')"
             )
-        prompt = self._voices.get_or_build(request.reference_wav, self._stages.voice_prompt)
+        wav = request.reference_wav
+        # The prompt depends on the recording alone, not on its transcript.
+        prompt = self._voices.get_or_compute(voice_key(wav, ""), lambda: self._stages.voice_prompt(wav))
         llm_request = self._llm_request(request, prompt, streaming=streaming)
         if streaming:
             yield from self._stream(request, prompt, llm_request, is_cancelled)
@@ -263,9 +229,7 @@ class CosyVoice2Pipeline:
                         return
                     yield token
         finally:
-            close = getattr(pieces, "close", None)
-            if close is not None:
-                close()
+            pieces.close()
 
     def _offline(
         self,
@@ -304,7 +268,7 @@ class CosyVoice2Pipeline:
         chunk_index = 0
         hop = schedule.next_hop(0)
         started = time.monotonic()
-        finalized = False
+        session_open = False
 
         def convert(end: int, *, finalize: bool) -> NDArray[np.float32]:
             return self._stages.token2wav(
@@ -318,12 +282,15 @@ class CosyVoice2Pipeline:
                 )
             )
 
+        speech = self._speech_tokens(llm_request, is_cancelled)
         try:
-            for token in self._speech_tokens(llm_request, is_cancelled):
+            for token in speech:
                 tokens.append(token)
                 if not schedule.can_emit(len(tokens), offset, hop):
                     continue
-                yield convert(offset + hop + schedule.pre_lookahead, finalize=False)
+                chunk = convert(offset + hop + schedule.pre_lookahead, finalize=False)
+                session_open = True
+                yield chunk
                 offset += hop
                 chunk_index += 1
                 hop = schedule.next_hop(
@@ -339,10 +306,11 @@ class CosyVoice2Pipeline:
             if not tokens:
                 raise SynthesisError("the LLM produced no speech tokens")
             final = convert(len(tokens), finalize=True)
-            finalized = True
+            session_open = False
             yield final
         finally:
-            if chunk_index > 0 and not finalized:
+            speech.close()
+            if session_open:
                 self._stages.release(session_id)
 
 

@@ -1,0 +1,281 @@
+"""The orchestration logic against in-process stages: prompts, lengths, chunking, sessions, cancel.
+
+The stages here are scripted (the LLM replays a fixed id sequence, token2wav returns one
+sample per token) so that every call the pipeline makes can be checked exactly; the real
+models behind the same protocol are exercised in ``test_triton_cosyvoice2.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.pipeline import (
+    CosyVoice2Pipeline,
+    LLMRequest,
+    PipelineSettings,
+    SamplingDefaults,
+    SynthesisError,
+    Token2WavRequest,
+)
+from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
+from tts_backends.request_parsing import ContractError, SpeechRequest
+
+pytestmark = pytest.mark.cosyvoice
+
+PROMPT_TOKENS = np.array([5, 6, 7, 8], dtype=np.int64)
+
+
+class CodePointTokenizer:
+    """One id per character: prompt ids and text lengths are easy to predict."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int]:
+        raise NotImplementedError
+
+
+@dataclass
+class ScriptedStages:
+    """Replays ``llm_ids`` one id per piece; token2wav returns its token count as samples."""
+
+    llm_ids: list[int]
+    voice_prompts: list[NDArray[np.float32]] = field(default_factory=list)
+    llm_requests: list[LLMRequest] = field(default_factory=list)
+    token2wav_calls: list[Token2WavRequest] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    generator_closed: bool = False
+    pieces_served: int = 0
+
+    def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
+        self.voice_prompts.append(reference_wav)
+        return VoicePrompt(
+            speech_tokens=PROMPT_TOKENS,
+            feats=np.zeros((2 * PROMPT_TOKENS.size, 80), dtype=np.float32),
+            embedding=np.ones(192, dtype=np.float32),
+        )
+
+    def generate(self, request: LLMRequest) -> Generator[Sequence[int], None, None]:
+        self.llm_requests.append(request)
+        try:
+            for llm_id in self.llm_ids:
+                self.pieces_served += 1
+                yield [llm_id]
+        finally:
+            self.generator_closed = True
+
+    def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
+        self.token2wav_calls.append(request)
+        start = 0 if request.token_offset is None else request.token_offset
+        return np.full(request.speech_tokens.size - start, 0.5, dtype=np.float32)
+
+    def release(self, session_id: str) -> None:
+        self.released.append(session_id)
+
+
+def speech_ids(count: int, *, start: int = 0) -> list[int]:
+    return [vocab.speech_token_to_id((start + i) % vocab.SPEECH_TOKEN_SIZE) for i in range(count)]
+
+
+def settings(**overrides: object) -> PipelineSettings:
+    values: dict[str, object] = {
+        "sampling": SamplingDefaults(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1),
+        "hop_schedule": HopSchedule(first_hop=15, base_hop=25, policy=HopPolicy.EXPONENTIAL, max_hop=100),
+        "min_token_text_ratio": 2.0,
+        "max_token_text_ratio": 20.0,
+        "max_output_tokens": 1000,
+        "voice_cache_size": 4,
+    }
+    values.update(overrides)
+    return PipelineSettings(**values)  # type: ignore[arg-type]
+
+
+def request(**overrides: object) -> SpeechRequest:
+    values: dict[str, object] = {
+        "target_text": "hello there",
+        "reference_wav": np.linspace(-0.5, 0.5, 16_000, dtype=np.float32),
+        "reference_text": "ref",
+    }
+    values.update(overrides)
+    return SpeechRequest(**values)  # type: ignore[arg-type]
+
+
+def pipeline(stages: ScriptedStages, **setting_overrides: object) -> CosyVoice2Pipeline:
+    return CosyVoice2Pipeline(stages, CodePointTokenizer(), settings(**setting_overrides))
+
+
+def test_offline_converts_every_token_in_one_call() -> None:
+    stages = ScriptedStages([*speech_ids(40), vocab.EOS1_ID, *speech_ids(5)])
+    chunks = list(pipeline(stages).synthesize(request(speed=1.5), streaming=False))
+
+    assert [chunk.size for chunk in chunks] == [40]
+    (call,) = stages.token2wav_calls
+    assert call.token_offset is None and call.finalize
+    assert call.speed == 1.5
+    assert call.speech_tokens.tolist() == list(range(40))
+    assert call.prompt.speech_tokens is PROMPT_TOKENS
+    assert stages.released == []
+
+
+def test_llm_request_carries_prompt_lengths_and_sampling() -> None:
+    stages = ScriptedStages(speech_ids(3))
+    list(pipeline(stages).synthesize(request(seed=7, temperature=0.5, top_k=10), streaming=False))
+
+    (llm,) = stages.llm_requests
+    text_ids = CodePointTokenizer().encode(vocab.SOS + "ref" + "hello there" + vocab.TASK_ID)
+    assert llm.input_ids == text_ids + vocab.speech_tokens_to_ids(PROMPT_TOKENS)
+    # 11 target characters: at least 2x, at most 20x the text tokens.
+    assert (llm.min_new_tokens, llm.max_new_tokens) == (22, 220)
+    assert llm.end_id == vocab.EOS1_ID
+    assert (llm.seed, llm.temperature, llm.top_k) == (7, 0.5, 10)
+    assert (llm.top_p, llm.repetition_penalty) == (0.95, 1.1)
+    assert not llm.streaming
+
+
+def test_output_length_is_capped_and_seeds_differ_when_not_given() -> None:
+    stages = ScriptedStages(speech_ids(3))
+    runner = pipeline(stages, max_output_tokens=50)
+    for _ in range(2):
+        list(runner.synthesize(request(), streaming=True))
+    first, second = stages.llm_requests
+    assert first.max_new_tokens == 50 and first.min_new_tokens == 22
+    assert first.streaming
+    assert first.seed is not None and second.seed is not None and first.seed != second.seed
+
+
+def test_without_transcript_the_llm_gets_no_voice_prefix() -> None:
+    stages = ScriptedStages(speech_ids(3))
+    list(pipeline(stages).synthesize(request(reference_text=None), streaming=False))
+    (llm,) = stages.llm_requests
+    assert llm.input_ids == CodePointTokenizer().encode(vocab.SOS + "hello there" + vocab.TASK_ID)
+    # The voice still shapes the audio through the flow prompt.
+    assert stages.token2wav_calls[0].prompt.speech_tokens is PROMPT_TOKENS
+
+
+def test_streaming_follows_the_hop_schedule() -> None:
+    stages = ScriptedStages([*speech_ids(100), vocab.EOS1_ID])
+    chunks = list(pipeline(stages).synthesize(request(), streaming=True))
+
+    calls = [(c.token_offset, c.speech_tokens.size, c.finalize) for c in stages.token2wav_calls]
+    # Hops 15, 25, 50 (each needs 3 look-ahead tokens), then the rest on finalize.
+    assert calls == [(0, 18, False), (15, 43, False), (40, 93, False), (90, 100, True)]
+    assert len({c.session_id for c in stages.token2wav_calls}) == 1
+    for call in stages.token2wav_calls:
+        assert call.speech_tokens.tolist() == list(range(call.speech_tokens.size))
+    assert [chunk.size for chunk in chunks] == [18, 28, 53, 10]
+    assert stages.released == []
+
+
+def test_a_short_stream_is_one_final_chunk() -> None:
+    stages = ScriptedStages(speech_ids(10))
+    chunks = list(pipeline(stages).synthesize(request(), streaming=True))
+    assert len(chunks) == 1
+    (call,) = stages.token2wav_calls
+    assert (call.token_offset, call.finalize, call.speech_tokens.size) == (0, True, 10)
+
+
+def test_every_request_gets_its_own_session() -> None:
+    stages = ScriptedStages(speech_ids(30))
+    runner = pipeline(stages)
+    list(runner.synthesize(request(), streaming=True))
+    list(runner.synthesize(request(), streaming=True))
+    sessions = [c.session_id for c in stages.token2wav_calls]
+    assert len(sessions) == 4
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3]
+
+
+def test_a_non_speech_id_ends_the_utterance() -> None:
+    stages = ScriptedStages([*speech_ids(5), 42, *speech_ids(5)])
+    list(pipeline(stages).synthesize(request(), streaming=False))
+    assert stages.token2wav_calls[0].speech_tokens.size == 5
+    assert stages.generator_closed
+
+
+def test_cancellation_stops_generation_and_releases_the_session() -> None:
+    stages = ScriptedStages(speech_ids(500))
+    cancelled = False
+    chunks = pipeline(stages).synthesize(request(), streaming=True, is_cancelled=lambda: cancelled)
+
+    first = next(chunks)
+    cancelled = True
+    assert list(chunks) == []
+
+    assert first.size == 18
+    assert len(stages.token2wav_calls) == 1
+    assert stages.generator_closed
+    assert stages.pieces_served < 30
+    assert stages.released == [stages.token2wav_calls[0].session_id]
+
+
+def test_a_consumer_that_stops_reading_releases_the_session() -> None:
+    stages = ScriptedStages(speech_ids(500))
+    chunks = pipeline(stages).synthesize(request(), streaming=True)
+    next(chunks)
+    chunks.close()
+    assert stages.generator_closed
+    assert stages.released == [stages.token2wav_calls[0].session_id]
+
+
+def test_cancelled_offline_request_never_reaches_token2wav() -> None:
+    stages = ScriptedStages(speech_ids(50))
+    served = iter(range(1000))
+    out = list(pipeline(stages).synthesize(request(), streaming=False, is_cancelled=lambda: next(served) >= 10))
+    assert out == []
+    assert stages.token2wav_calls == []
+
+
+def test_voice_prompts_are_cached_per_recording() -> None:
+    stages = ScriptedStages(speech_ids(3))
+    runner = pipeline(stages, voice_cache_size=1)
+    wav_a = np.full(1600, 0.1, dtype=np.float32)
+    wav_b = np.full(1600, 0.2, dtype=np.float32)
+    for wav in (wav_a, wav_a.copy(), wav_b, wav_a):
+        list(runner.synthesize(request(reference_wav=wav), streaming=False))
+    # a (built), a (cached), b (built, evicts a), a (built again).
+    assert len(stages.voice_prompts) == 3
+
+
+def test_missing_reference_is_the_callers_error() -> None:
+    stages = ScriptedStages(speech_ids(3))
+    with pytest.raises(ContractError, match="reference_wav"):
+        list(pipeline(stages).synthesize(request(reference_wav=None, reference_text=None), streaming=False))
+    assert stages.llm_requests == []
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_no_speech_is_an_internal_error(streaming: bool) -> None:
+    stages = ScriptedStages([vocab.EOS1_ID])
+    with pytest.raises(SynthesisError):
+        list(pipeline(stages).synthesize(request(), streaming=streaming))
+
+
+def test_settings_from_parameters() -> None:
+    params = {
+        "temperature": "0.7",
+        "top_p": "0.9",
+        "top_k": "25",
+        "repetition_penalty": "1.05",
+        "first_hop_tokens": "10",
+        "base_hop_tokens": "20",
+        "hop_policy": "fixed",
+        "max_hop_tokens": "0",
+        "min_token_text_ratio": "2",
+        "max_token_text_ratio": "20",
+        "max_output_tokens": "750",
+        "voice_cache_size": "8",
+    }
+    parsed = PipelineSettings.from_parameters(params)
+    assert parsed.sampling == SamplingDefaults(0.7, 0.9, 25, 1.05)
+    assert parsed.hop_schedule == HopSchedule(first_hop=10, base_hop=20, policy=HopPolicy.FIXED, max_hop=None)
+    assert parsed.max_output_tokens == 750
+    with pytest.raises(ValueError, match="top_k"):
+        PipelineSettings.from_parameters({k: v for k, v in params.items() if k != "top_k"})
+    with pytest.raises(ValueError):
+        PipelineSettings.from_parameters({**params, "hop_policy": "sometimes"})
