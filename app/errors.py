@@ -83,9 +83,13 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 
 def _validation_param(loc: tuple[int | str, ...]) -> str | None:
-    """``("body", "voice", "id")`` -> ``"voice.id"``; the location's head says where, not what."""
-    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "form") else []
-    return ".".join(parts) or None
+    """The request field an error is about: ``("body", "voice", "str")`` -> ``"voice"``.
+
+    Deeper location parts name union members and list indexes, which mean nothing to clients.
+    """
+    if len(loc) >= 2 and loc[0] in ("body", "query", "path", "form"):
+        return str(loc[1])
+    return None
 
 
 async def _gateway_error(_: Request, exc: Exception) -> JSONResponse:

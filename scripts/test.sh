@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The project's one test command (README and CI): install everything, lint, type-check, test.
+# Idempotent: reuses .venv and the parity reference code when they are already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+# torch==2.13.0 is pinned by the cosyvoice extra: a looser pin would pull GBs of CUDA wheels.
+python -m pip install --quiet -e '.[test,cosyvoice]'
+# Upstream CosyVoice code, only as the reference for numerical parity tests (never imported by the product).
+if [ ! -d var/reference/cosyvoice ]; then
+    python -m pip install --quiet --no-deps --target var/reference cosyvoice-minicpmo==0.1.0
+fi
+
+ruff check .
+ruff format --check .
+mypy
+pytest "$@"

@@ -1,0 +1,67 @@
+"""Model discovery from Triton configs, aliases and default choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.errors import NotFoundError
+from app.model_catalog import ModelCatalog
+from app.triton_client import TritonModelConfig
+
+
+def _config(name: str, *, decoupled: bool = False, contract: bool = True, **params: str) -> TritonModelConfig:
+    parameters = {"sample_rate": "24000", **params}
+    if contract:
+        parameters["tts_contract"] = "1"
+    return TritonModelConfig(name, frozenset({"target_text", "speed"}), decoupled, parameters)
+
+
+CONFIGS = [
+    _config("piper", builtin_voices="joe", sample_rate="22050", supports_speed="true"),
+    _config("piper_stream", decoupled=True, builtin_voices="joe", sample_rate="22050"),
+    _config("cosyvoice2", supports_cloning="true"),
+    _config("cosyvoice2_stream", decoupled=True, supports_cloning="true"),
+    _config("audio_tokenizer", contract=False),
+    _config("streamonly_stream", decoupled=True),
+]
+
+
+def test_twins_are_paired_and_helpers_ignored() -> None:
+    catalog = ModelCatalog.from_triton(CONFIGS)
+    assert set(catalog.models) == {"piper", "cosyvoice2", "streamonly"}
+    piper = catalog.models["piper"]
+    assert (piper.offline_model, piper.stream_model) == ("piper", "piper_stream")
+    assert piper.sample_rate == 22_050 and piper.supports_speed and not piper.supports_cloning
+    assert piper.default_voice == "joe"
+    only = catalog.models["streamonly"]
+    assert (only.offline_model, only.stream_model) == (None, "streamonly_stream")
+
+
+def test_default_prefers_cosyvoice2_and_openai_names_follow_it() -> None:
+    catalog = ModelCatalog.from_triton(CONFIGS, openai_names=("tts-1", "tts-1-hd"))
+    assert catalog.resolve("tts-1").id == "cosyvoice2"
+    assert catalog.resolve("piper").id == "piper"
+
+
+def test_configured_default_and_aliases() -> None:
+    catalog = ModelCatalog.from_triton(
+        CONFIGS, default_model="piper", aliases={"fast": "piper", "ghost": "absent"}, openai_names=("tts-1",)
+    )
+    assert catalog.resolve("tts-1").id == "piper"
+    assert catalog.resolve("fast").id == "piper"
+    assert "ghost" not in catalog.aliases
+
+
+def test_unknown_model_is_not_found_with_param() -> None:
+    catalog = ModelCatalog.from_triton(CONFIGS)
+    with pytest.raises(NotFoundError) as info:
+        catalog.resolve("../../v2/repository")
+    assert info.value.param == "model"
+    assert info.value.code == "model_not_found"
+
+
+def test_backend_mode_falls_back_to_the_deployed_variant() -> None:
+    catalog = ModelCatalog.from_triton(CONFIGS)
+    assert catalog.require_streaming_or_offline(catalog.models["piper"], "offline") == "piper"
+    assert catalog.require_streaming_or_offline(catalog.models["piper"], "stream") == "piper_stream"
+    assert catalog.require_streaming_or_offline(catalog.models["streamonly"], "offline") == "streamonly_stream"

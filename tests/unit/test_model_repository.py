@@ -1,0 +1,62 @@
+"""Strict template filling and profile rendering of triton_repo/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tts_backends.model_repository import (
+    TemplateError,
+    fill_template,
+    load_profiles,
+    parse_overrides,
+    render_repository,
+)
+
+REPO = Path(__file__).resolve().parents[2] / "triton_repo"
+
+
+def test_fill_substitutes_every_placeholder() -> None:
+    assert fill_template("a: ${x}\nb: ${y}", {"x": "1", "y": "two"}) == "a: 1\nb: two"
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [({"x": "1"}, "missing keys ['y']"), ({"x": "1", "y": "2", "z": "3"}, "unknown keys ['z']")],
+)
+def test_fill_rejects_missing_and_unknown_keys(values: dict[str, str], fragment: str) -> None:
+    with pytest.raises(TemplateError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        fill_template("${x} ${y}", values)
+
+
+def test_overrides_parse_and_reject_bad_syntax() -> None:
+    assert parse_overrides(["piper.instance_count=2", "piper.voice_model=/v/a=b.onnx"]) == {
+        "piper": {"instance_count": "2", "voice_model": "/v/a=b.onnx"}
+    }
+    with pytest.raises(TemplateError):
+        parse_overrides(["instance_count=2"])
+
+
+def test_every_profile_renders(tmp_path: Path) -> None:
+    profiles = load_profiles(REPO)
+    assert "cpu" in profiles
+    for name, profile in profiles.items():
+        dest = tmp_path / name
+        rendered = render_repository(REPO, name, dest)
+        assert rendered == [m.name for m in profile.models]
+        for model in rendered:
+            config = (dest / model / "config.pbtxt").read_text()
+            assert "${" not in config
+            assert not (dest / model / "config.pbtxt.tmpl").exists()
+
+
+def test_render_rejects_unknown_override_and_keeps_old_repository(tmp_path: Path) -> None:
+    dest = tmp_path / "repo"
+    render_repository(REPO, "cpu", dest)
+    with pytest.raises(TemplateError, match="not in profile"):
+        render_repository(REPO, "cpu", dest, {"nosuchmodel": {"x": "1"}})
+    with pytest.raises(TemplateError, match="unknown keys"):
+        render_repository(REPO, "cpu", dest, {"piper": {"colour": "red"}})
+    assert (dest / "piper" / "config.pbtxt").exists()
+    assert not (tmp_path / "repo.rendering").exists()
