@@ -143,9 +143,7 @@ def test_streamed_wav_header_goes_out_first_with_unknown_sizes() -> None:
     assert len(first) == 44
     riff, riff_size, wave = struct.unpack_from("<4sI4s", first, 0)
     assert (riff, riff_size, wave) == (b"RIFF", 0xFFFFFFFF, b"WAVE")
-    fmt_id, fmt_size, codec, channels, rate, byte_rate, block_align, bits = struct.unpack_from(
-        "<4sIHHIIHH", first, 12
-    )
+    fmt_id, fmt_size, codec, channels, rate, byte_rate, block_align, bits = struct.unpack_from("<4sIHHIIHH", first, 12)
     assert (fmt_id, fmt_size, codec, channels) == (b"fmt ", 16, 1, 1)
     assert (rate, byte_rate, block_align, bits) == (24_000, 48_000, 2, 16)
     assert struct.unpack_from("<4sI", first, 36) == (b"data", 0xFFFFFFFF)
