@@ -1,0 +1,240 @@
+"""CosyVoice2 model operations: download, tiny test checkpoint, TensorRT-LLM engine, render, launch.
+
+    python scripts/cosyvoice_models.py download --models-root /models
+    python scripts/cosyvoice_models.py tiny --models-root var/tiny
+    python scripts/cosyvoice_models.py build-engine --models-root /models
+    python scripts/cosyvoice_models.py render --profile cosyvoice2-cpu --dest var/repo --models-root var/tiny
+    python scripts/cosyvoice_models.py launch --profile gpu-trtllm --repo /models/repo --prepare
+
+Every model directory lives under one root (``--models-root``): ``CosyVoice2-0.5B/`` (ModelScope
+``iic/CosyVoice2-0.5B``), ``cosyvoice2_llm/`` (Hugging Face ``yuekai/cosyvoice2_llm``) and
+``engines/``. Profiles name paths under ``/models``; ``--models-root`` moves them elsewhere.
+Every step is idempotent, so a container runs ``launch --prepare`` at each start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+
+import httpx
+import hub_download
+import trtllm_engine
+
+from tts_backends.model_repository import (
+    TemplateError,
+    load_profiles,
+    parse_overrides,
+    render_repository,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_REPOSITORY = PROJECT_ROOT / "triton_repo"
+PROFILE_ROOT = PurePosixPath("/models")
+ROOTED_KEYS = ("model_dir", "llm_dir", "engine_dir")
+
+COSYVOICE_DIR = "CosyVoice2-0.5B"
+LLM_DIR = "cosyvoice2_llm"
+MODELSCOPE_ID = "iic/CosyVoice2-0.5B"
+HUGGINGFACE_ID = "yuekai/cosyvoice2_llm"
+TRT_LLM_SOURCE = "tensorrt_llm"
+
+
+def rooted_overrides(
+    source: Path, profile: str, models_root: Path | None, overrides: dict[str, dict[str, str]]
+) -> dict[str, dict[str, str]]:
+    """Move every ``/models/...`` path value of ``profile`` under ``models_root``.
+
+    Explicit ``overrides`` win over the re-rooted values.
+    """
+    result: dict[str, dict[str, str]] = {}
+    if models_root is not None:
+        for model in load_profiles(source)[profile].models:
+            for key in ROOTED_KEYS:
+                value = model.values.get(key)
+                if value is not None and PurePosixPath(value).is_relative_to(PROFILE_ROOT):
+                    relative = PurePosixPath(value).relative_to(PROFILE_ROOT)
+                    result.setdefault(model.name, {})[key] = str(models_root.resolve() / relative)
+    for model_name, values in overrides.items():
+        result.setdefault(model_name, {}).update(values)
+    return result
+
+
+def _progress(path: str, done: int, total: int) -> None:
+    percent = 100 * done // total if total else 100
+    sys.stderr.write(f"\r{path}: {done / 1e6:.1f}/{total / 1e6:.1f} MB ({percent}%)")
+    if done >= total:
+        sys.stderr.write("\n")
+
+
+def download_models(root: Path, args: argparse.Namespace) -> None:
+    with httpx.Client(timeout=httpx.Timeout(60.0, connect=20.0)) as client:
+        cosy = hub_download.modelscope_files(client, args.modelscope_id, args.modelscope_revision)
+        fetched = hub_download.download_all(client, cosy, root / COSYVOICE_DIR, _progress)
+        llm = hub_download.huggingface_files(client, args.hf_id, args.hf_revision)
+        fetched += hub_download.download_all(client, llm, root / LLM_DIR, _progress)
+    sys.stderr.write(f"{len(cosy) + len(llm)} files verified, {fetched} downloaded, under {root}\n")
+
+
+def build_engine(hf_dir: Path, engine_dir: Path, settings: trtllm_engine.EngineSettings) -> None:
+    wanted = trtllm_engine.BuildInfo(
+        versions=trtllm_engine.toolchain_versions(),
+        gpu=trtllm_engine.gpu_identity(),
+        settings=settings,
+        checkpoint=trtllm_engine.checkpoint_fingerprint(hf_dir),
+    )
+    built = trtllm_engine.ensure_engine(hf_dir, engine_dir, wanted, settings)
+    sys.stderr.write(f"engine {'built' if built else 'up to date'}: {engine_dir}\n")
+
+
+def _settings(args: argparse.Namespace) -> trtllm_engine.EngineSettings:
+    return trtllm_engine.EngineSettings(args.dtype, args.max_batch_size, args.max_num_tokens)
+
+
+def cmd_download(args: argparse.Namespace) -> None:
+    download_models(args.models_root, args)
+
+
+def cmd_tiny(args: argparse.Namespace) -> None:
+    from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+
+    write_tiny_checkpoint(args.models_root, seed=args.seed)
+    sys.stderr.write(f"tiny checkpoint written under {args.models_root}\n")
+
+
+def cmd_build_engine(args: argparse.Namespace) -> None:
+    settings = _settings(args)
+    hf_dir = args.models_root / LLM_DIR
+    engine_dir = args.engine_dir or args.models_root / "engines" / f"{LLM_DIR}-{settings.dtype}"
+    if not args.dry_run:
+        build_engine(hf_dir, engine_dir, settings)
+        return
+    for command in trtllm_engine.build_plan(hf_dir, engine_dir, settings):
+        sys.stdout.write(" ".join(command) + "\n")
+
+
+def cmd_render(args: argparse.Namespace) -> None:
+    overrides = rooted_overrides(args.source, args.profile, args.models_root, parse_overrides(args.set))
+    names = render_repository(args.source, args.profile, args.dest, overrides)
+    sys.stderr.write(f"rendered {args.profile} into {args.dest}: {', '.join(names)}\n")
+
+
+def tritonserver_command(args: argparse.Namespace) -> list[str]:
+    return [
+        args.tritonserver,
+        f"--model-repository={args.repo}",
+        f"--http-port={args.http_port}",
+        f"--grpc-port={args.grpc_port}",
+        f"--metrics-port={args.metrics_port}",
+        "--exit-on-error=true",
+    ]
+
+
+def prepare(args: argparse.Namespace, overrides: dict[str, dict[str, str]]) -> None:
+    """Download what is missing and build the engine the profile's TensorRT-LLM model names."""
+    root = args.models_root or Path(PROFILE_ROOT)
+    if args.verify or not (root / COSYVOICE_DIR).is_dir() or not (root / LLM_DIR).is_dir():
+        download_models(root, args)
+    for model in load_profiles(args.source)[args.profile].models:
+        if model.source == TRT_LLM_SOURCE:
+            engine_dir = overrides.get(model.name, {}).get("engine_dir", model.values["engine_dir"])
+            build_engine(root / LLM_DIR, Path(engine_dir), _settings(args))
+
+
+def cmd_launch(args: argparse.Namespace) -> None:
+    overrides = rooted_overrides(args.source, args.profile, args.models_root, parse_overrides(args.set))
+    if args.prepare and not args.dry_run:
+        prepare(args, overrides)
+    names = render_repository(args.source, args.profile, args.repo, overrides)
+    sys.stderr.write(f"rendered {args.profile} into {args.repo}: {', '.join(names)}\n")
+    command = tritonserver_command(args)
+    if args.dry_run:
+        sys.stdout.write(" ".join(command) + "\n")
+        return
+    if shutil.which(command[0]) is None:
+        raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
+    os.execvp(command[0], command)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="cosyvoice_models", description=__doc__.split("\n")[0])
+    sub = root.add_subparsers(dest="command", required=True)
+
+    def with_root(p: argparse.ArgumentParser, required: bool) -> None:
+        p.add_argument("--models-root", type=Path, required=required, default=None, help="model root")
+
+    download = sub.add_parser("download", help="fetch CosyVoice2-0.5B and the HF LLM, verified")
+    with_root(download, True)
+    _download_options(download)
+    download.set_defaults(func=cmd_download)
+
+    tiny = sub.add_parser("tiny", help="write a tiny random-weight checkpoint in the real layout")
+    with_root(tiny, True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_tiny)
+
+    engine = sub.add_parser("build-engine", help="build the TensorRT-LLM engine unless up to date")
+    with_root(engine, True)
+    engine.add_argument("--engine-dir", type=Path, default=None)
+    _engine_options(engine)
+    engine.add_argument("--dry-run", action="store_true", help="print the commands only")
+    engine.set_defaults(func=cmd_build_engine)
+
+    render = sub.add_parser("render", help="render a profile into a Triton model repository")
+    _render_options(render)
+    render.add_argument("--dest", type=Path, required=True)
+    render.set_defaults(func=cmd_render)
+
+    launch = sub.add_parser("launch", help="render a profile and exec tritonserver on it")
+    _render_options(launch)
+    launch.add_argument("--repo", type=Path, required=True, help="where to render the repository")
+    launch.add_argument("--prepare", action="store_true", help="download and build what is missing first")
+    launch.add_argument("--verify", action="store_true", help="with --prepare: re-verify every file")
+    launch.add_argument("--tritonserver", default="tritonserver")
+    launch.add_argument("--http-port", type=int, default=8000)
+    launch.add_argument("--grpc-port", type=int, default=8001)
+    launch.add_argument("--metrics-port", type=int, default=8002)
+    launch.add_argument("--dry-run", action="store_true", help="render, then print the command")
+    _download_options(launch)
+    _engine_options(launch)
+    launch.set_defaults(func=cmd_launch)
+    return root
+
+
+def _render_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True)
+    p.add_argument("--models-root", type=Path, default=None, help="replaces /models in profile paths")
+    p.add_argument("--source", type=Path, default=SOURCE_REPOSITORY, help="template repository")
+    p.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE")
+
+
+def _download_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modelscope-id", default=MODELSCOPE_ID)
+    p.add_argument("--modelscope-revision", default="master")
+    p.add_argument("--hf-id", default=HUGGINGFACE_ID)
+    p.add_argument("--hf-revision", default="main")
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    defaults = trtllm_engine.EngineSettings()
+    p.add_argument("--dtype", default=defaults.dtype)
+    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    p.add_argument("--max-num-tokens", type=int, default=defaults.max_num_tokens)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (TemplateError, hub_download.DownloadError, trtllm_engine.EngineError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
