@@ -1,0 +1,154 @@
+"""The HiFT vocoder on its own: checkpoint layout, loading, shapes, randomness and streaming cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
+from tts_backends.cosyvoice2.hift import HiFTGenerator
+
+pytestmark = pytest.mark.cosyvoice
+
+FRAMES = 20
+SAMPLES_PER_FRAME = 480
+
+
+def real_size(cfg: HiftConfig) -> HiftConfig:
+    """CosyVoice2-0.5B's HiFT: the tiny preset differs only in its channel counts."""
+    return dataclasses.replace(cfg, base_channels=512, f0_cond_channels=512)
+
+
+@pytest.fixture(scope="module")
+def cfg() -> HiftConfig:
+    return tiny_config().hift
+
+
+@pytest.fixture(scope="module")
+def vocoder(cfg: HiftConfig) -> HiFTGenerator:
+    torch.manual_seed(0)
+    return HiFTGenerator(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def mel() -> torch.Tensor:
+    return torch.randn(1, 80, FRAMES, generator=torch.Generator().manual_seed(1))
+
+
+def test_real_hyperparameters_give_the_layout_of_the_released_hift_pt(cfg: HiftConfig) -> None:
+    state = HiFTGenerator(real_size(cfg)).state_dict()
+    # The released CosyVoice2-0.5B hift.pt: 328 tensors, 20,821,295 values, parametrized weight norm.
+    assert len(state) == 328
+    assert sum(tensor.numel() for tensor in state.values()) == 20_821_295
+    assert state["conv_pre.parametrizations.weight.original0"].shape == (512, 1, 1)
+    assert state["conv_pre.parametrizations.weight.original1"].shape == (512, 80, 7)
+    assert state["ups.0.parametrizations.weight.original1"].shape == (512, 256, 16)
+    assert state["source_downs.0.weight"].shape == (256, 18, 30)
+    assert state["source_downs.2.weight"].shape == (64, 18, 1)
+    assert state["resblocks.8.activations2.2.alpha"].shape == (64,)
+    assert state["conv_post.parametrizations.weight.original1"].shape == (18, 64, 7)
+    assert state["f0_predictor.condnet.8.parametrizations.weight.original1"].shape == (512, 512, 3)
+    assert state["m_source.l_linear.weight"].shape == (1, 9)
+    assert not any(key.endswith(("weight_g", "weight_v")) or "window" in key for key in state)
+
+
+def test_inference_yields_480_samples_per_frame_within_the_audio_limit(
+    vocoder: HiFTGenerator, mel: torch.Tensor
+) -> None:
+    wav, source = vocoder.inference(mel, generator=torch.Generator().manual_seed(0))
+    assert wav.shape == (1, FRAMES * SAMPLES_PER_FRAME)
+    assert source.shape == (1, 1, FRAMES * SAMPLES_PER_FRAME)
+    assert wav.dtype == torch.float32
+    assert torch.isfinite(wav).all()
+    assert float(wav.abs().max()) <= 0.99
+    assert float(wav.std()) > 1e-3
+
+
+def test_the_excitation_is_reproducible_with_a_generator_and_random_without(
+    vocoder: HiFTGenerator, mel: torch.Tensor
+) -> None:
+    first, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(7))
+    again, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(7))
+    other, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first, other)
+
+
+def test_a_cached_source_replaces_the_start_of_the_excitation(vocoder: HiFTGenerator, mel: torch.Tensor) -> None:
+    _, previous = vocoder.inference(mel, generator=torch.Generator().manual_seed(3))
+    cache = previous[:, :, -3840:]
+    _, source = vocoder.inference(mel, cache, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(source[:, :, :3840], cache, rtol=0, atol=0)
+    assert not torch.equal(source[:, :, 3840:], previous[:, :, 3840:])
+
+
+def test_a_full_length_cached_source_makes_the_output_independent_of_the_rng(
+    vocoder: HiFTGenerator, mel: torch.Tensor
+) -> None:
+    _, source = vocoder.inference(mel, generator=torch.Generator().manual_seed(5))
+    first, _ = vocoder.inference(mel, source, generator=torch.Generator().manual_seed(6))
+    second, _ = vocoder.inference(mel, source, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
+def test_from_checkpoint_loads_a_saved_state_dict_strictly(
+    tmp_path: Path, cfg: HiftConfig, vocoder: HiFTGenerator, mel: torch.Tensor
+) -> None:
+    path = tmp_path / "hift.pt"
+    torch.save(vocoder.state_dict(), path)
+    loaded = HiFTGenerator.from_checkpoint(cfg, path, torch.device("cpu"), torch.float32)
+    expected, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(0))
+    actual, _ = loaded.inference(mel, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert not loaded.training
+
+
+def test_from_checkpoint_accepts_the_generator_prefix_and_legacy_weight_norm_names(
+    tmp_path: Path, cfg: HiftConfig, vocoder: HiFTGenerator, mel: torch.Tensor
+) -> None:
+    legacy = {}
+    for key, value in vocoder.state_dict().items():
+        key = key.replace("parametrizations.weight.original0", "weight_g")
+        key = key.replace("parametrizations.weight.original1", "weight_v")
+        legacy[f"generator.{key}"] = value
+    path = tmp_path / "hift.pt"
+    torch.save(legacy, path)
+    loaded = HiFTGenerator.from_checkpoint(cfg, path, torch.device("cpu"), torch.float32)
+    expected, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(0))
+    actual, _ = loaded.inference(mel, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+def test_from_checkpoint_rejects_a_checkpoint_of_another_shape(
+    tmp_path: Path, cfg: HiftConfig, vocoder: HiFTGenerator
+) -> None:
+    path = tmp_path / "hift.pt"
+    state = vocoder.state_dict()
+    del state["conv_post.bias"]
+    torch.save(state, path)
+    with pytest.raises(RuntimeError, match=r"conv_post\.bias"):
+        HiFTGenerator.from_checkpoint(cfg, path, torch.device("cpu"), torch.float32)
+    torch.save(HiFTGenerator(dataclasses.replace(cfg, base_channels=64)).state_dict(), path)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        HiFTGenerator.from_checkpoint(cfg, path, torch.device("cpu"), torch.float32)
+
+
+def test_bfloat16_weights_still_return_float32_audio(
+    tmp_path: Path, cfg: HiftConfig, vocoder: HiFTGenerator, mel: torch.Tensor
+) -> None:
+    path = tmp_path / "hift.pt"
+    torch.save(vocoder.state_dict(), path)
+    half = HiFTGenerator.from_checkpoint(cfg, path, torch.device("cpu"), torch.bfloat16)
+    assert half.conv_pre.parametrizations.weight.original1.dtype == torch.bfloat16
+    wav, _ = half.inference(mel, generator=torch.Generator().manual_seed(0))
+    assert wav.dtype == torch.float32
+    assert wav.shape == (1, FRAMES * SAMPLES_PER_FRAME)
+    assert torch.isfinite(wav).all()
+
+
+def test_the_cosyvoice1_sample_rate_is_refused(cfg: HiftConfig) -> None:
+    with pytest.raises(ValueError, match=r"22\.05 kHz"):
+        HiFTGenerator(dataclasses.replace(cfg, sampling_rate=22050))

@@ -1,0 +1,291 @@
+"""HiFT vocoder of CosyVoice2 (inference only): 80-bin mel at 50 Hz -> 24 kHz waveform.
+
+HiFT combines a neural source-filter excitation with an iSTFT head:
+
+1. a convolutional F0 predictor estimates the pitch of every mel frame;
+2. the pitch drives a harmonic source (sines at F0 and its overtones, unvoiced frames get noise),
+   merged into one excitation signal at the audio rate;
+3. the mel goes through ``conv_pre`` and transposed-convolution upsampling stages with
+   multi-receptive-field residual blocks (Snake activations); after each stage the STFT of the
+   excitation, strided down to that stage's rate, is added in;
+4. ``conv_post`` predicts a log-magnitude and a phase spectrogram and an inverse STFT
+   (``n_fft`` 16, hop 4 for CosyVoice2) turns them into samples, clamped to ``audio_limit``.
+
+Module and parameter names follow upstream's ``cosyvoice.hifigan.generator.HiFTGenerator`` so the
+released ``hift.pt`` loads with ``strict=True``. Weight norm uses ``torch.nn.utils.parametrizations``,
+whose keys (``*.parametrizations.weight.original0/1``) are the ones ``hift.pt`` stores; checkpoints
+written with the legacy ``weight_g``/``weight_v`` names load too (torch converts them on load).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+if TYPE_CHECKING:
+    from tts_backends.cosyvoice2.config import HiftConfig
+
+_SNAKE_EPS = 1e-9
+_MAX_MAGNITUDE = 1e2
+
+
+def _same_padding(kernel_size: int, dilation: int) -> int:
+    return (kernel_size - 1) * dilation // 2
+
+
+class Snake(nn.Module):
+    """Periodic activation ``x + sin^2(alpha * x) / alpha`` with a learned ``alpha`` per channel."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + _SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Residual stack: per dilation, Snake -> dilated conv -> Snake -> conv, added to the input."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: Sequence[int]) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=_same_padding(kernel_size, d)))
+            for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, kernel_size, padding=_same_padding(kernel_size, 1)))
+            for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for conv1, conv2, act1, act2 in zip(
+            self.convs1, self.convs2, self.activations1, self.activations2, strict=True
+        ):
+            x = x + conv2(act2(conv1(act1(x))))
+        return x
+
+
+class ConvRNNF0Predictor(nn.Module):
+    """Frame-level F0 (Hz, non-negative) from the mel: five conv+ELU layers and a linear head."""
+
+    def __init__(self, in_channels: int, cond_channels: int, num_class: int = 1, num_layers: int = 5) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for index in range(num_layers):
+            source = in_channels if index == 0 else cond_channels
+            layers += [weight_norm(nn.Conv1d(source, cond_channels, kernel_size=3, padding=1)), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, num_class)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        """``mel`` [B, 80, T] -> F0 [B, T]."""
+        hidden: Tensor = self.condnet(mel).transpose(1, 2)
+        f0: Tensor = self.classifier(hidden).squeeze(-1).abs()
+        return f0
+
+
+class HarmonicSource(nn.Module):
+    """Neural source-filter excitation (upstream's ``SourceModuleHnNSF2`` + ``SineGen2``).
+
+    F0 is held per frame, turned into per-sample phase increments for the fundamental and
+    ``nb_harmonics`` overtones, integrated at the frame rate and linearly interpolated back to
+    the audio rate (integrating at the frame rate keeps the phase smooth where F0 jumps).
+    Voiced samples (F0 above ``voiced_threshold``) carry ``sine_amp`` sines plus weak noise,
+    unvoiced ones noise only; a linear layer + tanh merges the harmonics into one channel.
+
+    Two random draws make the excitation stochastic, in upstream's order so that equal RNG
+    states give equal output: a random initial phase per overtone, then the additive noise.
+    """
+
+    def __init__(
+        self,
+        sampling_rate: int,
+        upsample_scale: int,
+        nb_harmonics: int,
+        sine_amp: float,
+        noise_std: float,
+        voiced_threshold: float,
+    ) -> None:
+        super().__init__()
+        self.sampling_rate = sampling_rate
+        self.upsample_scale = upsample_scale
+        self.nb_harmonics = nb_harmonics
+        self.sine_amp = sine_amp
+        self.noise_std = noise_std
+        self.voiced_threshold = voiced_threshold
+        self.l_linear = nn.Linear(nb_harmonics + 1, 1)
+
+    def forward(self, f0: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """``f0`` [B, T] in Hz -> excitation [B, 1, T * upsample_scale]."""
+        scale = float(self.upsample_scale)
+        f0 = F.interpolate(f0.float()[:, None], scale_factor=scale, mode="nearest")
+        orders = torch.arange(1, self.nb_harmonics + 2, dtype=torch.float32, device=f0.device)[None, :, None]
+        # [B, harmonics, samples]; the per-sample phase increment in cycles.
+        increments = (f0 * orders / self.sampling_rate) % 1
+
+        initial_phase = torch.rand(
+            f0.shape[0], self.nb_harmonics + 1, generator=generator, device=f0.device, dtype=torch.float32
+        )
+        initial_phase[:, 0] = 0
+        increments[:, :, 0] = increments[:, :, 0] + initial_phase
+
+        per_frame = F.interpolate(increments, scale_factor=1 / scale, mode="linear")
+        phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
+        phase = F.interpolate(phase * scale, scale_factor=scale, mode="linear")
+        sines = torch.sin(phase) * self.sine_amp
+
+        voiced = (f0 > self.voiced_threshold).float()
+        noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
+        # Upstream fills this noise through a [B, samples, harmonics] view of [B, harmonics, samples]
+        # memory, and torch's normal_ orders its draws differently for such strided views.
+        gaussian = torch.empty_like(sines).transpose(1, 2).normal_(generator=generator).transpose(1, 2)
+        noise = noise_amp * gaussian
+        harmonics = (sines * voiced + noise).transpose(1, 2)
+        merged = torch.tanh(self.l_linear(harmonics.to(self.l_linear.weight.dtype)))
+        return merged.transpose(1, 2)
+
+
+class HiFTGenerator(nn.Module):
+    """The HiFT vocoder; its state dict has exactly the keys and shapes of upstream's ``hift.pt``."""
+
+    def __init__(self, cfg: HiftConfig) -> None:
+        super().__init__()
+        if cfg.sampling_rate == 22050:
+            raise ValueError("the 22.05 kHz CosyVoice 1 source module is not implemented; CosyVoice2 uses 24 kHz")
+        upsample_rates = list(cfg.upsample_rates)
+        if not len(upsample_rates) == len(cfg.upsample_kernel_sizes) == len(cfg.source_resblock_kernel_sizes):
+            raise ValueError("upsample_rates, upsample_kernel_sizes and source_resblock_kernel_sizes differ in length")
+        self.n_fft = cfg.istft_n_fft
+        self.hop_len = cfg.istft_hop_len
+        self.lrelu_slope = cfg.lrelu_slope
+        self.audio_limit = cfg.audio_limit
+        self.num_kernels = len(cfg.resblock_kernel_sizes)
+        self.num_upsamples = len(upsample_rates)
+        self.samples_per_frame = math.prod(upsample_rates) * self.hop_len
+        base = cfg.base_channels
+        spectrum_channels = self.n_fft + 2
+
+        self.m_source = HarmonicSource(
+            sampling_rate=cfg.sampling_rate,
+            upsample_scale=self.samples_per_frame,
+            nb_harmonics=cfg.nb_harmonics,
+            sine_amp=cfg.nsf_alpha,
+            noise_std=cfg.nsf_sigma,
+            voiced_threshold=cfg.nsf_voiced_threshold,
+        )
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, 1, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(upsample_rates, cfg.upsample_kernel_sizes, strict=True))
+        )
+
+        # Stage i runs at prod(upsample_rates[:i + 1]) x the frame rate; the excitation's STFT runs
+        # at prod(upsample_rates) x, so stage i sees it strided by the product of the later rates.
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        for i, (kernel, dilations) in enumerate(
+            zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes, strict=True)
+        ):
+            stride = math.prod(upsample_rates[i + 1 :])
+            channels = base // 2 ** (i + 1)
+            if stride == 1:
+                down = nn.Conv1d(spectrum_channels, channels, 1, 1)
+            else:
+                down = nn.Conv1d(spectrum_channels, channels, stride * 2, stride, padding=stride // 2)
+            self.source_downs.append(down)
+            self.source_resblocks.append(ResBlock(channels, kernel, dilations))
+
+        self.resblocks = nn.ModuleList(
+            ResBlock(base // 2 ** (i + 1), kernel, dilations)
+            for i in range(self.num_upsamples)
+            for kernel, dilations in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True)
+        )
+        self.conv_post = weight_norm(nn.Conv1d(base // 2**self.num_upsamples, spectrum_channels, 7, 1, padding=3))
+        self.reflection_pad = nn.ReflectionPad1d((1, 0))
+        self.f0_predictor = ConvRNNF0Predictor(
+            in_channels=cfg.f0_in_channels, cond_channels=cfg.f0_cond_channels, num_class=cfg.f0_num_class
+        )
+
+    @classmethod
+    def from_checkpoint(
+        cls, cfg: HiftConfig, path: Path, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> HiFTGenerator:
+        """Build from ``cfg`` and load ``hift.pt`` strictly (a ``generator.`` prefix is accepted)."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = {key.removeprefix("generator."): value for key, value in state.items()}
+        model = cls(cfg)
+        model.load_state_dict(state, strict=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def _window(self, device: torch.device) -> Tensor:
+        # Periodic Hann, computed in float64 like scipy's get_window("hann", fftbins=True).
+        return torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64, device=device).float()
+
+    def _source_spectrum(self, source: Tensor) -> Tensor:
+        spec = torch.stft(
+            source.squeeze(1).float(),
+            self.n_fft,
+            self.hop_len,
+            self.n_fft,
+            window=self._window(source.device),
+            return_complex=True,
+        )
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    def _inverse_stft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
+        magnitude = magnitude.clamp(max=_MAX_MAGNITUDE)
+        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        return torch.istft(spectrum, self.n_fft, self.hop_len, self.n_fft, window=self._window(magnitude.device))
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """Mel [B, 80, T] and excitation [B, 1, T * samples_per_frame] -> waveform [B, T * samples_per_frame]."""
+        source_spec = self._source_spectrum(source).to(mel.dtype)
+        x = self.conv_pre(mel)
+        for i in range(self.num_upsamples):
+            x = self.ups[i](F.leaky_relu(x, self.lrelu_slope))
+            if i == self.num_upsamples - 1:
+                x = self.reflection_pad(x)
+            x = x + self.source_resblocks[i](self.source_downs[i](source_spec))
+            blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
+            total = blocks[0](x)
+            for block in blocks[1:]:
+                total = total + block(x)
+            x = total / self.num_kernels
+        # Upstream's last activation uses leaky_relu's default slope, not lrelu_slope.
+        x = self.conv_post(F.leaky_relu(x)).float()
+        bins = self.n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :bins, :])
+        phase = torch.sin(x[:, bins:, :])
+        wav = self._inverse_stft(magnitude, phase)
+        return wav.clamp(-self.audio_limit, self.audio_limit)
+
+    def inference(
+        self, mel: Tensor, cache_source: Tensor | None = None, *, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Vocode ``mel`` [1, 80, T] -> (waveform [1, T * 480], excitation [1, 1, T * 480]).
+
+        ``cache_source`` (the excitation under the first frames, kept from the previous chunk of a
+        stream) replaces the start of the new excitation so the harmonic phase stays continuous.
+        ``generator`` seeds the excitation's random phase and noise; ``None`` uses torch's global RNG.
+        """
+        weight = self.conv_pre.parametrizations.weight.original1
+        with torch.inference_mode(), parametrize.cached():
+            mel = mel.to(device=weight.device, dtype=weight.dtype)
+            f0 = self.f0_predictor(mel)
+            source = self.m_source(f0, generator)
+            if cache_source is not None and cache_source.shape[2] > 0:
+                cached = cache_source.shape[2]
+                source = torch.cat([cache_source.to(source), source[:, :, cached:]], dim=2)
+            return self.decode(mel, source), source
