@@ -1,0 +1,52 @@
+# syntax=docker/dockerfile:1
+#
+# Two images from one file:
+#   docker build --target triton  -t tts-gateway-triton .   # Triton + TensorRT-LLM + CosyVoice2 models
+#   docker build --target gateway -t tts-gateway .          # the OpenAI-compatible HTTP gateway
+# No model is downloaded at build time: the triton image prepares /models (download,
+# verify, engine build) at its first start, idempotently, and reuses the volume after.
+
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${TRITON_IMAGE} AS triton
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /opt/tts-gateway
+COPY docker/triton-requirements.txt /tmp/triton-requirements.txt
+RUN pip install -r /tmp/triton-requirements.txt
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY tts_backends ./tts_backends
+# The image's torch/transformers serve TensorRT-LLM; --no-deps keeps them (see the requirements file).
+RUN pip install --no-deps .
+COPY triton_repo ./triton_repo
+COPY scripts ./scripts
+VOLUME ["/models"]
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30m --retries=3 \
+    CMD curl -fsS http://localhost:8000/v2/health/ready || exit 1
+ENTRYPOINT ["python3", "scripts/cosyvoice_models.py", "launch", "--models-root", "/models", "--repo", "/models/repository", "--prepare"]
+CMD ["--profile", "gpu-trtllm"]
+
+FROM ${PYTHON_IMAGE} AS gateway
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    TTS_HOST=0.0.0.0 \
+    TTS_PORT=8080
+WORKDIR /opt/tts-gateway
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY tts_backends ./tts_backends
+RUN pip install .
+COPY ref_audios ./ref_audios
+RUN useradd --system --uid 10001 gateway && mkdir -p /data/voices && chown gateway /data/voices
+USER gateway
+ENV TTS_REF_AUDIOS_DIR=/opt/tts-gateway/ref_audios \
+    TTS_VOICES_DIR=/data/voices
+EXPOSE 8080
+CMD ["tts-gateway", "serve"]
