@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+import struct
 from dataclasses import dataclass
 
 import av
 import numpy as np
-import soundfile as sf
+import soxr
 from numpy.typing import NDArray
 
 
@@ -27,22 +28,25 @@ class DecodedAudio:
 
 
 def decode(data: bytes, fmt: str) -> DecodedAudio:
-    """Decode a response body of OpenAI ``response_format`` ``fmt``."""
+    """Decode a response body of OpenAI ``response_format`` ``fmt`` (FFmpeg reads streamed, unsized files)."""
     if fmt == "pcm":
         assert len(data) % 2 == 0, "pcm must be whole 16-bit samples"
         samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
         return DecodedAudio(samples, 24_000, 1)
-    if fmt in ("wav", "flac"):
-        with sf.SoundFile(io.BytesIO(data)) as fh:
-            samples = fh.read(dtype="float32", always_2d=True)
-            return DecodedAudio(samples.mean(axis=1), fh.samplerate, fh.channels)
     with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.audio[0]
         frames = [frame.to_ndarray() for frame in container.decode(stream)]
         rate = stream.codec_context.sample_rate
         channels = stream.codec_context.channels
     pcm = np.concatenate([f.reshape(channels, -1) if f.shape[0] == channels else f.T for f in frames], axis=1)
-    return DecodedAudio(pcm.mean(axis=0).astype(np.float32), rate, channels)
+    mono = pcm.mean(axis=0).astype(np.float32)
+    if fmt == "opus":
+        # Opus always decodes at 48 kHz; the rate the audio was encoded from is in the OpusHead.
+        head = data.index(b"OpusHead")
+        encoded_rate = struct.unpack("<I", data[head + 12 : head + 16])[0]
+        mono = np.asarray(soxr.resample(mono, rate, encoded_rate), dtype=np.float32)
+        rate = encoded_rate
+    return DecodedAudio(mono, rate, channels)
 
 
 def assert_speech(audio: DecodedAudio, *, expected_seconds: float, tolerance: float = 0.2) -> None:

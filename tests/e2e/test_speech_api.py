@@ -107,7 +107,8 @@ def test_speed_changes_tempo(client: OpenAI) -> None:
         ).content,
         "pcm",
     )
-    assert 0.4 < fast.duration / normal.duration < 0.6
+    # Piper scales phoneme durations by 1/speed; pauses between words shrink a little less.
+    assert 0.4 < fast.duration / normal.duration < 0.7
 
 
 def test_sse_events(gateway: GatewayProcess, piper_seconds: Callable[..., float]) -> None:
