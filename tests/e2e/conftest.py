@@ -36,7 +36,9 @@ def voices_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gateway(triton: EmbeddedTriton, voices_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def gateway(
+    triton: EmbeddedTriton, voices_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     process = GatewayProcess(log, {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(voices_dir)})
     process.start()
@@ -55,7 +57,7 @@ def async_client(gateway: GatewayProcess) -> AsyncOpenAI:
 
 
 @pytest.fixture(scope="session")
-def piper_seconds(triton: EmbeddedTriton) -> "PiperReference":
+def piper_seconds(triton: EmbeddedTriton) -> PiperReference:
     return PiperReference(triton.grpc_url)
 
 
