@@ -10,9 +10,10 @@ python3 -m venv .venv
 python -m pip install --quiet --upgrade pip
 # torch==2.13.0 is pinned by the cosyvoice extra: a looser pin would pull GBs of CUDA wheels.
 python -m pip install --quiet -e '.[test,cosyvoice]'
-# Upstream CosyVoice code, only as the reference for numerical parity tests (never imported by the product).
-if [ ! -d var/reference/cosyvoice ]; then
-    python -m pip install --quiet --no-deps --target var/reference cosyvoice-minicpmo==0.1.0
+# Upstream code, only as the reference for numerical parity tests (never imported by the product):
+# CosyVoice (flow, HiFT, Matcha mel) and s3tokenizer (Whisper log-mel, mel filters).
+if [ ! -d var/reference/cosyvoice ] || [ ! -d var/reference/s3tokenizer ]; then
+    python -m pip install --quiet --no-deps --target var/reference cosyvoice-minicpmo==0.1.0 s3tokenizer==0.3.0
 fi
 
 ruff check .
