@@ -203,7 +203,7 @@ class SpeechService:
             stretched = await asyncio.to_thread(stretcher.process, chunk)
             if stretched.size:
                 yield stretched
-        rest = stretcher.flush()
+        rest = await asyncio.to_thread(stretcher.flush)
         if rest.size:
             yield rest
 
