@@ -283,3 +283,25 @@ def test_two_level_unet_matches_upstream(upstream: types.SimpleNamespace) -> Non
         mel, reference = run_both(ours, theirs, case)
         assert mel.shape == reference.shape
         assert (mel - reference).abs().max().item() < TOLERANCE
+
+
+def test_official_configuration_has_upstreams_parameter_names_and_shapes(upstream: types.SimpleNamespace) -> None:
+    """The official flow.pt layout (hyperparameters of CosyVoice2-0.5B), built without memory on the meta device."""
+    tiny = tiny_config().flow
+    width = UPSTREAM_HARD_CODED_WIDTH
+    encoder = dataclasses.replace(
+        tiny.encoder, input_size=width, output_size=width, attention_heads=8, linear_units=2048, num_blocks=6
+    )
+    estimator = dataclasses.replace(
+        tiny.decoder.estimator, channels=(256,), attention_head_dim=64, n_blocks=4, num_mid_blocks=12, num_heads=8
+    )
+    cfg = dataclasses.replace(
+        tiny, input_size=width, encoder=encoder, decoder=dataclasses.replace(tiny.decoder, estimator=estimator)
+    )
+    with torch.device("meta"):
+        theirs = build_upstream(upstream, cfg, seed=0)
+        ours = CausalFlow(cfg)
+    our_shapes = {key: tuple(value.shape) for key, value in ours.state_dict().items()}
+    their_shapes = {key: tuple(value.shape) for key, value in theirs.state_dict().items()}
+    assert our_shapes == their_shapes
+    assert len(our_shapes) > 500
