@@ -104,6 +104,9 @@ def test_from_checkpoint_loads_a_saved_state_dict_strictly(
     actual, _ = loaded.inference(mel, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     assert not loaded.training
+    # Weight norm is folded into plain weights once loaded.
+    assert "conv_pre.weight" in loaded.state_dict()
+    assert not any("parametrizations" in key for key in loaded.state_dict())
 
 
 def test_from_checkpoint_accepts_the_generator_prefix_and_legacy_weight_norm_names(
@@ -142,7 +145,7 @@ def test_bfloat16_weights_still_return_float32_audio(
     path = tmp_path / "hift.pt"
     torch.save(vocoder.state_dict(), path)
     half = HiFTGenerator.from_checkpoint(cfg, path, torch.device("cpu"), torch.bfloat16)
-    assert half.conv_pre.parametrizations.weight.original1.dtype == torch.bfloat16
+    assert half.conv_pre.weight.dtype == torch.bfloat16
     wav, _ = half.inference(mel, generator=torch.Generator().manual_seed(0))
     assert wav.dtype == torch.float32
     assert wav.shape == (1, FRAMES * SAMPLES_PER_FRAME)

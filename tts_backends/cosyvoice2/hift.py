@@ -222,12 +222,28 @@ class HiFTGenerator(nn.Module):
     def from_checkpoint(
         cls, cfg: HiftConfig, path: Path, device: torch.device, dtype: torch.dtype = torch.float32
     ) -> HiFTGenerator:
-        """Build from ``cfg`` and load ``hift.pt`` strictly (a ``generator.`` prefix is accepted)."""
+        """Build from ``cfg``, load ``hift.pt`` strictly (a ``generator.`` prefix is accepted) and
+        fold the weight norm for inference (see :meth:`fold_weight_norm`)."""
         state = torch.load(path, map_location="cpu", weights_only=True)
         state = {key.removeprefix("generator."): value for key, value in state.items()}
         model = cls(cfg)
-        model.load_state_dict(state, strict=True)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{path} does not match the hift hyperparameters of cosyvoice2.yaml: {exc}") from exc
+        model.fold_weight_norm()
         return model.to(device=device, dtype=dtype).eval()
+
+    def fold_weight_norm(self) -> None:
+        """Replace every weight-normed weight by its value ``g * v / |v|``, computed once.
+
+        The outputs stay bit-identical; inference no longer renormalises 20 M weights per call and
+        needs no process-wide parametrization cache (unsafe with concurrent requests). The state
+        dict then holds plain ``weight`` keys instead of ``parametrizations.weight.original0/1``.
+        """
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
     def _window(self, device: torch.device) -> Tensor:
         # Periodic Hann, computed in float64 like scipy's get_window("hann", fftbins=True).
@@ -280,9 +296,9 @@ class HiFTGenerator(nn.Module):
         stream) replaces the start of the new excitation so the harmonic phase stays continuous.
         ``generator`` seeds the excitation's random phase and noise; ``None`` uses torch's global RNG.
         """
-        weight = self.conv_pre.parametrizations.weight.original1
-        with torch.inference_mode(), parametrize.cached():
-            mel = mel.to(device=weight.device, dtype=weight.dtype)
+        reference = self.conv_pre.bias
+        with torch.inference_mode():
+            mel = mel.to(device=reference.device, dtype=reference.dtype)
             f0 = self.f0_predictor(mel)
             source = self.m_source(f0, generator)
             if cache_source is not None and cache_source.shape[2] > 0:
