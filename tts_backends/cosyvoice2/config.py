@@ -327,6 +327,7 @@ def parse_hyperpyyaml(text: str) -> dict[str, Any]:
 # --- reading the sections ------------------------------------------------------------------------
 
 _T = TypeVar("_T")
+_REQUIRED = object()
 
 
 class _Section:
@@ -406,9 +407,6 @@ class _Section:
         unknown = sorted(set(self._args) - self._seen)
         if unknown:
             raise ConfigError(f"{self.path} has keys this implementation does not know: {unknown}")
-
-
-_REQUIRED = object()
 
 
 def _top_int(document: Mapping[str, Any], key: str) -> int:
