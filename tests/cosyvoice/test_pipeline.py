@@ -173,6 +173,14 @@ def test_streaming_follows_the_hop_schedule() -> None:
     assert stages.released == []
 
 
+def test_a_stream_with_a_tempo_change_is_converted_in_one_piece() -> None:
+    stages = ScriptedStages(speech_ids(100))
+    chunks = list(pipeline(stages).synthesize(request(speed=0.8), streaming=True))
+    assert len(chunks) == 1
+    (call,) = stages.token2wav_calls
+    assert (call.token_offset, call.speed, call.speech_tokens.size) == (None, 0.8, 100)
+
+
 def test_a_short_stream_is_one_final_chunk() -> None:
     stages = ScriptedStages(speech_ids(10))
     chunks = list(pipeline(stages).synthesize(request(), streaming=True))

@@ -171,6 +171,9 @@ class CosyVoice2Pipeline:
     ) -> Iterator[NDArray[np.float32]]:
         """Yield the audio of ``request``: one waveform offline, successive chunks when streaming.
 
+        A streamed request with ``speed`` other than 1.0 yields one chunk: the tempo change
+        needs the whole mel.
+
         Stops early, without an error, once ``is_cancelled()`` turns true.
         """
         if request.reference_wav is None:
@@ -180,6 +183,9 @@ class CosyVoice2Pipeline:
         wav = request.reference_wav
         # The prompt depends on the recording alone, not on its transcript.
         prompt = self._voices.get_or_compute(voice_key(wav, ""), lambda: self._stages.voice_prompt(wav))
+        # Tempo changes stretch the whole mel at once (token2wav's offline path); a stream
+        # with speed != 1 therefore arrives as a single chunk.
+        streaming = streaming and request.speed == 1.0
         llm_request = self._llm_request(request, prompt, streaming=streaming)
         if streaming:
             yield from self._stream(request, prompt, llm_request, is_cancelled)

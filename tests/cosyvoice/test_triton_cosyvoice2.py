@@ -1,0 +1,288 @@
+"""End to end on a real tritonserver: the cosyvoice2-cpu profile over a tiny random-weight checkpoint.
+
+Six models in their own Python backend processes (orchestrator twice, audio tokenizer,
+speaker embedding, token2wav, PyTorch LLM) talk through BLS exactly as on a GPU server;
+only the weights are tiny. With random weights the audio is noise, so the checks are
+structural: 24 kHz, one token = 960 samples, chunk sizes and order, determinism under a
+seed, isolation between concurrent streams, and that a cancelled stream stops working.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+import tritonclient.grpc as grpcclient
+from numpy.typing import NDArray
+from transformers import AutoTokenizer
+from tritonclient.utils import InferenceServerException
+
+from app.embedded_triton import EmbeddedTriton
+from tts_backends import contract
+from tts_backends.cosyvoice2.tiny_checkpoint import TinyCheckpoint, write_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cosyvoice_models  # noqa: E402
+
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.triton]
+
+SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples at 24 kHz
+FIRST_CHUNK_SAMPLES = 15 * SAMPLES_PER_TOKEN - 8 * 480  # first hop minus the withheld cross-fade tail
+SHORT_TEXT = "The quick brown fox jumps over the lazy dog near the river bank today."
+LONG_TEXT = " ".join([SHORT_TEXT] * 12)
+
+
+@dataclass(frozen=True)
+class Voice:
+    wav: NDArray[np.float32]
+    text: str
+
+
+@dataclass(frozen=True)
+class Server:
+    triton: EmbeddedTriton
+    tiny: TinyCheckpoint
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("cosyvoice2")
+    tiny = write_tiny_checkpoint(root / "models")
+    repository = root / "repository"
+    code = cosyvoice_models.main(
+        [
+            "render",
+            "--profile",
+            "cosyvoice2-cpu",
+            "--dest",
+            str(repository),
+            "--models-root",
+            str(root / "models"),
+            # Two CPU cores: one orchestrator process per deployment is plenty.
+            "--set",
+            "cosyvoice2.instance_count=1",
+            "--set",
+            "cosyvoice2_stream.instance_count=1",
+        ]
+    )
+    assert code == 0
+    # The backend stub links the first libpython3.11 the loader finds; it must be the one whose
+    # extension modules (ssl, imported by transformers) this interpreter loads.
+    monkeypatch = pytest.MonkeyPatch()
+    libdir = sysconfig.get_config_var("LIBDIR")
+    monkeypatch.setenv("LD_LIBRARY_PATH", ":".join(filter(None, [libdir, os.environ.get("LD_LIBRARY_PATH")])))
+    triton = EmbeddedTriton(repository, workdir=root, startup_timeout=300.0)
+    try:
+        triton.start()
+    finally:
+        monkeypatch.undo()
+    try:
+        yield Server(triton, tiny)
+    finally:
+        triton.stop()
+
+
+@pytest.fixture(scope="module")
+def voices() -> tuple[Voice, Voice]:
+    loaded = []
+    for name in ("harbor", "lumen"):
+        audio, rate = sf.read(ROOT / "ref_audios" / f"{name}.wav", dtype="float32", always_2d=True)
+        wav = soxr.resample(audio.mean(axis=1), rate, contract.REFERENCE_SAMPLE_RATE).astype(np.float32)
+        text = (ROOT / "ref_audios" / f"{name}.txt").read_text(encoding="utf-8").strip()
+        loaded.append(Voice(wav[: 6 * contract.REFERENCE_SAMPLE_RATE], text))
+    return loaded[0], loaded[1]
+
+
+def _inputs(text: str, voice: Voice, seed: int, speed: float | None = None) -> list[grpcclient.InferInput]:
+    arrays: dict[str, np.ndarray] = {
+        contract.TARGET_TEXT: np.array([text.encode()], dtype=np.object_),
+        contract.REFERENCE_WAV: voice.wav,
+        contract.REFERENCE_WAV_LEN: np.array([voice.wav.size], dtype=np.int32),
+        contract.REFERENCE_TEXT: np.array([voice.text.encode()], dtype=np.object_),
+        contract.SEED: np.array([seed], dtype=np.int64),
+    }
+    if speed is not None:
+        arrays[contract.SPEED] = np.array([speed], dtype=np.float32)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), contract.INPUT_DTYPES[name])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _offline(server: Server, text: str, voice: Voice, seed: int, speed: float | None = None) -> NDArray[np.float32]:
+    client = grpcclient.InferenceServerClient(server.triton.grpc_url)
+    try:
+        result = client.infer("cosyvoice2", _inputs(text, voice, seed, speed))
+    finally:
+        client.close()
+    return result.as_numpy(contract.WAVEFORM)
+
+
+class Stream:
+    """One decoupled request on its own gRPC stream; chunks arrive on a queue."""
+
+    def __init__(self, server: Server) -> None:
+        self.chunks: queue.Queue[NDArray[np.float32] | BaseException | None] = queue.Queue()
+        self._client = grpcclient.InferenceServerClient(server.triton.grpc_url)
+        self._client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result: grpcclient.InferResult | None, error: InferenceServerException | None) -> None:
+        if error is not None:
+            self.chunks.put(error)
+            return
+        assert result is not None
+        response = result.get_response()
+        if response.parameters["triton_final_response"].bool_param:
+            self.chunks.put(None)
+            return
+        self.chunks.put(result.as_numpy(contract.WAVEFORM))
+
+    def send(self, text: str, voice: Voice, seed: int) -> None:
+        self._client.async_stream_infer(
+            contract.stream_model_name("cosyvoice2"),
+            _inputs(text, voice, seed),
+            enable_empty_final_response=True,
+        )
+
+    def next(self, timeout: float = 120.0) -> NDArray[np.float32] | None:
+        item = self.chunks.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def collect(self) -> list[NDArray[np.float32]]:
+        chunks = []
+        while (chunk := self.next()) is not None:
+            chunks.append(chunk)
+        return chunks
+
+    def close(self, *, cancel: bool = False) -> None:
+        self._client.stop_stream(cancel_requests=cancel)
+        self._client.close()
+
+
+def _stream(server: Server, text: str, voice: Voice, seed: int) -> list[NDArray[np.float32]]:
+    stream = Stream(server)
+    try:
+        stream.send(text, voice, seed)
+        return stream.collect()
+    finally:
+        stream.close()
+
+
+def _token_bounds(server: Server, text: str) -> tuple[int, int]:
+    tokens = len(AutoTokenizer.from_pretrained(server.tiny.llm_dir).encode(text))
+    return 2 * tokens, 20 * tokens
+
+
+def _executions(server: Server, model: str) -> int:
+    client = grpcclient.InferenceServerClient(server.triton.grpc_url)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True)
+    finally:
+        client.close()
+    return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
+
+
+def test_models_declare_the_contract_capabilities(server: Server) -> None:
+    client = grpcclient.InferenceServerClient(server.triton.grpc_url)
+    try:
+        for name in ("cosyvoice2", "cosyvoice2_stream"):
+            params = client.get_model_config(name, as_json=True)["config"]["parameters"]
+            assert params[contract.PARAM_SAMPLE_RATE]["string_value"] == "24000"
+            assert params[contract.PARAM_SUPPORTS_CLONING]["string_value"] == "true"
+    finally:
+        client.close()
+
+
+def test_offline_request_returns_whole_tokens_of_24khz_audio(server: Server, voices: tuple[Voice, Voice]) -> None:
+    wav = _offline(server, SHORT_TEXT, voices[0], seed=11)
+    low, high = _token_bounds(server, SHORT_TEXT)
+    assert wav.dtype == np.float32 and wav.ndim == 1
+    assert wav.size % SAMPLES_PER_TOKEN == 0
+    assert low * SAMPLES_PER_TOKEN <= wav.size <= high * SAMPLES_PER_TOKEN
+    assert np.isfinite(wav).all() and float(np.std(wav)) > 0.0
+    # Same seed, same audio: the LLM, the flow noise and the vocoder are all seeded.
+    assert np.array_equal(wav, _offline(server, SHORT_TEXT, voices[0], seed=11))
+
+
+def test_speed_changes_the_duration(server: Server, voices: tuple[Voice, Voice]) -> None:
+    normal = _offline(server, SHORT_TEXT, voices[0], seed=5)
+    fast = _offline(server, SHORT_TEXT, voices[0], seed=5, speed=2.0)
+    assert abs(fast.size - normal.size / 2) <= 480
+
+
+def test_stream_chunks_arrive_in_order_and_add_up(server: Server, voices: tuple[Voice, Voice]) -> None:
+    chunks = _stream(server, SHORT_TEXT, voices[0], seed=11)
+    offline = _offline(server, SHORT_TEXT, voices[0], seed=11)
+
+    assert len(chunks) >= 2
+    assert chunks[0].size == FIRST_CHUNK_SAMPLES
+    # Chunk 2 converts the next hop of 25 tokens when 15 + 25 + 3 look-ahead tokens exist;
+    # otherwise it is the final chunk: the remaining tokens plus the withheld tail.
+    tokens = offline.size // SAMPLES_PER_TOKEN
+    tail = 8 * 480
+    expected = 25 * SAMPLES_PER_TOKEN if tokens >= 43 else (tokens - 15) * SAMPLES_PER_TOKEN + tail
+    assert chunks[1].size == expected
+    # Seeded generation yields the same tokens streamed or not: the same amount of audio.
+    assert sum(chunk.size for chunk in chunks) == offline.size
+
+
+def test_concurrent_streams_with_different_voices_do_not_share_state(
+    server: Server, voices: tuple[Voice, Voice]
+) -> None:
+    solo = [np.concatenate(_stream(server, SHORT_TEXT, voice, seed=21 + i)) for i, voice in enumerate(voices)]
+
+    results: list[list[NDArray[np.float32]] | None] = [None, None]
+
+    def run(index: int) -> None:
+        results[index] = _stream(server, SHORT_TEXT, voices[index], seed=21 + index)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    together = [np.concatenate(chunks) for chunks in results if chunks is not None]
+
+    assert len(together) == 2
+    assert not np.array_equal(solo[0][: solo[1].size], solo[1][: solo[0].size])
+    for alone, concurrent in zip(solo, together, strict=True):
+        np.testing.assert_allclose(concurrent, alone, atol=1e-5)
+
+
+def test_cancelled_stream_stops_converting(server: Server, voices: tuple[Voice, Voice]) -> None:
+    before = _executions(server, "token2wav")
+    stream = Stream(server)
+    stream.send(LONG_TEXT, voices[1], seed=3)
+    first = stream.next()
+    assert first is not None and first.size == FIRST_CHUNK_SAMPLES
+    stream.close(cancel=True)
+
+    time.sleep(3.0)
+    settled = _executions(server, "token2wav")
+    time.sleep(3.0)
+    assert _executions(server, "token2wav") == settled
+    # The long text needs at least 2 * its tokens, i.e. seven or more chunks; the cancelled
+    # stream ran the first (and at most the one under way) plus the session release.
+    low, _ = _token_bounds(server, LONG_TEXT)
+    assert low >= 400
+    assert settled - before <= 3
+
+    # The server is free again: a new request completes.
+    assert _offline(server, SHORT_TEXT, voices[0], seed=1).size > 0
