@@ -9,10 +9,15 @@ first comparison. The second needs no seeding at all: a ``cache_source`` as long
 excitation replaces every random sample in both models, leaving a deterministic function of the
 mel and the weights. Together they cover the random and the deterministic parts separately.
 
+The streamed comparison runs upstream's own chunk loop (``CosyVoice2Model.token2wav``: mel and
+source caches, Hamming cross-fade, withheld tail) against :class:`HiftStreamState` with the raw
+Hamming halves upstream uses, both fed the same mel.
+
 Upstream's ``generator.py`` imports ``scipy.signal.get_window`` only to build its periodic Hann
 window. scipy is not a dependency of this project; when it is absent, a stand-in computing that
 window from its definition (``0.5 - 0.5 cos(2 pi n / N)``) is registered for the import and removed
-right after.
+right after. ``cosyvoice/cli/model.py`` imports torchaudio (through ``cosyvoice.utils.file_utils``)
+without using it in ``token2wav``; an empty stand-in module is registered for that import only.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from numpy.typing import NDArray
 
 from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
 from tts_backends.cosyvoice2.hift import HiFTGenerator
+from tts_backends.cosyvoice2.streaming import HiftStreamState
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -45,6 +51,16 @@ def periodic_hann(name: str, length: int, fftbins: bool = True) -> NDArray[np.fl
         raise NotImplementedError(f"stand-in get_window only builds the periodic Hann window, not {name!r}")
     window: NDArray[np.float64] = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(length) / length)
     return window
+
+
+@contextmanager
+def stand_in(name: str) -> Iterator[None]:
+    """An empty module ``name`` for the duration of an import that does not use it."""
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        del sys.modules[name]
 
 
 @contextmanager
@@ -72,9 +88,15 @@ def upstream(reference_dir: Path) -> types.SimpleNamespace:
         with scipy_signal_available():
             generator = importlib.import_module("cosyvoice.hifigan.generator")
         f0_predictor = importlib.import_module("cosyvoice.hifigan.f0_predictor")
+        with stand_in("torchaudio"):
+            model = importlib.import_module("cosyvoice.cli.model")
     finally:
         sys.path.remove(str(reference_dir))
-    return types.SimpleNamespace(HiFTGenerator=generator.HiFTGenerator, F0=f0_predictor.ConvRNNF0Predictor)
+    return types.SimpleNamespace(
+        HiFTGenerator=generator.HiFTGenerator,
+        F0=f0_predictor.ConvRNNF0Predictor,
+        CosyVoice2Model=model.CosyVoice2Model,
+    )
 
 
 def build_upstream(upstream: types.SimpleNamespace, cfg: HiftConfig) -> Any:
@@ -208,3 +230,48 @@ def test_upstreams_saved_checkpoint_loads_through_from_checkpoint(
     torch.manual_seed(8)
     actual, _ = loaded.inference(mel)
     assert float((actual - expected).abs().max()) < TOLERANCE
+
+
+class PrecomputedFlow:
+    """Stands in for upstream's flow inside ``CosyVoice2Model.token2wav``: the mel of a token prefix,
+    cut from one fixed mel exactly as the real flow cuts it (look-ahead tokens get no frames)."""
+
+    token_mel_ratio = 2
+    pre_lookahead_len = 3
+
+    def __init__(self, mel: torch.Tensor) -> None:
+        self.mel = mel
+
+    def inference(self, *, token: torch.Tensor, finalize: bool, **_: Any) -> tuple[torch.Tensor, None]:
+        voiced = token.shape[1] if finalize else token.shape[1] - self.pre_lookahead_len
+        return self.mel[:, :, : self.token_mel_ratio * voiced], None
+
+
+@pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning")
+def test_streamed_chunks_match_upstreams_token2wav_loop(
+    upstream: types.SimpleNamespace, pair: tuple[Any, HiFTGenerator, torch.Tensor]
+) -> None:
+    reference, ours, _ = pair
+    total_tokens, hops = 70, [15, 25]
+    mel = torch.randn(1, 80, 2 * total_tokens, generator=torch.Generator().manual_seed(4))
+    model = upstream.CosyVoice2Model(None, PrecomputedFlow(mel), reference)
+    model.hift_cache_dict["request"] = None
+    state = HiftStreamState(normalized_crossfade=False)
+    no_prompt_tokens, no_prompt_feat = torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, 80)
+    embedding = torch.zeros(1, 192)
+
+    offset, chunk = 0, 0
+    for hop in [*hops, None]:
+        final = hop is None
+        end = total_tokens if hop is None else offset + hop + PrecomputedFlow.pre_lookahead_len
+        tokens = torch.zeros(1, end, dtype=torch.int32)
+        torch.manual_seed(100 + chunk)
+        expected = model.token2wav(
+            tokens, no_prompt_tokens, no_prompt_feat, embedding, offset, "request", stream=not final, finalize=final
+        )[0]
+        torch.manual_seed(100 + chunk)
+        voiced = end if final else end - PrecomputedFlow.pre_lookahead_len
+        actual = state.step(mel[:, :, 2 * offset : 2 * voiced], ours.inference, final=final)
+        assert actual.shape == expected.shape
+        assert float((actual - expected).abs().max()) < TOLERANCE
+        offset, chunk = offset + (hop or 0), chunk + 1
