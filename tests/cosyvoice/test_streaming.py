@@ -36,7 +36,7 @@ def test_exponential_policy_doubles_from_the_base_hop() -> None:
 
 
 def test_exponential_policy_respects_the_cap() -> None:
-    assert hops(HopSchedule(policy="exponential", max_hop=100), 6) == [15, 25, 50, 100, 100, 100]
+    assert hops(HopSchedule(policy=HopPolicy.EXPONENTIAL, max_hop=100), 6) == [15, 25, 50, 100, 100, 100]
 
 
 def test_exponential_policy_stays_bounded_for_very_long_streams() -> None:
