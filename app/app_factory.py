@@ -23,7 +23,7 @@ from app.settings import OPENAI_MODEL_NAMES, Settings
 from app.speech_service import SpeechService
 from app.triton_client import TritonClient
 from app.voice_registry import VoiceRegistry
-from tts_backends.model_repository import render_repository
+from tts_backends.model_repository import parse_overrides, render_repository
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,12 @@ def _start_embedded(settings: Settings, stack: AsyncExitStack) -> EmbeddedTriton
         workdir = Path(tempfile.mkdtemp(prefix="tts-gateway-"))
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
     repository = workdir / "model_repository"
-    names = render_repository(settings.triton_repository, settings.embedded_profile, repository)
+    names = render_repository(
+        settings.triton_repository,
+        settings.embedded_profile,
+        repository,
+        parse_overrides(settings.embedded_overrides),
+    )
     logger.info("starting embedded Triton (profile %s: %s)", settings.embedded_profile, ", ".join(names))
     server = EmbeddedTriton(
         repository,

@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tts_backends.model_repository import parse_overrides
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # OpenAI's model and voice names, so clients that only know those (Pipecat, LiveKit,
@@ -48,6 +50,9 @@ class Settings(BaseSettings):
         PROJECT_ROOT / "triton_repo", description="source model repository (templates + profiles)"
     )
     embedded_profile: str = Field("cpu", description="profile rendered for the embedded server")
+    embedded_overrides: list[str] = Field(
+        default_factory=list, description="MODEL.KEY=VALUE template values replacing the profile's"
+    )
     embedded_workdir: Path | None = Field(
         None, description="where the embedded server's repository and logs go (default: a temp dir)"
     )
@@ -80,6 +85,12 @@ class Settings(BaseSettings):
         if not _GRPC_URL.match(stripped):
             raise ValueError(f"TTS_TRITON_URL must be host:port of Triton's gRPC endpoint, got {value!r}")
         return stripped
+
+    @field_validator("embedded_overrides")
+    @classmethod
+    def _check_overrides(cls, value: list[str]) -> list[str]:
+        parse_overrides(value)
+        return value
 
     @model_validator(mode="after")
     def _check_limits(self) -> Settings:
