@@ -143,6 +143,7 @@ class HiftStreamState:
     frames is reused so that the excitation is phase-continuous. Non-final chunks withhold their
     last ``mel_cache_frames * samples_per_frame`` samples; the final chunk flushes everything, so
     the samples emitted over a whole request equal ``samples_per_frame`` times its mel frames.
+    ``normalized_crossfade=False`` uses upstream's raw Hamming halves (see :func:`hamming_crossfade`).
     """
 
     def __init__(
