@@ -28,12 +28,17 @@ class SpeechModel:
     description: str
     sample_rate: int
     supports_cloning: bool
-    supports_speed: bool
+    speed_variants: frozenset[str]
     builtin_voices: tuple[str, ...]
     languages: tuple[str, ...]
     inputs: frozenset[str]
     offline_model: str | None
     stream_model: str | None
+
+    @property
+    def supports_speed(self) -> bool:
+        """Some deployed variant changes tempo itself (the gateway time-stretches for the others)."""
+        return bool(self.speed_variants)
 
     @property
     def supports_streaming(self) -> bool:
@@ -44,19 +49,23 @@ class SpeechModel:
         return self.builtin_voices[0] if self.builtin_voices else None
 
 
+def _native_speed(config: TritonModelConfig) -> bool:
+    declared = contract.parse_bool(config.parameters.get(contract.PARAM_SUPPORTS_SPEED, "false"))
+    return declared and contract.SPEED in config.inputs
+
+
 def _speech_model(name: str, offline: TritonModelConfig | None, stream: TritonModelConfig | None) -> SpeechModel:
-    declared = offline or stream
-    assert declared is not None
-    params = declared.parameters
+    variants = [c for c in (offline, stream) if c is not None]
+    params = variants[0].parameters
     return SpeechModel(
         id=name,
         description=params.get(contract.PARAM_DESCRIPTION, ""),
         sample_rate=int(params[contract.PARAM_SAMPLE_RATE]),
         supports_cloning=contract.parse_bool(params.get(contract.PARAM_SUPPORTS_CLONING, "false")),
-        supports_speed=contract.parse_bool(params.get(contract.PARAM_SUPPORTS_SPEED, "false")),
+        speed_variants=frozenset(c.name for c in variants if _native_speed(c)),
         builtin_voices=contract.parse_list(params.get(contract.PARAM_BUILTIN_VOICES, "")),
         languages=contract.parse_list(params.get(contract.PARAM_LANGUAGES, "")),
-        inputs=declared.inputs,
+        inputs=variants[0].inputs,
         offline_model=offline.name if offline else None,
         stream_model=stream.name if stream else None,
     )

@@ -60,7 +60,8 @@ class SpeechPlan:
 
     @property
     def backend_speed(self) -> bool:
-        return self.model.supports_speed and contract.SPEED in self.model.inputs
+        """The Triton model called changes tempo itself; otherwise the gateway time-stretches."""
+        return self.triton_model in self.model.speed_variants
 
     def backend_inputs(self, sentence: str) -> dict[str, Any]:
         values: dict[str, Any] = {contract.TARGET_TEXT: sentence}

@@ -31,7 +31,9 @@ def test_twins_are_paired_and_helpers_ignored() -> None:
     assert set(catalog.models) == {"piper", "cosyvoice2", "streamonly"}
     piper = catalog.models["piper"]
     assert (piper.offline_model, piper.stream_model) == ("piper", "piper_stream")
-    assert piper.sample_rate == 22_050 and piper.supports_speed and not piper.supports_cloning
+    assert piper.sample_rate == 22_050 and not piper.supports_cloning
+    # Only the offline variant declares native speed: the gateway time-stretches streams.
+    assert piper.speed_variants == frozenset({"piper"})
     assert piper.default_voice == "joe"
     only = catalog.models["streamonly"]
     assert (only.offline_model, only.stream_model) == (None, "streamonly_stream")
