@@ -186,9 +186,7 @@ def test_tensorrt_llm_config_matches_the_backend(rendered: dict[str, dict[str, m
 
 
 @pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
-def test_voice_models_match_the_orchestrator(
-    rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
-) -> None:
+def test_voice_models_match_the_orchestrator(rendered: dict[str, dict[str, mc.ModelConfig]], profile: str) -> None:
     from tts_backends.cosyvoice2 import tensors
 
     configs = rendered[profile]
