@@ -45,6 +45,8 @@ class SpeechRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    voice: str | None = None
+    """One of the model's ``builtin_voices``; checking which is the model's job."""
 
 
 def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
@@ -85,6 +87,10 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
     if top_k is not None and top_k < 1:
         raise ContractError(f"'{contract.TOP_K}' must be at least 1, got {top_k}")
 
+    voice = _text(tensors, contract.VOICE)
+    if voice is not None and not voice.strip():
+        raise ContractError(f"input '{contract.VOICE}' is empty")
+
     return SpeechRequest(
         target_text=target_text,
         reference_wav=reference_wav,
@@ -94,6 +100,7 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        voice=voice,
     )
 
 

@@ -31,7 +31,7 @@ def test_minimal_request_gets_defaults() -> None:
     assert parsed.reference_wav is None
     assert parsed.reference_text is None
     assert parsed.speed == 1.0
-    assert (parsed.seed, parsed.temperature, parsed.top_p, parsed.top_k) == (None, None, None, None)
+    assert (parsed.seed, parsed.temperature, parsed.top_p, parsed.top_k, parsed.voice) == (None,) * 5
 
 
 def test_full_request_is_parsed() -> None:
@@ -45,6 +45,7 @@ def test_full_request_is_parsed() -> None:
         temperature=fp32(0.8),
         top_p=fp32(0.9),
         top_k=np.array([25], dtype=np.int32),
+        voice=text("joe"),
     )
     assert parsed.reference_wav is not None
     assert parsed.reference_wav.dtype == np.float32
@@ -55,6 +56,7 @@ def test_full_request_is_parsed() -> None:
     assert parsed.temperature == pytest.approx(0.8)
     assert parsed.top_p == pytest.approx(0.9)
     assert parsed.top_k == 25
+    assert parsed.voice == "joe"
 
 
 def test_text_may_arrive_as_str_or_fixed_width_bytes() -> None:
@@ -199,6 +201,11 @@ def test_top_k_below_one_is_rejected(value: int) -> None:
 def test_top_k_must_be_integer() -> None:
     with pytest.raises(ContractError, match="must be an integer"):
         request(top_k=np.array([True]))
+
+
+def test_voice_must_not_be_blank() -> None:
+    with pytest.raises(ContractError, match="'voice' is empty"):
+        request(voice=text(""))
 
 
 def test_contract_error_is_a_value_error() -> None:
