@@ -38,6 +38,9 @@ class CodePointTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(ch) for ch in text]
 
+    def get_added_vocab(self) -> dict[str, int]:
+        return {}
+
     def convert_tokens_to_ids(self, tokens: list[str]) -> list[int]:
         raise NotImplementedError
 
@@ -129,7 +132,7 @@ def test_llm_request_carries_prompt_lengths_and_sampling() -> None:
     list(pipeline(stages).synthesize(request(seed=7, temperature=0.5, top_k=10), streaming=False))
 
     (llm,) = stages.llm_requests
-    text_ids = CodePointTokenizer().encode(vocab.SOS + "ref" + "hello there" + vocab.TASK_ID)
+    text_ids = [vocab.SOS_ID, *CodePointTokenizer().encode("ref" + "hello there"), vocab.TASK_ID_ID]
     assert llm.input_ids == text_ids + vocab.speech_tokens_to_ids(PROMPT_TOKENS)
     # 11 target characters: at least 2x, at most 20x the text tokens.
     assert (llm.min_new_tokens, llm.max_new_tokens) == (22, 220)
@@ -154,7 +157,7 @@ def test_without_transcript_the_llm_gets_no_voice_prefix() -> None:
     stages = ScriptedStages(speech_ids(3))
     list(pipeline(stages).synthesize(request(reference_text=None), streaming=False))
     (llm,) = stages.llm_requests
-    assert llm.input_ids == CodePointTokenizer().encode(vocab.SOS + "hello there" + vocab.TASK_ID)
+    assert llm.input_ids == [vocab.SOS_ID, *CodePointTokenizer().encode("hello there"), vocab.TASK_ID_ID]
     # The voice still shapes the audio through the flow prompt.
     assert stages.token2wav_calls[0].prompt.speech_tokens is PROMPT_TOKENS
 

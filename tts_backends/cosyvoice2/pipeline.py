@@ -203,7 +203,7 @@ class CosyVoice2Pipeline:
             )
         settings = self._settings
         bounds = vocab.length_bounds(
-            max(1, len(self._tokenizer.encode(request.target_text))),
+            max(1, len(vocab.text_token_ids(self._tokenizer, request.target_text))),
             min_token_text_ratio=settings.min_token_text_ratio,
             max_token_text_ratio=settings.max_token_text_ratio,
             max_new_tokens_cap=settings.max_output_tokens,

@@ -21,6 +21,8 @@ tokens; here all three stop generation.
 from __future__ import annotations
 
 import math
+import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -82,6 +84,8 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def get_added_vocab(self) -> dict[str, int]: ...
+
     def convert_tokens_to_ids(self, tokens: list[str]) -> int | list[int]: ...
 
 
@@ -117,9 +121,51 @@ def build_prompt_ids(
     target_text: str,
     prompt_speech_tokens: NDArray[np.integer[Any]] | Sequence[int],
 ) -> list[int]:
-    """LLM input ids for zero-shot synthesis of ``target_text`` in the reference voice."""
-    text_ids = tokenizer.encode(SOS + reference_text + target_text + TASK_ID)
-    return [*text_ids, *speech_tokens_to_ids(prompt_speech_tokens)]
+    """LLM input ids for zero-shot synthesis of ``target_text`` in the reference voice.
+
+    User text goes through :func:`text_token_ids`, so an input that spells ``<|eos1|>``
+    or ``<|s_42|>`` is read as text instead of steering the LLM.
+    """
+    text_ids = text_token_ids(tokenizer, reference_text + target_text)
+    return [SOS_ID, *text_ids, TASK_ID_ID, *speech_tokens_to_ids(prompt_speech_tokens)]
+
+
+# Added tokens (specials, speech tokens) are spelt <...>; candidates are found by shape and
+# checked against the tokenizer's added vocabulary, which is too large for one alternation.
+_ADDED_TOKEN_SHAPE = re.compile(r"<[^<>\s]{1,64}>")
+_ADDED_TOKENS: weakref.WeakKeyDictionary[Any, tuple[frozenset[str], re.Pattern[str]]] = weakref.WeakKeyDictionary()
+
+
+def text_token_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """Ids of user text that never include an added token's id.
+
+    Hugging Face tokenizers match added tokens anywhere in the input, even where the
+    user typed them; each such occurrence is encoded character by character instead.
+    """
+    added, pattern = _added_tokens(tokenizer)
+    ids: list[int] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if match.group() not in added:
+            continue
+        if match.start() > start:
+            ids.extend(tokenizer.encode(text[start : match.start()]))
+        for char in match.group():
+            ids.extend(tokenizer.encode(char))
+        start = match.end()
+    if start < len(text):
+        ids.extend(tokenizer.encode(text[start:]))
+    return ids
+
+
+def _added_tokens(tokenizer: TextTokenizer) -> tuple[frozenset[str], re.Pattern[str]]:
+    cached = _ADDED_TOKENS.get(tokenizer)
+    if cached is None:
+        added = frozenset(tokenizer.get_added_vocab())
+        odd = sorted((t for t in added if not _ADDED_TOKEN_SHAPE.fullmatch(t)), key=len, reverse=True)
+        pattern = re.compile("|".join([_ADDED_TOKEN_SHAPE.pattern, *map(re.escape, odd)]))
+        cached = _ADDED_TOKENS[tokenizer] = (added, pattern)
+    return cached
 
 
 def check_tokenizer_layout(tokenizer: TextTokenizer) -> None:
