@@ -66,7 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             url = settings.triton_url
             if url is None:
-                server = await asyncio.to_thread(_start_embedded, settings, stack)
+                # Started on the event loop's (main) thread on purpose: the server is tied to the
+                # life of the thread that starts it (PR_SET_PDEATHSIG), and nothing is served yet.
+                server = _start_embedded(settings, stack)
                 stack.push_async_callback(asyncio.to_thread, server.stop)
                 url = server.grpc_url
             backend = SpeechBackend(

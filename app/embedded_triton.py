@@ -4,7 +4,8 @@ The wheel carries a complete Triton Inference Server with its Python backend, so
 gateway can serve the CPU default (Piper) with nothing installed but ``pip`` packages.
 The wheel's layout is not a Triton install, so :meth:`EmbeddedTriton.start` assembles
 one: a backend directory holding the Python backend and the stub built for this
-interpreter, ``LD_LIBRARY_PATH`` pointing at the wheel's bundled libraries, and this
+interpreter, ``LD_LIBRARY_PATH`` pointing at the wheel's bundled libraries and this
+interpreter's libpython, and this
 interpreter's ``bin`` first on ``PATH`` so that the models import this environment's
 packages.
 """
@@ -23,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -171,6 +173,11 @@ class EmbeddedTriton:
         ]
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))
+        # The stub embeds libpython: make it load this interpreter's, not another Python of the
+        # same version on the system path (a mismatch breaks C extensions such as ssl).
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir:
+            env["LD_LIBRARY_PATH"] = _prepend_path(str(libdir), env["LD_LIBRARY_PATH"])
         env["PATH"] = _prepend_path(str(Path(sys.executable).parent), env.get("PATH"))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")

@@ -9,10 +9,8 @@ seed, isolation between concurrent streams, and that a cancelled stream stops wo
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -79,16 +77,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         ]
     )
     assert code == 0
-    # The backend stub links the first libpython3.11 the loader finds; it must be the one whose
-    # extension modules (ssl, imported by transformers) this interpreter loads.
-    monkeypatch = pytest.MonkeyPatch()
-    libdir = sysconfig.get_config_var("LIBDIR")
-    monkeypatch.setenv("LD_LIBRARY_PATH", ":".join(filter(None, [libdir, os.environ.get("LD_LIBRARY_PATH")])))
     triton = EmbeddedTriton(repository, workdir=root, startup_timeout=300.0)
-    try:
-        triton.start()
-    finally:
-        monkeypatch.undo()
+    triton.start()
     try:
         yield Server(triton, tiny)
     finally:
