@@ -10,10 +10,8 @@ seed, isolation between concurrent streams, and that a cancelled stream stops wo
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,14 +24,10 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from app.embedded_triton import EmbeddedTriton
+from tests.conftest import CosyVoiceServer
 from tts_backends import contract
-from tts_backends.cosyvoice2.tiny_checkpoint import TinyCheckpoint, write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cosyvoice_models  # noqa: E402
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.triton]
 
@@ -49,40 +43,9 @@ class Voice:
     text: str
 
 
-@dataclass(frozen=True)
-class Server:
-    triton: EmbeddedTriton
-    tiny: TinyCheckpoint
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("cosyvoice2")
-    tiny = write_tiny_checkpoint(root / "models")
-    repository = root / "repository"
-    code = cosyvoice_models.main(
-        [
-            "render",
-            "--profile",
-            "cosyvoice2-cpu",
-            "--dest",
-            str(repository),
-            "--models-root",
-            str(root / "models"),
-            # Two CPU cores: one orchestrator process per deployment is plenty.
-            "--set",
-            "cosyvoice2.instance_count=1",
-            "--set",
-            "cosyvoice2_stream.instance_count=1",
-        ]
-    )
-    assert code == 0
-    triton = EmbeddedTriton(repository, workdir=root, startup_timeout=300.0)
-    triton.start()
-    try:
-        yield Server(triton, tiny)
-    finally:
-        triton.stop()
+def server(cosyvoice_server: CosyVoiceServer) -> CosyVoiceServer:
+    return cosyvoice_server
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +77,9 @@ def _inputs(text: str, voice: Voice, seed: int, speed: float | None = None) -> l
     return inputs
 
 
-def _offline(server: Server, text: str, voice: Voice, seed: int, speed: float | None = None) -> NDArray[np.float32]:
+def _offline(
+    server: CosyVoiceServer, text: str, voice: Voice, seed: int, speed: float | None = None
+) -> NDArray[np.float32]:
     client = grpcclient.InferenceServerClient(server.triton.grpc_url)
     try:
         result = client.infer("cosyvoice2", _inputs(text, voice, seed, speed))
@@ -126,7 +91,7 @@ def _offline(server: Server, text: str, voice: Voice, seed: int, speed: float | 
 class Stream:
     """One decoupled request on its own gRPC stream; chunks arrive on a queue."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: CosyVoiceServer) -> None:
         self.chunks: queue.Queue[NDArray[np.float32] | BaseException | None] = queue.Queue()
         self._client = grpcclient.InferenceServerClient(server.triton.grpc_url)
         self._client.start_stream(callback=self._on_response)
@@ -166,7 +131,7 @@ class Stream:
         self._client.close()
 
 
-def _stream(server: Server, text: str, voice: Voice, seed: int) -> list[NDArray[np.float32]]:
+def _stream(server: CosyVoiceServer, text: str, voice: Voice, seed: int) -> list[NDArray[np.float32]]:
     stream = Stream(server)
     try:
         stream.send(text, voice, seed)
@@ -175,12 +140,12 @@ def _stream(server: Server, text: str, voice: Voice, seed: int) -> list[NDArray[
         stream.close()
 
 
-def _token_bounds(server: Server, text: str) -> tuple[int, int]:
+def _token_bounds(server: CosyVoiceServer, text: str) -> tuple[int, int]:
     tokens = len(AutoTokenizer.from_pretrained(server.tiny.llm_dir).encode(text))
     return 2 * tokens, 20 * tokens
 
 
-def _executions(server: Server, model: str) -> int:
+def _executions(server: CosyVoiceServer, model: str) -> int:
     client = grpcclient.InferenceServerClient(server.triton.grpc_url)
     try:
         stats = client.get_inference_statistics(model, as_json=True)
@@ -189,7 +154,7 @@ def _executions(server: Server, model: str) -> int:
     return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
 
 
-def test_models_declare_the_contract_capabilities(server: Server) -> None:
+def test_models_declare_the_contract_capabilities(server: CosyVoiceServer) -> None:
     client = grpcclient.InferenceServerClient(server.triton.grpc_url)
     try:
         for name in ("cosyvoice2", "cosyvoice2_stream"):
@@ -200,7 +165,9 @@ def test_models_declare_the_contract_capabilities(server: Server) -> None:
         client.close()
 
 
-def test_offline_request_returns_whole_tokens_of_24khz_audio(server: Server, voices: tuple[Voice, Voice]) -> None:
+def test_offline_request_returns_whole_tokens_of_24khz_audio(
+    server: CosyVoiceServer, voices: tuple[Voice, Voice]
+) -> None:
     wav = _offline(server, SHORT_TEXT, voices[0], seed=11)
     low, high = _token_bounds(server, SHORT_TEXT)
     assert wav.dtype == np.float32 and wav.ndim == 1
@@ -211,13 +178,13 @@ def test_offline_request_returns_whole_tokens_of_24khz_audio(server: Server, voi
     assert np.array_equal(wav, _offline(server, SHORT_TEXT, voices[0], seed=11))
 
 
-def test_speed_changes_the_duration(server: Server, voices: tuple[Voice, Voice]) -> None:
+def test_speed_changes_the_duration(server: CosyVoiceServer, voices: tuple[Voice, Voice]) -> None:
     normal = _offline(server, SHORT_TEXT, voices[0], seed=5)
     fast = _offline(server, SHORT_TEXT, voices[0], seed=5, speed=2.0)
     assert abs(fast.size - normal.size / 2) <= 480
 
 
-def test_stream_chunks_arrive_in_order_and_add_up(server: Server, voices: tuple[Voice, Voice]) -> None:
+def test_stream_chunks_arrive_in_order_and_add_up(server: CosyVoiceServer, voices: tuple[Voice, Voice]) -> None:
     chunks = _stream(server, SHORT_TEXT, voices[0], seed=11)
     offline = _offline(server, SHORT_TEXT, voices[0], seed=11)
 
@@ -234,7 +201,7 @@ def test_stream_chunks_arrive_in_order_and_add_up(server: Server, voices: tuple[
 
 
 def test_concurrent_streams_with_different_voices_do_not_share_state(
-    server: Server, voices: tuple[Voice, Voice]
+    server: CosyVoiceServer, voices: tuple[Voice, Voice]
 ) -> None:
     solo = [np.concatenate(_stream(server, SHORT_TEXT, voice, seed=21 + i)) for i, voice in enumerate(voices)]
 
@@ -256,7 +223,7 @@ def test_concurrent_streams_with_different_voices_do_not_share_state(
         np.testing.assert_allclose(concurrent, alone, atol=1e-5)
 
 
-def test_cancelled_stream_stops_converting(server: Server, voices: tuple[Voice, Voice]) -> None:
+def test_cancelled_stream_stops_converting(server: CosyVoiceServer, voices: tuple[Voice, Voice]) -> None:
     before = _executions(server, "token2wav")
     stream = Stream(server)
     stream.send(LONG_TEXT, voices[1], seed=3)

@@ -12,22 +12,10 @@ from openai import AsyncOpenAI, OpenAI
 
 from app.embedded_triton import EmbeddedTriton
 from tests.e2e.gateway_process import GatewayProcess
-from tts_backends.model_repository import render_repository
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.triton
-
-
-@pytest.fixture(scope="session")
-def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    workdir = tmp_path_factory.mktemp("triton")
-    repository = workdir / "model_repository"
-    render_repository(REPO_ROOT / "triton_repo", "cpu", repository)
-    server = EmbeddedTriton(repository, workdir=workdir)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +25,10 @@ def voices_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gateway(
-    triton: EmbeddedTriton, voices_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    cpu_triton: EmbeddedTriton, voices_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    process = GatewayProcess(log, {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(voices_dir)})
+    process = GatewayProcess(log, {"TTS_TRITON_URL": cpu_triton.grpc_url, "TTS_VOICES_DIR": str(voices_dir)})
     process.start()
     yield process
     process.stop()
@@ -57,8 +45,8 @@ def async_client(gateway: GatewayProcess) -> AsyncOpenAI:
 
 
 @pytest.fixture(scope="session")
-def piper_seconds(triton: EmbeddedTriton) -> PiperReference:
-    return PiperReference(triton.grpc_url)
+def piper_seconds(cpu_triton: EmbeddedTriton) -> PiperReference:
+    return PiperReference(cpu_triton.grpc_url)
 
 
 class PiperReference:
