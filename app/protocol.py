@@ -30,6 +30,9 @@ class SpeechRequest(BaseModel):
     response_format: AudioFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
+    # Vendor extension (send through the SDK's ``extra_body``): reproducible sampling on
+    # models that declare a ``seed`` input; ignored by the others.
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
 
     @field_validator("input")
     @classmethod

@@ -57,15 +57,19 @@ class SpeechPlan:
     response_format: AudioFormat
     sse: bool
     input_chars: int
+    seed: int | None = None
 
     @property
     def backend_speed(self) -> bool:
         """The Triton model called changes tempo itself; otherwise the gateway time-stretches."""
         return self.triton_model in self.model.speed_variants
 
-    def backend_inputs(self, sentence: str) -> dict[str, Any]:
+    def backend_inputs(self, index: int, sentence: str) -> dict[str, Any]:
         values: dict[str, Any] = {contract.TARGET_TEXT: sentence}
         inputs = self.model.inputs
+        if self.seed is not None and contract.SEED in inputs:
+            # One seed per sentence, all derived from the request's: reproducible, not repetitive.
+            values[contract.SEED] = (self.seed + index) % 2**63
         if self.backend_speed and self.speed != 1.0:
             values[contract.SPEED] = self.speed
         reference = self.voice.reference
@@ -115,6 +119,7 @@ class SpeechService:
             response_format=request.response_format,
             sse=request.stream_format == "sse",
             input_chars=len(request.input),
+            seed=request.seed,
         )
 
     async def open_stream(self, plan: SpeechPlan) -> AsyncIterator[bytes]:
@@ -220,7 +225,7 @@ class SpeechService:
                 return
             index, sentence = item
             queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue()
-            task = asyncio.create_task(self._sentence(plan, sentence, f"{request_id}-{index}", queue))
+            task = asyncio.create_task(self._sentence(plan, index, sentence, f"{request_id}-{index}", queue))
             in_flight.append((task, queue))
 
         for _ in range(self._settings.synthesis_parallelism):
@@ -244,11 +249,12 @@ class SpeechService:
     async def _sentence(
         self,
         plan: SpeechPlan,
+        index: int,
         sentence: str,
         request_id: str,
         queue: asyncio.Queue[Audio | _End | GatewayError],
     ) -> None:
-        values = plan.backend_inputs(sentence)
+        values = plan.backend_inputs(index, sentence)
         client = self._backend.client
         try:
             if plan.streaming_backend:
