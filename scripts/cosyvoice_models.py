@@ -41,6 +41,10 @@ COSYVOICE_DIR = "CosyVoice2-0.5B"
 LLM_DIR = "cosyvoice2_llm"
 MODELSCOPE_ID = "iic/CosyVoice2-0.5B"
 HUGGINGFACE_ID = "yuekai/cosyvoice2_llm"
+# What the pipeline loads from the ModelScope repository; the rest of it (the original
+# llm.pt, ONNX/TensorRT flow exports, CosyVoice-BlankEN) is about 3 GB the LLM in HF
+# format and the PyTorch flow make unnecessary.
+COSYVOICE_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
 TRT_LLM_SOURCE = "tensorrt_llm"
 
 
@@ -73,7 +77,8 @@ def _progress(path: str, done: int, total: int) -> None:
 
 def download_models(root: Path, args: argparse.Namespace) -> None:
     with httpx.Client(timeout=httpx.Timeout(60.0, connect=20.0)) as client:
-        cosy = hub_download.modelscope_files(client, args.modelscope_id, args.modelscope_revision)
+        listing = hub_download.modelscope_files(client, args.modelscope_id, args.modelscope_revision)
+        cosy = hub_download.select(listing, COSYVOICE_FILES)
         fetched = hub_download.download_all(client, cosy, root / COSYVOICE_DIR, _progress)
         llm = hub_download.huggingface_files(client, args.hf_id, args.hf_revision)
         fetched += hub_download.download_all(client, llm, root / LLM_DIR, _progress)

@@ -88,6 +88,15 @@ def huggingface_files(
     return files
 
 
+def select(files: Iterable[RemoteFile], wanted: Iterable[str]) -> list[RemoteFile]:
+    """The files of a listing that the deployment loads; every one of them must be listed."""
+    by_path = {f.path: f for f in files}
+    missing = sorted(set(wanted) - set(by_path))
+    if missing:
+        raise DownloadError(f"the repository does not list {', '.join(missing)}")
+    return [by_path[path] for path in wanted]
+
+
 def is_complete(path: Path, remote: RemoteFile) -> bool:
     """Whether ``path`` holds exactly the published file."""
     return path.is_file() and path.stat().st_size == remote.size and _hash_matches(path, remote)

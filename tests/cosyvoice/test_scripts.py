@@ -227,6 +227,19 @@ def test_listings_of_both_hubs_and_git_blob_verification(
     assert not hub_download.is_complete(tmp_path / "config.json", llm[0])
 
 
+def test_only_the_files_the_pipeline_loads_are_selected() -> None:
+    listing = [
+        hub_download.RemoteFile(path=name, url=f"https://hub/{name}", size=1)
+        for name in ("llm.pt", "flow.pt", "cosyvoice2.yaml", "flow.decoder.estimator.fp32.onnx")
+    ]
+    assert [f.path for f in hub_download.select(listing, ["cosyvoice2.yaml", "flow.pt"])] == [
+        "cosyvoice2.yaml",
+        "flow.pt",
+    ]
+    with pytest.raises(hub_download.DownloadError, match="hift.pt"):
+        hub_download.select(listing, ["flow.pt", "hift.pt"])
+
+
 def test_listing_paths_cannot_escape_the_destination(server: tuple[str, ServerState], client: httpx.Client) -> None:
     base, state = server
     state.json_routes["/api/models/evil/repo/tree/main"] = [
