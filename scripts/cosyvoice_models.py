@@ -42,7 +42,7 @@ LLM_DIR = "cosyvoice2_llm"
 MODELSCOPE_ID = "iic/CosyVoice2-0.5B"
 HUGGINGFACE_ID = "yuekai/cosyvoice2_llm"
 # What the pipeline loads from the ModelScope repository; the rest of it (the original
-# llm.pt, ONNX/TensorRT flow exports, CosyVoice-BlankEN) is about 3 GB the LLM in HF
+# llm.pt, ONNX flow exports, CosyVoice-BlankEN) is several GB that the LLM in HF
 # format and the PyTorch flow make unnecessary.
 COSYVOICE_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
 TRT_LLM_SOURCE = "tensorrt_llm"
