@@ -1,0 +1,386 @@
+"""GPU sanity run of the ``gpu-torch`` profile: CosyVoice2 on CUDA behind a real Triton, tiny random weights.
+
+Writes the tiny checkpoint, renders the profile over it with one instance per model, starts
+the embedded tritonserver and sends offline and streaming requests with two reference voices
+over gRPC, twice (the first round pays CUDA's lazy start-up). With random weights the audio is
+noise, so the checks are structural: float32 at 24 kHz in whole tokens of 960 samples, finite
+and not silent, the first stream chunk's size, a stream as long as the offline call with the
+same seed. It reports first-chunk latency and total times, and which model processes hold
+CUDA memory (nvidia-smi), and exits non-zero on any failure. A sanity proof, not a benchmark.
+
+    python benchmarks/gpu_sanity.py --workdir /tmp/gpu_sanity
+    python benchmarks/gpu_sanity.py --cpu   # rehearsal without a GPU: same dtypes, devices on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soxr
+import tritonclient.grpc as grpcclient
+from numpy.typing import NDArray
+from transformers import AutoTokenizer
+from tritonclient.utils import InferenceServerException
+
+from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_backends import contract
+from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cosyvoice_models  # noqa: E402
+
+MODEL = "cosyvoice2"
+SAMPLE_RATE = 24_000
+SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples
+FIRST_CHUNK_SAMPLES = 15 * SAMPLES_PER_TOKEN - 8 * 480  # first hop minus the withheld cross-fade tail
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank today."
+VOICES = ("harbor", "lumen")
+# One instance of everything: a sanity run needs no parallelism and loads faster.
+SINGLE_INSTANCES = (
+    "cosyvoice2.instance_count=1",
+    "cosyvoice2_stream.instance_count=1",
+    "audio_tokenizer.instance_count=1",
+    "speaker_embedding.instance_count=1",
+    "token2wav.instance_count=1",
+)
+CPU_DEVICES = ("token2wav.device=cpu", "token2wav.instance_kind=KIND_CPU", "llm.device=cpu")
+GPU_MODELS = ("llm", "token2wav")
+REQUEST_TIMEOUT_S = 180.0
+
+
+class SanityError(AssertionError):
+    """A check of the run failed."""
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    wav: NDArray[np.float32]
+    text: str
+
+
+@dataclass(frozen=True)
+class Timed:
+    audio: NDArray[np.float32]
+    first_s: float
+    total_s: float
+    chunks: list[int]
+
+
+def load_voice(name: str) -> Voice:
+    """A reference recording (16-bit PCM WAV) as 6 s of 16 kHz float32, with its transcript."""
+    with wave.open(str(ROOT / "ref_audios" / f"{name}.wav"), "rb") as wav:
+        if wav.getsampwidth() != 2:
+            raise SanityError(f"{name}.wav is not 16-bit PCM")
+        frames = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").reshape(-1, wav.getnchannels())
+        rate = wav.getframerate()
+    mono = frames.astype(np.float32).mean(axis=1) / 32768.0
+    resampled = soxr.resample(mono, rate, contract.REFERENCE_SAMPLE_RATE).astype(np.float32)
+    text = (ROOT / "ref_audios" / f"{name}.txt").read_text(encoding="utf-8").strip()
+    return Voice(name, resampled[: 6 * contract.REFERENCE_SAMPLE_RATE], text)
+
+
+def request_inputs(voice: Voice, seed: int) -> list[grpcclient.InferInput]:
+    arrays: dict[str, NDArray[np.generic]] = {
+        contract.TARGET_TEXT: np.array([TEXT.encode()], dtype=np.object_),
+        contract.REFERENCE_WAV: voice.wav,
+        contract.REFERENCE_WAV_LEN: np.array([voice.wav.size], dtype=np.int32),
+        contract.REFERENCE_TEXT: np.array([voice.text.encode()], dtype=np.object_),
+        contract.SEED: np.array([seed], dtype=np.int64),
+    }
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), contract.INPUT_DTYPES[name])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def offline(url: str, voice: Voice, seed: int) -> Timed:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        started = time.perf_counter()
+        result = client.infer(MODEL, request_inputs(voice, seed), client_timeout=REQUEST_TIMEOUT_S)
+        total = time.perf_counter() - started
+    finally:
+        client.close()
+    audio = result.as_numpy(contract.WAVEFORM)
+    if audio is None:
+        raise SanityError("offline response has no waveform")
+    return Timed(audio, total, total, [audio.size])
+
+
+def stream(url: str, voice: Voice, seed: int) -> Timed:
+    """One decoupled request; chunk arrival times are taken in the gRPC callback."""
+    arrivals: queue.Queue[tuple[float, NDArray[np.float32] | InferenceServerException | None]] = queue.Queue()
+
+    def on_response(result: grpcclient.InferResult | None, error: InferenceServerException | None) -> None:
+        now = time.perf_counter()
+        if error is not None:
+            arrivals.put((now, error))
+        elif result is None or result.get_response().parameters["triton_final_response"].bool_param:
+            arrivals.put((now, None))
+        else:
+            arrivals.put((now, result.as_numpy(contract.WAVEFORM)))
+
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=on_response)
+    chunks: list[NDArray[np.float32]] = []
+    try:
+        started = time.perf_counter()
+        client.async_stream_infer(
+            contract.stream_model_name(MODEL), request_inputs(voice, seed), enable_empty_final_response=True
+        )
+        first = 0.0
+        while True:
+            at, item = arrivals.get(timeout=REQUEST_TIMEOUT_S)
+            if isinstance(item, InferenceServerException):
+                raise SanityError(f"stream failed: {item}")
+            if item is None:
+                total = at - started
+                break
+            if item.size:
+                first = first or at - started
+                chunks.append(item)
+    finally:
+        client.stop_stream()
+        client.close()
+    if not chunks:
+        raise SanityError("stream returned no audio")
+    return Timed(np.concatenate(chunks), first, total, [chunk.size for chunk in chunks])
+
+
+def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int]) -> None:
+    audio = timed.audio
+    if audio.dtype != np.float32 or audio.ndim != 1:
+        raise SanityError(f"{label}: expected 1-D float32, got {audio.dtype} {audio.shape}")
+    if audio.size % SAMPLES_PER_TOKEN:
+        raise SanityError(f"{label}: {audio.size} samples is not a whole number of {SAMPLES_PER_TOKEN}-sample tokens")
+    tokens = audio.size // SAMPLES_PER_TOKEN
+    if not token_bounds[0] <= tokens <= token_bounds[1]:
+        raise SanityError(f"{label}: {tokens} tokens outside the expected {token_bounds}")
+    if not np.isfinite(audio).all():
+        raise SanityError(f"{label}: waveform holds NaN or inf")
+    if float(np.std(audio)) == 0.0:
+        raise SanityError(f"{label}: waveform is constant")
+    if len(timed.chunks) > 1 and timed.chunks[0] != FIRST_CHUNK_SAMPLES:
+        raise SanityError(f"{label}: first chunk has {timed.chunks[0]} samples, expected {FIRST_CHUNK_SAMPLES}")
+
+
+def describe(label: str, timed: Timed) -> str:
+    samples = timed.audio.size
+    seconds = samples / SAMPLE_RATE
+    line = (
+        f"{label}: {samples} samples = {samples // SAMPLES_PER_TOKEN} tokens = {seconds:.2f} s audio, "
+        f"first audio {timed.first_s * 1000:.0f} ms, total {timed.total_s * 1000:.0f} ms "
+        f"(RTF {timed.total_s / seconds:.3f}), peak |x| {float(np.abs(timed.audio).max()):.3f}"
+    )
+    if len(timed.chunks) > 1:
+        line += f", {len(timed.chunks)} chunks {timed.chunks}"
+    return line
+
+
+def model_processes(repository: Path) -> dict[int, str]:
+    """Process id -> deployed model, for every Python backend stub serving ``repository``.
+
+    Each stub's command line holds its model's path, ``<repository>/<model>/1/model.py``.
+    """
+    names = [d.name for d in repository.iterdir() if d.is_dir()]
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "triton_python_backend_stub" not in command:
+            continue
+        for name in names:
+            if f"{repository / name}/" in command:
+                found[int(proc.name)] = name
+    return found
+
+
+def nvidia_smi(query: str) -> list[list[str]]:
+    answer = subprocess.run(
+        ["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [[field.strip() for field in row.split(",")] for row in answer.stdout.splitlines() if row.strip()]
+
+
+def gpu_memory_used() -> int:
+    """MiB in use on GPU 0."""
+    return int(nvidia_smi("gpu=memory.used")[0][0])
+
+
+def cuda_memory_by_model(repository: Path) -> dict[str, int]:
+    """MiB of CUDA memory each model's stub process holds, from nvidia-smi's compute processes."""
+    stubs = model_processes(repository)
+    held: dict[str, int] = {}
+    for pid, memory in nvidia_smi("compute-apps=pid,used_memory"):
+        name = stubs.get(int(pid), f"pid {pid} (not a stub)")
+        held[name] = held.get(name, 0) + int(memory or 0)
+    return held
+
+
+def instance_lines(log: Path) -> list[str]:
+    """Triton's lines naming where each model instance was created (CPU or GPU device N)."""
+    text = log.read_text(encoding="utf-8", errors="replace")
+    return [line for line in text.splitlines() if "TRITONBACKEND_ModelInstanceInitialize" in line]
+
+
+def print_server_errors(log: Path, limit: int = 80) -> None:
+    """The server log's error lines and tracebacks (the models log their failures there)."""
+    if not log.is_file():
+        return
+    lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    wanted = [line for line in lines if line.startswith("E") or line.startswith((" ", "Traceback")) or "Error" in line]
+    print(f"--- {len(wanted)} error lines of {log}, the last {limit}:")
+    for line in wanted[-limit:]:
+        print(line)
+    print("---")
+
+
+def execution_stats(url: str) -> list[str]:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics(as_json=True)["model_stats"]
+    finally:
+        client.close()
+    lines = []
+    for model in stats:
+        success = model["inference_stats"]["success"]
+        count = int(success.get("count", 0))
+        compute = model["inference_stats"].get("compute_infer", {})
+        mean_ms = int(compute.get("ns", 0)) / max(count, 1) / 1e6
+        lines.append(f"{model['name']}: {count} requests, mean compute {mean_ms:.1f} ms")
+    return lines
+
+
+def check_cuda(repository: Path, idle_mib: int) -> None:
+    """The LLM and token2wav processes hold CUDA memory (or, where nvidia-smi names no process, the GPU does)."""
+    print(f"GPU: {', '.join(nvidia_smi('gpu=name,driver_version,memory.used,memory.total')[0])} (MiB)")
+    used = gpu_memory_used()
+    print(f"GPU memory in use: {idle_mib} MiB before tritonserver, {used} MiB now")
+    held = cuda_memory_by_model(repository)
+    print(f"CUDA memory by model process (MiB): {held}")
+    if held:
+        missing = [name for name in GPU_MODELS if held.get(name, 0) <= 0]
+        if missing:
+            raise SanityError(f"models without CUDA memory: {missing}")
+    elif used <= idle_mib:
+        raise SanityError("no process holds CUDA memory and GPU memory use did not grow")
+    else:
+        print("nvidia-smi names no compute process here; GPU memory use grew while the models served")
+
+
+def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup_timeout: float) -> None:
+    started = time.perf_counter()
+    tiny = write_tiny_checkpoint(workdir / "models")
+    repository = workdir / "repository"
+    sets = [*SINGLE_INSTANCES, *(CPU_DEVICES if cpu else ()), *overrides]
+    args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
+    if cosyvoice_models.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
+        raise SanityError("rendering the repository failed")
+    print(f"tiny checkpoint and {profile} repository ready in {time.perf_counter() - started:.1f} s ({workdir})")
+    for name in GPU_MODELS:
+        params = (repository / name / "config.pbtxt").read_text(encoding="utf-8")
+        wanted = [line.strip() for line in params.splitlines() if '"device"' in line or '"dtype"' in line]
+        print(f"  {name}: {' '.join(wanted)}")
+
+    voices = [load_voice(name) for name in VOICES]
+    text_tokens = len(AutoTokenizer.from_pretrained(tiny.llm_dir).encode(TEXT))
+    bounds = (2 * text_tokens, 20 * text_tokens)
+
+    idle_mib = 0 if cpu else gpu_memory_used()
+    triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=startup_timeout)
+    loading = time.perf_counter()
+    triton.start()
+    try:
+        print(f"tritonserver ready in {time.perf_counter() - loading:.1f} s (log: {triton.log_path})")
+        for line in instance_lines(triton.log_path):
+            print(f"  {line.split('] ', 1)[-1]}")
+        print("  (Triton calls llm a CPU instance: its torch device is the 'device' parameter above)")
+        url = triton.grpc_url
+        results: dict[tuple[str, str, int], Timed] = {}
+        # Each round runs both voices, one offline and one streamed; the warm round swaps them,
+        # so every voice and seed is heard both ways.
+        for round_name, (off_voice, off_seed), (str_voice, str_seed) in (
+            ("cold", (voices[0], 1), (voices[1], 2)),
+            ("warm", (voices[1], 2), (voices[0], 1)),
+        ):
+            for mode, voice, seed, call in (
+                ("offline", off_voice, off_seed, offline),
+                ("stream", str_voice, str_seed, stream),
+            ):
+                timed = call(url, voice, seed)
+                check_audio(f"{round_name} {mode}", timed, bounds)
+                print(describe(f"{round_name} {mode:7} {voice.name} seed {seed}", timed))
+                results[(mode, voice.name, seed)] = timed
+        for voice, seed in ((voices[0], 1), (voices[1], 2)):
+            solo, streamed = results[("offline", voice.name, seed)], results[("stream", voice.name, seed)]
+            # Seeded generation yields the same tokens streamed or not: the same amount of audio.
+            if solo.audio.size != streamed.audio.size:
+                raise SanityError(
+                    f"{voice.name} seed {seed}: offline {solo.audio.size} samples, stream {streamed.audio.size}"
+                )
+        print("offline and streamed audio of each voice and seed have the same length")
+        for line in execution_stats(url):
+            print(f"  {line}")
+        stubs = model_processes(repository)
+        print(f"model stub processes: {dict(sorted(stubs.items()))}")
+        if not cpu:
+            check_cuda(repository, idle_mib)
+    finally:
+        triton.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", default="gpu-torch")
+    parser.add_argument("--workdir", type=Path, default=None, help="kept afterwards; default: a temporary folder")
+    parser.add_argument("--cpu", action="store_true", help="move every device to the CPU (no GPU check)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="extra overrides")
+    args = parser.parse_args()
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="gpu_sanity_"))).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        run(workdir, args.profile, args.set, cpu=args.cpu, startup_timeout=args.startup_timeout)
+    except (
+        SanityError,
+        EmbeddedTritonError,
+        InferenceServerException,
+        queue.Empty,
+        OSError,
+        subprocess.SubprocessError,
+    ) as exc:
+        if not isinstance(exc, EmbeddedTritonError):  # that one already carries the log's errors
+            print_server_errors(workdir / "tritonserver.log")
+        print(f"FAIL: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print("PASS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
