@@ -29,7 +29,7 @@ from numpy.typing import NDArray
 
 from app.audio_encoding import AudioFormat, create_encoder
 from app.backend import SpeechBackend
-from app.errors import GatewayError
+from app.errors import BackendError, GatewayError
 from app.metrics import GatewayMetrics
 from app.model_catalog import SpeechModel
 from app.protocol import SpeechRequest
@@ -88,6 +88,14 @@ class _End:
 
 
 _END = _End()
+
+
+@dataclass
+class _Progress:
+    """What one response has produced so far."""
+
+    samples: int = 0
+    error: GatewayError | None = None
 
 
 class SpeechService:
@@ -158,45 +166,42 @@ class SpeechService:
     # -- audio ---------------------------------------------------------------------------------------
 
     async def _audio_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
+        async for data in self._encoded(plan, _Progress()):
+            yield data
+
+    async def _sse_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
+        progress = _Progress()
+        async for data in self._encoded(plan, progress):
+            yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        if progress.error is not None:
+            yield _sse_event({"type": "error", **progress.error.body()})
+            return
+        seconds = progress.samples / plan.model.sample_rate
+        yield _sse_event({"type": "speech.audio.done", "usage": _usage(plan.input_chars, seconds)})
+
+    async def _encoded(self, plan: SpeechPlan, progress: _Progress) -> AsyncGenerator[bytes, None]:
+        """Encoded audio as the backend produces it, then the encoder's tail.
+
+        A failure before any audio propagates (the response has not started). A failure
+        after it is logged and recorded in ``progress``, and the file ends cleanly where
+        the audio stops: the headers, and the status code with them, are already sent.
+        """
         encoder = create_encoder(plan.response_format, plan.model.sample_rate)
-        produced = 0
         try:
             async for chunk in self._audio(plan):
-                produced += chunk.size
+                progress.samples += chunk.size
                 data = await asyncio.to_thread(encoder.encode, chunk)
                 if data:
                     yield data
         except GatewayError as exc:
-            if produced == 0:
+            if progress.samples == 0:
                 raise
-            # Headers are gone: end the file cleanly where the audio stops, and say why in the log.
+            progress.error = exc
             logger.error("speech stream for model %s ended early: %s", plan.model.id, exc.message)
         tail = await asyncio.to_thread(encoder.finish)
-        self._metrics.audio_seconds.labels(plan.model.id).inc(produced / plan.model.sample_rate)
+        self._metrics.audio_seconds.labels(plan.model.id).inc(progress.samples / plan.model.sample_rate)
         if tail:
             yield tail
-
-    async def _sse_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
-        encoder = create_encoder(plan.response_format, plan.model.sample_rate)
-        produced = 0
-        try:
-            async for chunk in self._audio(plan):
-                produced += chunk.size
-                data = await asyncio.to_thread(encoder.encode, chunk)
-                if data:
-                    yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-        except GatewayError as exc:
-            if produced == 0:
-                raise
-            logger.error("SSE speech stream for model %s failed: %s", plan.model.id, exc.message)
-            yield _sse_event({"type": "error", **exc.body()})
-            return
-        tail = await asyncio.to_thread(encoder.finish)
-        if tail:
-            yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
-        seconds = produced / plan.model.sample_rate
-        self._metrics.audio_seconds.labels(plan.model.id).inc(seconds)
-        yield _sse_event({"type": "speech.audio.done", "usage": _usage(plan.input_chars, seconds)})
 
     async def _audio(self, plan: SpeechPlan) -> AsyncIterator[Audio]:
         """Audio at the model's rate, tempo-adjusted here when the model cannot do it."""
@@ -264,6 +269,10 @@ class SpeechService:
                 queue.put_nowait(await client.infer(plan.triton_model, values, request_id))
         except GatewayError as exc:
             queue.put_nowait(exc)
+        except Exception as exc:
+            # A bug here must not leave the consumer waiting for an end that never comes.
+            logger.exception("synthesis of sentence %s failed", request_id)
+            queue.put_nowait(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
         queue.put_nowait(_END)
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
@@ -47,10 +48,17 @@ class TritonModelConfig:
     parameters: Mapping[str, str] = field(default_factory=dict)
 
 
-def translate_error(exc: InferenceServerException, model: str) -> GatewayError:
-    """Map a tritonclient error to the gateway error a client should see."""
-    status = str(exc.status() or "")
-    message = exc.message() or str(exc)
+def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -> GatewayError:
+    """Map a tritonclient or raw gRPC error to the gateway error a client should see.
+
+    tritonclient wraps most failures, but a stream whose connection breaks raises gRPC's own error.
+    """
+    if isinstance(exc, InferenceServerException):
+        status = str(exc.status() or "")
+        message = exc.message() or str(exc)
+    else:
+        status = str(exc.code()) if isinstance(exc, grpc.Call) else ""
+        message = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
     if status == "StatusCode.INVALID_ARGUMENT" or "INVALID_ARG" in message:
         return InvalidRequestError(f"model {model!r} rejected the request: {message}", code="backend_rejected")
     if status == "StatusCode.DEADLINE_EXCEEDED" or "Deadline Exceeded" in message:
@@ -122,7 +130,7 @@ class TritonClient:
                 outputs=[grpcclient.InferRequestedOutput(contract.WAVEFORM)],
                 client_timeout=self._timeout,
             )
-        except InferenceServerException as exc:
+        except (InferenceServerException, grpc.RpcError) as exc:
             raise translate_error(exc, model) from exc
         return _waveform(result)
 
@@ -145,7 +153,7 @@ class TritonClient:
                 if chunk.size:
                     yield chunk
             finished = True
-        except InferenceServerException as exc:
+        except (InferenceServerException, grpc.RpcError) as exc:
             raise translate_error(exc, model) from exc
         finally:
             if not finished:
