@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+import tritonclient.grpc as grpcclient
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
+from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess
 
@@ -201,8 +203,20 @@ def test_unknown_route_is_an_openai_404(gateway: GatewayProcess) -> None:
     assert response.json()["error"]["code"] == "not_found"
 
 
-def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess) -> None:
-    text = " ".join(f"Sentence {n} keeps the backend busy for a while." for n in range(40))
+def _stream_requests_seen(triton: EmbeddedTriton) -> int:
+    """Requests piper_stream has received so far (Triton's own statistics)."""
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        stats = client.get_inference_statistics("piper_stream", as_json=True)["model_stats"][0]["inference_stats"]
+    finally:
+        client.close()
+    return sum(int(stats[kind].get("count", 0)) for kind in ("success", "fail"))
+
+
+def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess, cpu_triton: EmbeddedTriton) -> None:
+    sentences = 40
+    text = " ".join(f"Sentence {n} keeps the backend busy for a while." for n in range(sentences))
+    before = _stream_requests_seen(cpu_triton)
     with httpx.stream(
         "POST",
         f"{gateway.url}/v1/audio/speech",
@@ -218,5 +232,10 @@ def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess) -> None:
         time.sleep(0.2)
     else:
         pytest.fail("the disconnected request was not cancelled:\n" + metrics)
+    # On the Triton side the work stopped too: only the sentences in flight at the disconnect
+    # (synthesis_parallelism of them, plus the one being read) ever reached the model.
+    time.sleep(2.0)
+    seen = _stream_requests_seen(cpu_triton) - before
+    assert seen <= 4, f"{seen} of {sentences} sentence requests reached Triton after the client left"
     # The server is still healthy and serves the next request.
     assert httpx.get(f"{gateway.url}/health").status_code == 200
