@@ -10,6 +10,9 @@ CUDA memory (nvidia-smi), and exits non-zero on any failure. A sanity proof, not
 
     python benchmarks/gpu_sanity.py --workdir /tmp/gpu_sanity
     python benchmarks/gpu_sanity.py --cpu   # rehearsal without a GPU: same dtypes, devices on the CPU
+
+The model processes (nvidia-pytriton 0.7.0's Python backend stub) need numpy<2 and ignore
+PYTHONPATH: the project must be installed in the interpreter's environment (``pip install -e .``).
 """
 
 from __future__ import annotations
@@ -229,9 +232,11 @@ def gpu_memory_used() -> int:
     return int(nvidia_smi("gpu=memory.used")[0][0])
 
 
-def cuda_memory_by_model(repository: Path) -> dict[str, int]:
-    """MiB of CUDA memory each model's stub process holds, from nvidia-smi's compute processes."""
+def cuda_memory_by_model(repository: Path, server_pid: int | None) -> dict[str, int]:
+    """MiB of CUDA memory each model's stub process (and the server) holds, from nvidia-smi."""
     stubs = model_processes(repository)
+    if server_pid is not None:
+        stubs[server_pid] = "tritonserver"
     held: dict[str, int] = {}
     for pid, memory in nvidia_smi("compute-apps=pid,used_memory"):
         name = stubs.get(int(pid), f"pid {pid} (not a stub)")
@@ -273,12 +278,12 @@ def execution_stats(url: str) -> list[str]:
     return lines
 
 
-def check_cuda(repository: Path, idle_mib: int) -> None:
+def check_cuda(repository: Path, idle_mib: int, server_pid: int | None) -> None:
     """The LLM and token2wav processes hold CUDA memory (or, where nvidia-smi names no process, the GPU does)."""
     print(f"GPU: {', '.join(nvidia_smi('gpu=name,driver_version,memory.used,memory.total')[0])} (MiB)")
     used = gpu_memory_used()
     print(f"GPU memory in use: {idle_mib} MiB before tritonserver, {used} MiB now")
-    held = cuda_memory_by_model(repository)
+    held = cuda_memory_by_model(repository, server_pid)
     print(f"CUDA memory by model process (MiB): {held}")
     if held:
         missing = [name for name in GPU_MODELS if held.get(name, 0) <= 0]
@@ -356,7 +361,7 @@ def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup
         stubs = model_processes(repository)
         print(f"model stub processes: {dict(sorted(stubs.items()))}")
         if not cpu:
-            check_cuda(repository, idle_mib)
+            check_cuda(repository, idle_mib, triton.pid)
         if failures:
             raise SanityError(f"{len(failures)} failed: " + "; ".join(failures))
     finally:
