@@ -7,7 +7,8 @@ one: a backend directory holding the Python backend and the stub built for this
 interpreter, ``LD_LIBRARY_PATH`` pointing at the wheel's bundled libraries and this
 interpreter's libpython, and this
 interpreter's ``bin`` first on ``PATH`` so that the models import this environment's
-packages.
+packages. The stub does not read ``PYTHONPATH``: the project must be installed into the
+environment (``pip install -e .`` or ``pip install .``), as the install commands do.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Final, Self
+
+import numpy
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ class EmbeddedTriton:
         if self.is_running():
             raise EmbeddedTritonError("the embedded Triton server is already running")
         self.stop()  # forget a previous run that ended on its own
+        _check_numpy()
         layout = _find_wheel_layout()
         backends = self._prepare_backends(layout)
         try:
@@ -261,6 +265,15 @@ def _find_wheel_layout() -> _WheelLayout:
             f"{sys.version_info.minor} ({layout.stub} is missing)"
         )
     return layout
+
+
+def _check_numpy() -> None:
+    """The wheel's backend stub was built against NumPy 1's C API; under NumPy 2 it corrupts tensors."""
+    if int(numpy.__version__.split(".", 1)[0]) >= 2:
+        raise EmbeddedTritonError(
+            f"the embedded Triton's Python backend needs numpy<2, this environment has numpy {numpy.__version__}"
+            f" (reinstall with {INSTALL_HINT!r}, which pins it)"
+        )
 
 
 def _free_ports(host: str) -> tuple[int, int, int]:

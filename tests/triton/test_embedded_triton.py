@@ -358,6 +358,15 @@ def test_server_dies_with_its_parent(empty_repository: Path, tmp_path: Path) -> 
     assert is_gone(server_pid)
 
 
+def test_numpy_2_is_refused_before_anything_starts(
+    empty_repository: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(np, "__version__", "2.1.0")
+    with pytest.raises(EmbeddedTritonError, match=r"needs numpy<2"):
+        EmbeddedTriton(empty_repository, workdir=tmp_path / "work").start()
+    assert not (tmp_path / "work").exists()
+
+
 def test_missing_wheel_names_the_extra(empty_repository: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pytriton", None)
     with pytest.raises(EmbeddedTritonError, match=r"pip install 'tts-gateway\[embedded\]'"):
