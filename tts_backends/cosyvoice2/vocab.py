@@ -130,22 +130,24 @@ def build_prompt_ids(
     return [SOS_ID, *text_ids, TASK_ID_ID, *speech_tokens_to_ids(prompt_speech_tokens)]
 
 
-# Added tokens (specials, speech tokens) are spelt <...>; candidates are found by shape and
-# checked against the tokenizer's added vocabulary, which is too large for one alternation.
-_ADDED_TOKEN_SHAPE = re.compile(r"<[^<>\s]{1,64}>")
-_ADDED_TOKENS: weakref.WeakKeyDictionary[Any, tuple[frozenset[str], re.Pattern[str]]] = weakref.WeakKeyDictionary()
+# Control tokens (speech tokens, <|sos|>, <|eos1|>, <|endofprompt|>, chat markers ...) are spelt
+# <|...|>. Candidates are found by that shape and checked against the tokenizer's added
+# vocabulary (too large for one alternation). Paralinguistic tags such as [laughter], [breath]
+# and <strong>...</strong> are left alone: CosyVoice2 was trained to follow them in the text.
+_CONTROL_TOKEN_SHAPE = re.compile(r"<\|[^<>|\s]{1,64}\|>")
+_ADDED_TOKENS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def text_token_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
-    """Ids of user text that never include an added token's id.
+    """Ids of user text that never include a control token's id.
 
     Hugging Face tokenizers match added tokens anywhere in the input, even where the
-    user typed them; each such occurrence is encoded character by character instead.
+    user typed them; a control token typed by the user is encoded character by character.
     """
-    added, pattern = _added_tokens(tokenizer)
+    added = _added_tokens(tokenizer)
     ids: list[int] = []
     start = 0
-    for match in pattern.finditer(text):
+    for match in _CONTROL_TOKEN_SHAPE.finditer(text):
         if match.group() not in added:
             continue
         if match.start() > start:
@@ -158,13 +160,10 @@ def text_token_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
     return ids
 
 
-def _added_tokens(tokenizer: TextTokenizer) -> tuple[frozenset[str], re.Pattern[str]]:
+def _added_tokens(tokenizer: TextTokenizer) -> frozenset[str]:
     cached = _ADDED_TOKENS.get(tokenizer)
     if cached is None:
-        added = frozenset(tokenizer.get_added_vocab())
-        odd = sorted((t for t in added if not _ADDED_TOKEN_SHAPE.fullmatch(t)), key=len, reverse=True)
-        pattern = re.compile("|".join([_ADDED_TOKEN_SHAPE.pattern, *map(re.escape, odd)]))
-        cached = _ADDED_TOKENS[tokenizer] = (added, pattern)
+        cached = _ADDED_TOKENS[tokenizer] = frozenset(tokenizer.get_added_vocab())
     return cached
 
 
