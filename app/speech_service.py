@@ -58,6 +58,7 @@ class SpeechPlan:
     sse: bool
     input_chars: int
     seed: int | None = None
+    instructions: str | None = None
 
     @property
     def backend_speed(self) -> bool:
@@ -70,6 +71,8 @@ class SpeechPlan:
         if self.seed is not None and contract.SEED in inputs:
             # One seed per sentence, all derived from the request's: reproducible, not repetitive.
             values[contract.SEED] = (self.seed + index) % 2**63
+        if self.instructions and contract.INSTRUCTIONS in inputs:
+            values[contract.INSTRUCTIONS] = self.instructions
         if self.backend_speed and self.speed != 1.0:
             values[contract.SPEED] = self.speed
         reference = self.voice.reference
@@ -128,6 +131,7 @@ class SpeechService:
             sse=request.stream_format == "sse",
             input_chars=len(request.input),
             seed=request.seed,
+            instructions=request.instructions,
         )
 
     async def open_stream(self, plan: SpeechPlan) -> AsyncIterator[bytes]:

@@ -21,6 +21,7 @@ temperature          FP32     [1]     LLM sampling temperature
 top_p                FP32     [1]     LLM nucleus sampling
 top_k                INT32    [1]     LLM top-k sampling
 voice                BYTES    [1]     one of the model's ``builtin_voices``
+instructions         BYTES    [1]     style instruction ("speak slowly and warmly")
 ==================== ======== ======= =============================================
 
 Output: ``waveform`` FP32 [-1], mono, at the model's declared ``sample_rate``.
@@ -47,6 +48,7 @@ TEMPERATURE: Final = "temperature"
 TOP_P: Final = "top_p"
 TOP_K: Final = "top_k"
 VOICE: Final = "voice"
+INSTRUCTIONS: Final = "instructions"
 
 WAVEFORM: Final = "waveform"
 
@@ -65,6 +67,7 @@ INPUT_DTYPES: Final[dict[str, str]] = {
     TOP_P: "FP32",
     TOP_K: "INT32",
     VOICE: "BYTES",
+    INSTRUCTIONS: "BYTES",
 }
 
 # config.pbtxt ``parameters`` keys by which a model declares what it can do.

@@ -47,6 +47,8 @@ class SpeechRequest:
     top_k: int | None = None
     voice: str | None = None
     """One of the model's ``builtin_voices``; checking which is the model's job."""
+    instructions: str | None = None
+    """How to speak, for models that take instructions; blank means none."""
 
 
 def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
@@ -91,6 +93,10 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
     if voice is not None and not voice.strip():
         raise ContractError(f"input '{contract.VOICE}' is empty")
 
+    instructions = _text(tensors, contract.INSTRUCTIONS)
+    if instructions is not None:
+        instructions = instructions.strip() or None
+
     return SpeechRequest(
         target_text=target_text,
         reference_wav=reference_wav,
@@ -101,6 +107,7 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
         top_p=top_p,
         top_k=top_k,
         voice=voice,
+        instructions=instructions,
     )
 
 

@@ -153,6 +153,21 @@ def test_output_length_is_capped_and_seeds_differ_when_not_given() -> None:
     assert first.seed is not None and second.seed is not None and first.seed != second.seed
 
 
+def test_instructions_take_the_transcripts_place() -> None:
+    stages = ScriptedStages(speech_ids(3))
+    list(pipeline(stages).synthesize(request(instructions="calm"), streaming=False))
+    (llm,) = stages.llm_requests
+    tokenizer = CodePointTokenizer()
+    assert llm.input_ids == [
+        vocab.SOS_ID,
+        *tokenizer.encode("calm"),
+        vocab.ENDOFPROMPT_ID,
+        *tokenizer.encode("hello there"),
+        vocab.TASK_ID_ID,
+    ]
+    assert stages.token2wav_calls[0].prompt.speech_tokens is PROMPT_TOKENS
+
+
 def test_without_transcript_the_llm_gets_no_voice_prefix() -> None:
     stages = ScriptedStages(speech_ids(3))
     list(pipeline(stages).synthesize(request(reference_text=None), streaming=False))

@@ -65,6 +65,18 @@ def test_paralinguistic_tags_stay_special(tokenizer: PreTrainedTokenizerBase) ->
         assert tokenizer.convert_tokens_to_ids(tag) in ids
 
 
+def test_instruct_prompt_replaces_transcript_and_speech_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = vocab.build_instruct_prompt_ids(tokenizer, "Speak slowly.", "Hello there.")
+    assert tokenizer.convert_tokens_to_ids(vocab.ENDOFPROMPT) == vocab.ENDOFPROMPT_ID
+    assert ids == [
+        vocab.SOS_ID,
+        *tokenizer.encode("Speak slowly."),
+        vocab.ENDOFPROMPT_ID,
+        *tokenizer.encode("Hello there."),
+        vocab.TASK_ID_ID,
+    ]
+
+
 def test_prompt_without_reference_speech(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = vocab.build_prompt_ids(tokenizer, "", "Hi.", [])
     assert ids == [vocab.SOS_ID, *tokenizer.encode("Hi."), vocab.TASK_ID_ID]

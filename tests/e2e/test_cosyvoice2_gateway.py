@@ -87,6 +87,14 @@ def test_speed_on_the_streaming_path_is_time_stretched(cosy_client: OpenAI) -> N
     assert abs(fast.duration - normal.duration / 2) < 0.05
 
 
+def test_instructions_reach_the_model(cosy_client: OpenAI) -> None:
+    plain = _pcm(cosy_client, seed=5)
+    instructed = _pcm(cosy_client, seed=5, instructions="Speak slowly, with a warm and calm voice.")
+    assert instructed.samples.size > 0 and instructed.samples.size % SAMPLES_PER_TOKEN == 0
+    # Another LLM prompt under the same seed: other speech tokens, other audio.
+    assert not np.array_equal(plain.samples, instructed.samples)
+
+
 @pytest.mark.parametrize("transcript", ["Boats rocked gently in the harbor.", None])
 def test_uploaded_voice_clones(cosy_gateway: GatewayProcess, cosy_client: OpenAI, transcript: str | None) -> None:
     name = "uploaded-with-text" if transcript else "uploaded-no-text"

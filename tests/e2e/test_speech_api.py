@@ -144,6 +144,13 @@ def test_long_input_is_not_truncated(client: OpenAI, piper_seconds: Callable[...
     assert_speech(audio, expected_seconds=piper_seconds(text), tolerance=0.25)
 
 
+def test_instructions_are_accepted_where_the_model_has_no_use_for_them(client: OpenAI) -> None:
+    response = client.audio.speech.create(
+        model="tts-1", voice="alloy", input=SHORT, response_format="pcm", instructions="Whisper."
+    )
+    assert decode(response.content, "pcm").rms > 0.01
+
+
 def test_native_voice_by_name(client: OpenAI) -> None:
     audio = decode(
         client.audio.speech.create(model="piper", voice="joe", input=SHORT, response_format="flac").content, "flac"

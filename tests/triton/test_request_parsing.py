@@ -34,6 +34,12 @@ def test_minimal_request_gets_defaults() -> None:
     assert (parsed.seed, parsed.temperature, parsed.top_p, parsed.top_k, parsed.voice) == (None,) * 5
 
 
+def test_instructions_are_optional_and_blank_means_none() -> None:
+    assert request().instructions is None
+    assert request(instructions=text("  Speak softly. ")).instructions == "Speak softly."
+    assert request(instructions=text("   ")).instructions is None
+
+
 def test_full_request_is_parsed() -> None:
     wav = np.linspace(-0.5, 0.5, 16_000, dtype=np.float32)
     parsed = request(

@@ -193,9 +193,11 @@ class CosyVoice2Pipeline:
             yield from self._offline(request, prompt, llm_request, is_cancelled)
 
     def _llm_request(self, request: SpeechRequest, prompt: VoicePrompt, *, streaming: bool) -> LLMRequest:
-        # Without a transcript the recording still sets the voice (flow prompt and speaker
-        # embedding) but cannot prefix the LLM: upstream's cross-lingual mode.
-        if request.reference_text is None:
+        if request.instructions is not None:
+            input_ids = vocab.build_instruct_prompt_ids(self._tokenizer, request.instructions, request.target_text)
+        elif request.reference_text is None:
+            # Without a transcript the recording still sets the voice (flow prompt and speaker
+            # embedding) but cannot prefix the LLM: upstream's cross-lingual mode.
             input_ids = vocab.build_prompt_ids(self._tokenizer, "", request.target_text, [])
         else:
             input_ids = vocab.build_prompt_ids(

@@ -76,6 +76,8 @@ TEXT_SPECIAL_TOKENS: Final[tuple[str, ...]] = (
     "[mn]",
 )
 FIRST_TEXT_SPECIAL_ID: Final = TEXT_VOCAB_SIZE - len(TEXT_SPECIAL_TOKENS)
+ENDOFPROMPT: Final = "<|endofprompt|>"
+ENDOFPROMPT_ID: Final = FIRST_TEXT_SPECIAL_ID + TEXT_SPECIAL_TOKENS.index(ENDOFPROMPT)
 SPEECH_SUFFIX_TOKENS: Final[tuple[str, ...]] = (EOS1, EOS2, EOS3, SOS, TASK_ID)
 
 
@@ -136,6 +138,22 @@ def build_prompt_ids(
 # and <strong>...</strong> are left alone: CosyVoice2 was trained to follow them in the text.
 _CONTROL_TOKEN_SHAPE = re.compile(r"<\|[^<>|\s]{1,64}\|>")
 _ADDED_TOKENS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def build_instruct_prompt_ids(tokenizer: TextTokenizer, instructions: str, target_text: str) -> list[int]:
+    """LLM input ids for instructed synthesis (upstream's ``instruct2``).
+
+    The instruction takes the transcript's place, closed by ``<|endofprompt|>``, and the LLM gets
+    no prompt speech tokens: the recording still sets the voice through the flow prompt and the
+    speaker embedding, but its prosody does not compete with the instruction.
+    """
+    return [
+        SOS_ID,
+        *text_token_ids(tokenizer, instructions),
+        ENDOFPROMPT_ID,
+        *text_token_ids(tokenizer, target_text),
+        TASK_ID_ID,
+    ]
 
 
 def text_token_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
