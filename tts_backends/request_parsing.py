@@ -53,14 +53,14 @@ class SpeechRequest:
 
 def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
     """Validate the contract inputs present in ``tensors`` (input name -> numpy array)."""
-    target_text = _text(tensors, contract.TARGET_TEXT)
+    target_text = optional_text(tensors, contract.TARGET_TEXT)
     if target_text is None:
         raise ContractError(f"input '{contract.TARGET_TEXT}' is required")
     if not target_text.strip():
         raise ContractError(f"input '{contract.TARGET_TEXT}' is empty")
 
     reference_wav = _reference_wav(tensors)
-    reference_text = _text(tensors, contract.REFERENCE_TEXT)
+    reference_text = optional_text(tensors, contract.REFERENCE_TEXT)
     if reference_text is not None and not reference_text.strip():
         reference_text = None
     if reference_text is not None and reference_wav is None:
@@ -69,31 +69,31 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
             "a transcript without its recording means nothing"
         )
 
-    speed = _float(tensors, contract.SPEED)
+    speed = optional_float(tensors, contract.SPEED)
     if speed is not None and not SPEED_MIN <= speed <= SPEED_MAX:
         raise ContractError(f"'{contract.SPEED}' must be in [{SPEED_MIN}, {SPEED_MAX}], got {speed}")
 
-    seed = _int(tensors, contract.SEED)
+    seed = optional_int(tensors, contract.SEED)
     if seed is not None and not 0 <= seed <= SEED_MAX:
         raise ContractError(f"'{contract.SEED}' must be in [0, 2**63 - 1], got {seed}")
 
-    temperature = _float(tensors, contract.TEMPERATURE)
+    temperature = optional_float(tensors, contract.TEMPERATURE)
     if temperature is not None and not 0.0 < temperature <= TEMPERATURE_MAX:
         raise ContractError(f"'{contract.TEMPERATURE}' must be in (0, {TEMPERATURE_MAX}], got {temperature}")
 
-    top_p = _float(tensors, contract.TOP_P)
+    top_p = optional_float(tensors, contract.TOP_P)
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ContractError(f"'{contract.TOP_P}' must be in (0, 1], got {top_p}")
 
-    top_k = _int(tensors, contract.TOP_K)
+    top_k = optional_int(tensors, contract.TOP_K)
     if top_k is not None and top_k < 1:
         raise ContractError(f"'{contract.TOP_K}' must be at least 1, got {top_k}")
 
-    voice = _text(tensors, contract.VOICE)
+    voice = optional_text(tensors, contract.VOICE)
     if voice is not None and not voice.strip():
         raise ContractError(f"input '{contract.VOICE}' is empty")
 
-    instructions = _text(tensors, contract.INSTRUCTIONS)
+    instructions = optional_text(tensors, contract.INSTRUCTIONS)
     if instructions is not None:
         instructions = instructions.strip() or None
 
@@ -111,7 +111,7 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
     )
 
 
-def _single(tensors: Mapping[str, NDArray[Any]], name: str) -> Any:
+def scalar(tensors: Mapping[str, NDArray[Any]], name: str) -> Any:
     """The one element of a ``[1]`` input, or ``None`` when the input is absent."""
     array = tensors.get(name)
     if array is None:
@@ -121,8 +121,8 @@ def _single(tensors: Mapping[str, NDArray[Any]], name: str) -> Any:
     return array.reshape(-1)[0]
 
 
-def _text(tensors: Mapping[str, NDArray[Any]], name: str) -> str | None:
-    value = _single(tensors, name)
+def optional_text(tensors: Mapping[str, NDArray[Any]], name: str) -> str | None:
+    value = scalar(tensors, name)
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, bytes):
@@ -133,8 +133,8 @@ def _text(tensors: Mapping[str, NDArray[Any]], name: str) -> str | None:
         raise ContractError(f"input '{name}' is not valid UTF-8: {exc}") from exc
 
 
-def _float(tensors: Mapping[str, NDArray[Any]], name: str) -> float | None:
-    value = _single(tensors, name)
+def optional_float(tensors: Mapping[str, NDArray[Any]], name: str) -> float | None:
+    value = scalar(tensors, name)
     if value is None:
         return None
     if not isinstance(value, float | np.floating):
@@ -145,8 +145,8 @@ def _float(tensors: Mapping[str, NDArray[Any]], name: str) -> float | None:
     return result
 
 
-def _int(tensors: Mapping[str, NDArray[Any]], name: str) -> int | None:
-    value = _single(tensors, name)
+def optional_int(tensors: Mapping[str, NDArray[Any]], name: str) -> int | None:
+    value = scalar(tensors, name)
     if value is None:
         return None
     if not isinstance(value, np.integer | int) or isinstance(value, bool | np.bool_):
@@ -156,7 +156,7 @@ def _int(tensors: Mapping[str, NDArray[Any]], name: str) -> int | None:
 
 def _reference_wav(tensors: Mapping[str, NDArray[Any]]) -> NDArray[np.float32] | None:
     wav = tensors.get(contract.REFERENCE_WAV)
-    length = _int(tensors, contract.REFERENCE_WAV_LEN)
+    length = optional_int(tensors, contract.REFERENCE_WAV_LEN)
     if wav is None:
         if length is not None:
             raise ContractError(f"'{contract.REFERENCE_WAV_LEN}' given without '{contract.REFERENCE_WAV}'")

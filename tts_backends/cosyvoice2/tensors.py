@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from tts_backends.cosyvoice2.pipeline import LLMRequest, Token2WavRequest
+from tts_backends.request_parsing import ContractError, optional_float, optional_int, scalar
 
 # Triton dtype of each tensor as the client API spells it (config.pbtxt: TYPE_ prefix, STRING for BYTES).
 LLM_INPUT_DTYPES: Final[dict[str, str]] = {
@@ -52,7 +53,7 @@ SPEAKER_EMBEDDING_OUTPUT: Final = "prompt_spk_embedding"
 WAVEFORM_OUTPUT: Final = "waveform"
 
 
-class TensorError(ValueError):
+class TensorError(ContractError):
     """A request's tensors are missing, misshapen or out of range."""
 
 
@@ -83,18 +84,18 @@ def parse_llm_inputs(tensors: Mapping[str, NDArray[Any]]) -> LLMRequest:
     ids = _required(tensors, "input_ids")
     if ids.ndim != 2 or ids.shape[0] != 1:
         raise TensorError(f"'input_ids' must have shape [1, n] (one request per call), got {ids.shape}")
-    length = _int(tensors, "input_lengths")
+    length = optional_int(tensors, "input_lengths")
     if length is None or not 0 < length <= ids.shape[1]:
         raise TensorError(f"'input_lengths' must be in [1, {ids.shape[1]}], got {length}")
-    max_new = _int(tensors, "request_output_len")
+    max_new = optional_int(tensors, "request_output_len")
     if max_new is None or max_new < 1:
         raise TensorError(f"'request_output_len' must be at least 1, got {max_new}")
-    min_new = _int(tensors, "min_length") or 0
-    top_k = _int(tensors, "runtime_top_k") or 0
-    top_p = _float(tensors, "runtime_top_p")
-    temperature = _float(tensors, "temperature")
-    penalty = _float(tensors, "repetition_penalty")
-    streaming = _single(tensors, "streaming")
+    min_new = optional_int(tensors, "min_length") or 0
+    top_k = optional_int(tensors, "runtime_top_k") or 0
+    top_p = optional_float(tensors, "runtime_top_p")
+    temperature = optional_float(tensors, "temperature")
+    penalty = optional_float(tensors, "repetition_penalty")
+    streaming = scalar(tensors, "streaming")
     if top_k < 0:
         raise TensorError(f"'runtime_top_k' must not be negative, got {top_k}")
     if top_p is not None and not 0.0 <= top_p <= 1.0:
@@ -107,12 +108,12 @@ def parse_llm_inputs(tensors: Mapping[str, NDArray[Any]]) -> LLMRequest:
         input_ids=ids[0, :length].astype(np.int64).tolist(),
         max_new_tokens=max_new,
         min_new_tokens=min(max(0, min_new), max_new),
-        end_id=_int(tensors, "end_id"),
+        end_id=optional_int(tensors, "end_id"),
         temperature=1.0 if temperature is None else temperature,
         top_p=top_p or 1.0,
         top_k=top_k,
         repetition_penalty=1.0 if penalty is None else penalty,
-        seed=_int(tensors, "random_seed"),
+        seed=optional_int(tensors, "random_seed"),
         streaming=bool(streaming) if streaming is not None else False,
     )
 
@@ -163,19 +164,19 @@ class Token2WavCall:
 
 
 def parse_token2wav_inputs(tensors: Mapping[str, NDArray[Any]]) -> Token2WavCall:
-    session = _single(tensors, "session_id")
+    session = scalar(tensors, "session_id")
     if isinstance(session, bytes):
         session = session.decode("utf-8", errors="strict")
     if not isinstance(session, str) or not session:
         raise TensorError("'session_id' must be a non-empty string")
     tokens = _required(tensors, "target_speech_tokens").reshape(-1).astype(np.int64)
-    offset = _int(tensors, "token_offset")
-    finalize = _single(tensors, "finalize")
+    offset = optional_int(tensors, "token_offset")
+    finalize = scalar(tensors, "finalize")
     if (offset is None) != (finalize is None):
         raise TensorError("'token_offset' and 'finalize' come together (streaming) or not at all")
     if offset is not None and not 0 <= offset <= tokens.size:
         raise TensorError(f"'token_offset' must be in [0, {tokens.size}], got {offset}")
-    speed = _float(tensors, "speed")
+    speed = optional_float(tensors, "speed")
     if speed is not None and speed <= 0.0:
         raise TensorError(f"'speed' must be positive, got {speed}")
     feat = _required(tensors, "prompt_speech_feat").astype(np.float32)
@@ -201,7 +202,7 @@ def reference_inputs(wav: NDArray[np.float32]) -> dict[str, NDArray[Any]]:
 
 def parse_reference_inputs(tensors: Mapping[str, NDArray[Any]]) -> NDArray[np.float32]:
     wav = _required(tensors, "reference_wav").reshape(-1)
-    length = _int(tensors, "reference_wav_len")
+    length = optional_int(tensors, "reference_wav_len")
     if length is None or not 0 < length <= wav.size:
         raise TensorError(f"'reference_wav_len' must be in [1, {wav.size}], got {length}")
     return np.ascontiguousarray(wav[:length], dtype=np.float32)
@@ -216,22 +217,3 @@ def _required(tensors: Mapping[str, NDArray[Any]], name: str) -> NDArray[Any]:
     if array is None:
         raise TensorError(f"input '{name}' is required")
     return np.asarray(array)
-
-
-def _single(tensors: Mapping[str, NDArray[Any]], name: str) -> Any:
-    array = tensors.get(name)
-    if array is None:
-        return None
-    if array.size != 1:
-        raise TensorError(f"input '{name}' must hold one element, got shape {array.shape}")
-    return array.reshape(-1)[0]
-
-
-def _int(tensors: Mapping[str, NDArray[Any]], name: str) -> int | None:
-    value = _single(tensors, name)
-    return None if value is None else int(value)
-
-
-def _float(tensors: Mapping[str, NDArray[Any]], name: str) -> float | None:
-    value = _single(tensors, name)
-    return None if value is None else float(value)
