@@ -216,3 +216,12 @@ def test_gpu_profiles_put_token2wav_on_the_gpu(rendered: dict[str, dict[str, mc.
     assert _params(cpu["token2wav"])["device"] == "cpu"
     assert _params(cpu["llm"])["device"] == "cpu"
     assert "tensorrt_llm" not in cpu
+
+
+def test_token2wav_runs_as_one_instance_everywhere(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    # Streaming state lives in the instance's process: a second instance could receive a
+    # session's later chunks and not know it (no sequence batching pins sessions to instances).
+    for profile, configs in rendered.items():
+        if "token2wav" in configs:
+            groups = configs["token2wav"].instance_group
+            assert sum(group.count for group in groups) == 1, profile

@@ -2,15 +2,17 @@
 
 Offline calls omit ``token_offset``/``finalize``. Streaming calls carry them and keep the
 request's vocoder state under ``session_id``; a finalising call without tokens abandons
-the session (its stream was cancelled). Requests run on threads: ``Token2Wav`` is
-thread-safe and torch releases the GIL, so chunks of different sessions overlap.
+the session (its stream was cancelled).
+
+Streaming state lives in this process, so every profile deploys exactly one instance:
+with two, Triton would send a session's chunks to either process. Without batching
+Triton hands an instance one request per ``execute``, so requests run one at a time here.
 """
 
 from __future__ import annotations
 
 import json
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +41,9 @@ class TritonPythonModel:
             dtype=_DTYPES[params["dtype"]],
             n_timesteps=int(params["n_timesteps"]),
         )
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=self._name)
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        return list(self._pool.map(self._answer, requests))
-
-    def finalize(self) -> None:
-        self._pool.shutdown(wait=True)
+        return [self._answer(request) for request in requests]
 
     def _answer(self, request: Any) -> Any:
         try:
@@ -55,7 +53,7 @@ class TritonPythonModel:
                 if tensor is not None:
                     arrays[name] = tensor.as_numpy()
             waveform = self._convert(tensors.parse_token2wav_inputs(arrays))
-        except ValueError as exc:
+        except tensors.TensorError as exc:
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
         except Exception:
             pb_utils.Logger.log_error(f"{self._name}: conversion failed\n{traceback.format_exc()}")
@@ -73,7 +71,7 @@ class TritonPythonModel:
         if call.token_offset is None:
             return self._token2wav.offline(call.speech_tokens, prompt, speed=call.speed)
         if call.speed != 1.0:
-            raise ValueError("speed is applied offline only; stream at speed 1.0")
+            raise tensors.TensorError("speed is applied offline only; stream at speed 1.0")
         return self._token2wav.stream_chunk(
             call.session_id, call.speech_tokens, prompt, call.token_offset, call.finalize
         )
