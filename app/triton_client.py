@@ -59,8 +59,12 @@ def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -
     else:
         status = str(exc.code()) if isinstance(exc, grpc.Call) else ""
         message = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
-    if status == "StatusCode.INVALID_ARGUMENT" or "INVALID_ARG" in message:
-        return InvalidRequestError(f"model {model!r} rejected the request: {message}", code="backend_rejected")
+    # Errors of decoupled models arrive as a message only; the contract models lead it with their code.
+    code, _, rest = message.partition("] ") if message.startswith("[") else ("", "", message)
+    if status == "StatusCode.INVALID_ARGUMENT" or code == "[INVALID_ARG":
+        return InvalidRequestError(f"model {model!r} rejected the request: {rest}", code="backend_rejected")
+    if code == "[UNAVAILABLE":
+        return BackendUnavailableError(f"model {model!r} is unavailable: {rest}")
     if status == "StatusCode.DEADLINE_EXCEEDED" or "Deadline Exceeded" in message:
         return BackendTimeoutError(f"model {model!r} did not answer in time")
     if status in _UNAVAILABLE_STATUSES or "failed to connect" in message.lower():

@@ -10,7 +10,8 @@ same way for every backend:
   so that ``execute`` returns at once, one response per chunk, then the final flag;
 - cancellation (client gone, or the model unloading) is checked between chunks;
 - :class:`ContractError` becomes ``INVALID_ARG``; anything else is logged and
-  returned as an internal error without details.
+  returned as an internal error without details. The code also leads the message
+  (``[INVALID_ARG] ...``): a decoupled model's error reaches gRPC clients as a message only.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class SpeechContractModel:
             for chunk in self._chunks(request, self._watch(request)):
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, chunk)]))
             if self._unloading.is_set():
-                error = pb_utils.TritonError(f"model {self.name} is unloading", pb_utils.TritonError.UNAVAILABLE)
+                error = pb_utils.TritonError(
+                    f"[UNAVAILABLE] model {self.name} is unloading", pb_utils.TritonError.UNAVAILABLE
+                )
                 sender.send(pb_utils.InferenceResponse(error=error))
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=self._error(exc)))
@@ -123,6 +126,6 @@ class SpeechContractModel:
 
     def _error(self, exc: Exception) -> Any:
         if isinstance(exc, ContractError):
-            return pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+            return pb_utils.TritonError(f"[INVALID_ARG] {exc}", pb_utils.TritonError.INVALID_ARG)
         pb_utils.Logger.log_error(f"{self.name}: synthesis failed\n{traceback.format_exc()}")
         return pb_utils.TritonError(f"model {self.name} failed; see the server log", pb_utils.TritonError.INTERNAL)

@@ -1,0 +1,50 @@
+"""The gateway's Triton client against the real server: audio, and errors with the right status."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.embedded_triton import EmbeddedTriton
+from app.errors import BackendUnavailableError, InvalidRequestError
+from app.triton_client import TritonClient
+from tts_backends import contract
+
+pytestmark = pytest.mark.triton
+
+
+async def test_offline_and_stream_carry_the_same_kind_of_audio(cpu_triton: EmbeddedTriton) -> None:
+    client = TritonClient(cpu_triton.grpc_url, timeout=60)
+    try:
+        whole = await client.infer("piper", {contract.TARGET_TEXT: "One. Two."}, request_id="a")
+        chunks = [c async for c in client.stream("piper_stream", {contract.TARGET_TEXT: "One. Two."}, "b")]
+    finally:
+        await client.close()
+    assert whole.size > 22_050 // 2
+    assert len(chunks) == 2
+    assert abs(sum(c.size for c in chunks) - whole.size) < 0.3 * whole.size
+
+
+@pytest.mark.parametrize("model", ["piper", "piper_stream"])
+async def test_rejections_are_invalid_requests_offline_and_streamed(cpu_triton: EmbeddedTriton, model: str) -> None:
+    client = TritonClient(cpu_triton.grpc_url, timeout=60)
+    try:
+        with pytest.raises(InvalidRequestError, match="'target_text' is empty") as info:
+            if model.endswith(contract.STREAM_SUFFIX):
+                [c async for c in client.stream(model, {contract.TARGET_TEXT: "   "}, "c")]
+            else:
+                await client.infer(model, {contract.TARGET_TEXT: "   "}, request_id="c")
+    finally:
+        await client.close()
+    assert "[INVALID_ARG]" not in info.value.message
+
+
+async def test_a_server_that_is_not_there_is_unavailable() -> None:
+    from tests.e2e.gateway_process import free_port
+
+    client = TritonClient(f"127.0.0.1:{free_port()}", timeout=5)
+    try:
+        assert not await client.is_ready()
+        with pytest.raises(BackendUnavailableError):
+            await client.infer("piper", {contract.TARGET_TEXT: "hi"}, request_id="d")
+    finally:
+        await client.close()
