@@ -57,7 +57,8 @@ class SpeechBackend:
             if self._catalog is not None:
                 logger.warning("Triton at %s is not ready", self.client.url)
             self._catalog = None
-        elif self._catalog is None:
+        elif not self.ready:
+            # No catalog yet, or one taken while the speech models were still loading.
             try:
                 configs = await self.client.model_configs()
             except GatewayError as exc:
@@ -88,7 +89,11 @@ class SpeechBackend:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self._poll_interval)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:
+                # The watcher is what brings the gateway back when Triton does: it must not die.
+                logger.exception("checking Triton failed")
 
     async def close(self) -> None:
         if self._watcher is not None:

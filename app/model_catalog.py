@@ -103,13 +103,15 @@ class ModelCatalog:
         }
         models: list[SpeechModel] = []
         for name, config in sorted(by_name.items()):
-            if config.decoupled:
-                base = name.removesuffix(contract.STREAM_SUFFIX)
-                if base != name and base in by_name:
-                    continue  # listed with its offline twin
-                models.append(_speech_model(base, None, config))
-            else:
-                models.append(_speech_model(name, config, by_name.get(contract.stream_model_name(name))))
+            base = name.removesuffix(contract.STREAM_SUFFIX) if config.decoupled else name
+            if config.decoupled and base != name and base in by_name:
+                continue  # listed with its offline twin
+            offline = None if config.decoupled else config
+            stream = config if config.decoupled else by_name.get(contract.stream_model_name(name))
+            try:
+                models.append(_speech_model(base, offline, stream))
+            except (KeyError, ValueError) as exc:
+                logger.error("ignoring speech model %r: its capability parameters are invalid (%s)", base, exc)
         return cls(models, default_model=default_model, aliases=aliases, openai_names=openai_names)
 
     def _pick_default(self, wanted: str | None) -> SpeechModel | None:

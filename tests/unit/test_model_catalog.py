@@ -67,3 +67,11 @@ def test_backend_mode_falls_back_to_the_deployed_variant() -> None:
     assert catalog.require_streaming_or_offline(catalog.models["piper"], "offline") == "piper"
     assert catalog.require_streaming_or_offline(catalog.models["piper"], "stream") == "piper_stream"
     assert catalog.require_streaming_or_offline(catalog.models["streamonly"], "offline") == "streamonly_stream"
+
+
+def test_a_model_with_broken_capabilities_is_left_out() -> None:
+    broken = TritonModelConfig("broken", frozenset({"target_text"}), False, {"tts_contract": "1"})
+    odd = _config("odd", supports_cloning="perhaps")
+    catalog = ModelCatalog.from_triton([*CONFIGS, broken, odd])
+    assert "broken" not in catalog.models and "odd" not in catalog.models
+    assert "piper" in catalog.models
