@@ -87,8 +87,8 @@ def _validation_param(loc: tuple[int | str, ...]) -> str | None:
 
     Deeper location parts name union members and list indexes, which mean nothing to clients.
     """
-    if len(loc) >= 2 and loc[0] in ("body", "query", "path", "form"):
-        return str(loc[1])
+    if len(loc) >= 2 and loc[0] in ("body", "query", "path", "form") and isinstance(loc[1], str):
+        return loc[1]
     return None
 
 

@@ -62,7 +62,10 @@ class Settings(BaseSettings):
     voices_dir: Path = Field(Path("data/voices"), description="uploaded voices, persistent")
     default_model: str | None = Field(None, description="model behind tts-1 etc.; unset: best available")
     model_aliases: dict[str, str] = Field(default_factory=dict, description="extra alias -> model id")
-    voice_aliases: dict[str, str] = Field(default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES))
+    voice_aliases: dict[str, str] = Field(
+        default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES),
+        description="alias -> reference voice, merged over the defaults for OpenAI's voice names",
+    )
 
     backend_mode: Literal["stream", "offline"] = Field(
         "stream", description="use the decoupled `_stream` models (low latency) or offline ones"
@@ -73,7 +76,8 @@ class Settings(BaseSettings):
     backend_timeout: float = Field(120.0, gt=0, description="seconds one backend call may take")
 
     ref_min_seconds: float = Field(1.0, gt=0)
-    ref_max_seconds: float = Field(30.0, gt=0)
+    # CosyVoice2's speech tokenizer takes at most 30 s of reference audio.
+    ref_max_seconds: float = Field(30.0, gt=0, le=30.0)
     upload_max_bytes: int = Field(10 * 1024 * 1024, gt=0)
 
     @field_validator("triton_url")
@@ -85,6 +89,11 @@ class Settings(BaseSettings):
         if not _GRPC_URL.match(stripped):
             raise ValueError(f"TTS_TRITON_URL must be host:port of Triton's gRPC endpoint, got {value!r}")
         return stripped
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _merge_voice_aliases(cls, value: dict[str, str]) -> dict[str, str]:
+        return {**_DEFAULT_VOICE_ALIASES, **value}
 
     @field_validator("embedded_overrides")
     @classmethod

@@ -29,7 +29,7 @@ from numpy.typing import NDArray
 
 from app.audio_encoding import AudioFormat, create_encoder
 from app.backend import SpeechBackend
-from app.errors import BackendError, GatewayError
+from app.errors import BackendError, GatewayError, InvalidRequestError
 from app.metrics import GatewayMetrics
 from app.model_catalog import SpeechModel
 from app.protocol import SpeechRequest
@@ -202,6 +202,8 @@ class SpeechService:
                 raise
             progress.error = exc
             logger.error("speech stream for model %s ended early: %s", plan.model.id, exc.message)
+        if progress.samples == 0:
+            raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
         tail = await asyncio.to_thread(encoder.finish)
         self._metrics.audio_seconds.labels(plan.model.id).inc(progress.samples / plan.model.sample_rate)
         if tail:

@@ -109,13 +109,21 @@ class VoiceRegistry:
         self._voices_dir.mkdir(parents=True, exist_ok=True)
         for wav in sorted(self._ref_audios_dir.glob("*.wav")):
             transcript_file = wav.with_suffix(".txt")
-            transcript = transcript_file.read_text(encoding="utf-8").strip() if transcript_file.exists() else None
+            try:
+                transcript = transcript_file.read_text(encoding="utf-8").strip() if transcript_file.exists() else None
+            except (OSError, UnicodeDecodeError) as exc:
+                logger.warning("skipping voice %s: unreadable transcript (%s)", wav, exc)
+                continue
             self._load_one(wav, "reference", transcript, int(wav.stat().st_mtime))
         for meta_file in sorted(self._voices_dir.glob("*.json")):
             try:
                 meta = json.loads(meta_file.read_text(encoding="utf-8"))
+                if not isinstance(meta, dict):
+                    raise TypeError("not a JSON object")
                 transcript, created_at = meta.get("transcript"), int(meta["created_at"])
-            except (ValueError, KeyError, TypeError) as exc:
+                if transcript is not None and not isinstance(transcript, str):
+                    raise TypeError("transcript is not a string")
+            except (OSError, ValueError, KeyError, TypeError) as exc:
                 logger.warning("skipping voice metadata %s: %s", meta_file, exc)
                 continue
             self._load_one(meta_file.with_suffix(".wav"), "uploaded", transcript, created_at)
@@ -221,7 +229,9 @@ class VoiceRegistry:
         except ReferenceAudioError as exc:
             raise InvalidRequestError(str(exc), param="audio_sample", code="invalid_audio") from exc
         async with self._write_lock:
-            if name in self._voices or name in set(reserved) or name in self._aliases:
+            # Case-insensitively: NAME.wav must not collide on case-insensitive file systems.
+            taken = {n.casefold() for n in (*self._voices, *reserved, *self._aliases)}
+            if name.casefold() in taken:
                 raise ConflictError(f"a voice named {name!r} already exists", param="name", code="voice_exists")
             voice = ReferenceVoice(name, "uploaded", audio, transcript, int(time.time()))
             meta = {"name": name, "transcript": transcript, "created_at": voice.created_at}

@@ -8,7 +8,8 @@ python3 -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-# torch==2.13.0 is pinned by the cosyvoice extra: a looser pin would pull GBs of CUDA wheels.
+# The cosyvoice extra pins torch==2.13.0. Which build pip takes depends on its indexes: set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu where only the CUDA build would be found.
 python -m pip install --quiet -e '.[test,cosyvoice]'
 # Upstream code, only as the reference for numerical parity tests (never imported by the product):
 # CosyVoice (flow, HiFT, Matcha mel) and s3tokenizer (Whisper log-mel, mel filters).

@@ -97,6 +97,8 @@ class SpeechContractModel:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _chunks(self, request: Any, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+        if cancelled():
+            return  # the client left while the request waited for a worker
         tensors = {}
         for name in self._inputs:
             tensor = pb_utils.get_input_tensor_by_name(request, name)

@@ -174,6 +174,8 @@ def test_native_voice_by_name(client: OpenAI) -> None:
         ({"model": "tts-1", "input": "hi"}, 400, "voice"),
         ({"model": "tts-9", "voice": "alloy", "input": "hi"}, 404, "model"),
         ({"model": "tts-1", "voice": 7, "input": "hi"}, 400, "voice"),
+        ({"model": "tts-1", "voice": "alloy", "input": "..."}, 400, "input"),
+        ({"model": "tts-1", "voice": "alloy", "input": "...", "stream_format": "sse"}, 400, "input"),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -193,7 +195,9 @@ def test_malformed_json_is_a_400(gateway: GatewayProcess) -> None:
         f"{gateway.url}/v1/audio/speech", content=b'{"model": "tts-1",', headers={"content-type": "application/json"}
     )
     assert response.status_code == 400
-    assert response.json()["error"]["type"] == "invalid_request_error"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is None
 
 
 def test_sdk_raises_typed_errors(client: OpenAI) -> None:

@@ -96,6 +96,8 @@ async def test_upload_conflicts_and_bad_names(registry: VoiceRegistry) -> None:
         await registry.add_upload("taken", _wav(), None)
     with pytest.raises(ConflictError):
         await registry.add_upload("joe", _wav(), None, reserved=["joe"])
+    with pytest.raises(ConflictError):
+        await registry.add_upload("TAKEN", _wav(), None)
     for bad in ("../x", "a/b", "", ".hidden", "x" * 65, "näme"):
         with pytest.raises(InvalidRequestError):
             await registry.add_upload(bad, _wav(), None)
@@ -118,7 +120,8 @@ def test_half_written_upload_is_ignored_and_cleaned(tmp_path: Path) -> None:
     (voices / "half.wav").write_bytes(_wav())  # crash after the audio, before the commit marker
     (voices / ".other.wav.123.tmp").write_bytes(b"partial")
     (voices / "broken.json").write_text("{not json")
+    (voices / "listed.json").write_text("[1]")
     reg = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
     reg.load()
     assert reg.get("half") is None and reg.get("broken") is None
-    assert sorted(p.name for p in voices.iterdir()) == ["broken.json"]
+    assert sorted(p.name for p in voices.iterdir()) == ["broken.json", "listed.json"]
