@@ -106,13 +106,15 @@ class EmbeddedTriton:
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the server, SIGKILL its process group after ``grace`` seconds; idempotent."""
         process, self._process, self._ports = self._process, None, None
-        if process is not None and process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                logger.warning("tritonserver did not stop within %.0f s; killing it", grace)
-            # The Python backend stubs share the server's process group; take any stragglers.
+        if process is not None:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    logger.warning("tritonserver did not stop within %.0f s; killing it", grace)
+            # The Python backend stubs share the server's process group; take any stragglers,
+            # also those of a server that died on its own.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()

@@ -13,6 +13,22 @@ from pathlib import Path
 import httpx
 
 
+def processes_under(directory: Path) -> list[int]:
+    """Live (not zombie) processes whose command line mentions ``directory``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if str(directory) in cmdline and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import decode
-from tests.e2e.gateway_process import GatewayProcess
+from tests.e2e.gateway_process import GatewayProcess, processes_under
 
 pytestmark = pytest.mark.triton
 
@@ -41,6 +42,15 @@ def _kill(triton: EmbeddedTriton) -> None:
     os.kill(triton.pid, signal.SIGKILL)
 
 
+def _assert_no_model_process_left(triton: EmbeddedTriton) -> None:
+    """Stopping a server that crashed also ends its Python backend processes."""
+    triton.stop(grace=1.0)
+    deadline = time.monotonic() + 5  # SIGKILLed processes take a moment to leave /proc
+    while processes_under(triton.workdir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_under(triton.workdir) == []
+
+
 def test_sse_stream_ends_with_an_error_event(doomed: tuple[EmbeddedTriton, GatewayProcess]) -> None:
     triton, gateway = doomed
     events = []
@@ -61,6 +71,7 @@ def test_sse_stream_ends_with_an_error_event(doomed: tuple[EmbeddedTriton, Gatew
     assert "ended early" in gateway.log_tail(200)
     # The gateway is up and says the backend is gone.
     assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 503
+    _assert_no_model_process_left(triton)
 
 
 def test_audio_stream_ends_as_a_valid_shorter_file(doomed: tuple[EmbeddedTriton, GatewayProcess]) -> None:
@@ -80,3 +91,4 @@ def test_audio_stream_ends_as_a_valid_shorter_file(doomed: tuple[EmbeddedTriton,
     speech = httpx.post(f"{gateway.url}/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": "Hi."})
     assert speech.status_code == 503
     assert speech.json()["error"]["code"] == "backend_unavailable"
+    _assert_no_model_process_left(triton)
