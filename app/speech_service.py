@@ -50,7 +50,6 @@ class SpeechPlan:
 
     model: SpeechModel
     triton_model: str
-    streaming_backend: bool
     voice: ResolvedVoice
     sentences: tuple[str, ...]
     speed: float
@@ -59,6 +58,11 @@ class SpeechPlan:
     input_chars: int
     seed: int | None = None
     instructions: str | None = None
+
+    @property
+    def streaming_backend(self) -> bool:
+        """The Triton model called is the decoupled twin: audio arrives in chunks."""
+        return self.triton_model == self.model.stream_model
 
     @property
     def backend_speed(self) -> bool:
@@ -123,7 +127,6 @@ class SpeechService:
         return SpeechPlan(
             model=model,
             triton_model=triton_model,
-            streaming_backend=triton_model == model.stream_model,
             voice=voice,
             sentences=tuple(sentences),
             speed=request.speed,

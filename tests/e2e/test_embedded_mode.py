@@ -14,23 +14,9 @@ import pytest
 from openai import OpenAI
 
 from tests.audio_checks import assert_speech, decode
-from tests.e2e.gateway_process import free_port
+from tests.e2e.gateway_process import free_port, processes_under
 
 pytestmark = pytest.mark.triton
-
-
-def _tritonserver_pids(workdir: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "tritonserver" in cmdline and str(workdir) in cmdline:
-            pids.append(int(proc.name))
-    return pids
 
 
 def test_serve_starts_and_stops_embedded_triton(tmp_path: Path) -> None:
@@ -59,7 +45,7 @@ def test_serve_starts_and_stops_embedded_triton(tmp_path: Path) -> None:
             time.sleep(0.3)
         else:
             pytest.fail("embedded gateway never became healthy:\n" + (tmp_path / "serve.log").read_text())
-        assert _tritonserver_pids(workdir), "the embedded tritonserver runs from the configured workdir"
+        assert processes_under(workdir), "the embedded tritonserver runs from the configured workdir"
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         text = "The embedded server speaks on a fresh machine."
         audio = decode(client.audio.speech.create(model="tts-1", voice="alloy", input=text).content, "mp3")
@@ -72,6 +58,6 @@ def test_serve_starts_and_stops_embedded_triton(tmp_path: Path) -> None:
     assert process.returncode in (0, -signal.SIGTERM), (tmp_path / "serve.log").read_text()
     assert "Application shutdown complete" in (tmp_path / "serve.log").read_text()
     deadline = time.monotonic() + 10
-    while _tritonserver_pids(workdir) and time.monotonic() < deadline:
+    while processes_under(workdir) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _tritonserver_pids(workdir), "tritonserver must stop with the gateway"
+    assert not processes_under(workdir), "tritonserver must stop with the gateway"
