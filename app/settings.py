@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_grace: int = Field(
+        30, ge=0, description="seconds in-flight requests may take to finish after SIGTERM before they are cut"
+    )
 
     triton_url: str | None = Field(None, description="Triton gRPC address host:port; unset starts the embedded server")
     triton_repository: Path = Field(

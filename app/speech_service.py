@@ -96,6 +96,10 @@ class _End:
 
 _END = _End()
 
+# Chunks one sentence may have ready before its producer waits for the reader. A slow reader
+# then stalls the backend stream (gRPC flow control) instead of growing the gateway's memory.
+_SENTENCE_QUEUE_CHUNKS = 32
+
 
 @dataclass
 class _Progress:
@@ -238,7 +242,7 @@ class SpeechService:
             if item is None:
                 return
             index, sentence = item
-            queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue()
+            queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue(_SENTENCE_QUEUE_CHUNKS)
             task = asyncio.create_task(self._sentence(plan, index, sentence, f"{request_id}-{index}", queue))
             in_flight.append((task, queue))
 
@@ -273,16 +277,16 @@ class SpeechService:
         try:
             if plan.streaming_backend:
                 async for chunk in client.stream(plan.triton_model, values, request_id):
-                    queue.put_nowait(chunk)
+                    await queue.put(chunk)
             else:
-                queue.put_nowait(await client.infer(plan.triton_model, values, request_id))
+                await queue.put(await client.infer(plan.triton_model, values, request_id))
         except GatewayError as exc:
-            queue.put_nowait(exc)
+            await queue.put(exc)
         except Exception as exc:
             # A bug here must not leave the consumer waiting for an end that never comes.
             logger.exception("synthesis of sentence %s failed", request_id)
-            queue.put_nowait(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
-        queue.put_nowait(_END)
+            await queue.put(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+        await queue.put(_END)
 
 
 def _sse_event(payload: dict[str, Any]) -> bytes:
