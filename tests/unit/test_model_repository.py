@@ -60,3 +60,9 @@ def test_render_rejects_unknown_override_and_keeps_old_repository(tmp_path: Path
         render_repository(REPO, "cpu", dest, {"piper": {"colour": "red"}})
     assert (dest / "piper" / "config.pbtxt").exists()
     assert not (tmp_path / "repo.rendering").exists()
+
+
+def test_benchmark_fixture_is_deployed_by_the_bench_profile_only() -> None:
+    for name, profile in load_profiles(REPO).items():
+        fixtures = sorted(m.name for m in profile.models if m.source == "bench_fixture")
+        assert fixtures == (["bench_fixture", "bench_fixture_stream"] if name == "bench" else []), name
