@@ -27,12 +27,12 @@ from typing import Literal
 
 from app.errors import ConflictError, InvalidRequestError, NotFoundError
 from app.model_catalog import ModelCatalog, SpeechModel
-from app.protocol import VoiceInfo
+from app.protocol import VoiceInfo, clean_text
 from app.reference_audio import ReferenceAudio, ReferenceAudioError, load_reference_audio
 
 logger = logging.getLogger(__name__)
 
-VOICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+VOICE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 MAX_TRANSCRIPT_CHARS = 1000
 
 
@@ -54,7 +54,8 @@ class ResolvedVoice:
 
 
 def check_voice_id(name: str) -> str:
-    if not VOICE_ID_PATTERN.match(name):
+    """``name`` if it is a valid voice id: ASCII only, so it is a safe file name everywhere."""
+    if not VOICE_ID_PATTERN.fullmatch(name):
         raise InvalidRequestError(
             "voice name must be 1-64 characters of letters, digits, '_' or '-', starting with a letter or digit",
             param="name",
@@ -110,8 +111,9 @@ class VoiceRegistry:
         for wav in sorted(self._ref_audios_dir.glob("*.wav")):
             transcript_file = wav.with_suffix(".txt")
             try:
-                transcript = transcript_file.read_text(encoding="utf-8").strip() if transcript_file.exists() else None
-            except (OSError, UnicodeDecodeError) as exc:
+                text = transcript_file.read_text(encoding="utf-8") if transcript_file.exists() else ""
+                transcript = clean_text(text).strip()
+            except (OSError, ValueError) as exc:
                 logger.warning("skipping voice %s: unreadable transcript (%s)", wav, exc)
                 continue
             self._load_one(wav, "reference", transcript, int(wav.stat().st_mtime))
@@ -120,9 +122,10 @@ class VoiceRegistry:
                 meta = json.loads(meta_file.read_text(encoding="utf-8"))
                 if not isinstance(meta, dict):
                     raise TypeError("not a JSON object")
-                transcript, created_at = meta.get("transcript"), int(meta["created_at"])
-                if transcript is not None and not isinstance(transcript, str):
+                stored = meta.get("transcript") or ""
+                if not isinstance(stored, str):
                     raise TypeError("transcript is not a string")
+                transcript, created_at = clean_text(stored), int(meta["created_at"])
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 logger.warning("skipping voice metadata %s: %s", meta_file, exc)
                 continue
@@ -139,7 +142,7 @@ class VoiceRegistry:
         self, wav: Path, kind: Literal["reference", "uploaded"], transcript: str | None, created_at: int
     ) -> None:
         voice_id = wav.stem
-        if not VOICE_ID_PATTERN.match(voice_id) or voice_id in self._voices:
+        if not VOICE_ID_PATTERN.fullmatch(voice_id) or voice_id in self._voices:
             logger.warning("skipping voice %s: invalid or duplicate name", wav)
             return
         try:
@@ -217,7 +220,10 @@ class VoiceRegistry:
     ) -> ReferenceVoice:
         check_voice_id(name)
         if transcript is not None:
-            transcript = transcript.strip() or None
+            try:
+                transcript = clean_text(transcript).strip() or None
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="transcript") from exc
         if transcript is not None and len(transcript) > MAX_TRANSCRIPT_CHARS:
             raise InvalidRequestError(
                 f"transcript is longer than {MAX_TRANSCRIPT_CHARS} characters", param="transcript"
@@ -241,8 +247,14 @@ class VoiceRegistry:
 
     def _persist(self, voice: ReferenceVoice, meta: bytes) -> None:
         self._voices_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self._voices_dir / f"{voice.id}.wav", voice.audio.to_wav_bytes())
-        _write_atomic(self._voices_dir / f"{voice.id}.json", meta)
+        wav = self._voices_dir / f"{voice.id}.wav"
+        _write_atomic(wav, voice.audio.to_wav_bytes())
+        try:
+            _write_atomic(self._voices_dir / f"{voice.id}.json", meta)
+        except BaseException:
+            # E.g. the disk filled up: leave nothing behind for the failed upload.
+            wav.unlink(missing_ok=True)
+            raise
 
     async def delete(self, voice_id: str) -> None:
         async with self._write_lock:

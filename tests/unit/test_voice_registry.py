@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -125,3 +130,154 @@ def test_half_written_upload_is_ignored_and_cleaned(tmp_path: Path) -> None:
     reg.load()
     assert reg.get("half") is None and reg.get("broken") is None
     assert sorted(p.name for p in voices.iterdir()) == ["broken.json", "listed.json"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "abc\n",  # "$" alone would accept a trailing newline
+        "a\x00b",
+        "..",
+        "/etc/passwd",
+        "a\\b",
+        "a\u2215b",  # division slash, looks like "/"
+        "ａｂｃ",  # fullwidth letters  # noqa: RUF001
+        "x" * 65,
+        " lead",
+        "-dash-first",
+    ],
+)
+async def test_hostile_voice_names_are_rejected_and_nothing_is_written(
+    registry: VoiceRegistry, tmp_path: Path, name: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await registry.add_upload(name, _wav(), None)
+
+    assert info.value.param == "name"
+    assert list((tmp_path / "voices").iterdir()) == []
+    assert os.listdir(tmp_path) == ["voices"]
+
+
+async def test_transcript_control_characters_become_spaces(registry: VoiceRegistry, tmp_path: Path) -> None:
+    voice = await registry.add_upload("ctrl", _wav(), "\x00Say\x00 it\x1b[0m\x0cnow\x7f")
+
+    assert voice.transcript == "Say  it [0m now"
+    assert json.loads((tmp_path / "voices" / "ctrl.json").read_text())["transcript"] == "Say  it [0m now"
+    with pytest.raises(InvalidRequestError, match="lone surrogate") as info:
+        await registry.add_upload("surrogate", _wav(), "bad \ud800 text")
+    assert info.value.param == "transcript"
+
+
+def test_stored_transcripts_are_cleaned_on_load(tmp_path: Path) -> None:
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    for name, transcript in (("old", "from\u0000 before"), ("odd", "\ud800")):
+        (voices / f"{name}.wav").write_bytes(_wav())
+        (voices / f"{name}.json").write_text(json.dumps({"transcript": transcript, "created_at": 1}))
+    reg = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
+    reg.load()
+
+    old = reg.get("old")
+    assert old is not None and old.transcript == "from  before"
+    assert reg.get("odd") is None
+
+
+async def test_concurrent_uploads_of_one_name_have_one_winner(registry: VoiceRegistry, tmp_path: Path) -> None:
+    # Different lengths, so the stored recording shows whose it is.
+    uploads = [registry.add_upload("race", _wav(1.5 + 0.1 * i), f"take {i}") for i in range(8)]
+    results = await asyncio.gather(*uploads, return_exceptions=True)
+
+    winners = [r for r in results if not isinstance(r, BaseException)]
+    assert len(winners) == 1
+    assert all(isinstance(r, ConflictError) for r in results if r is not winners[0])
+    stored, rate = sf.read(tmp_path / "voices" / "race.wav")
+    assert stored.size == winners[0].audio.samples.size and rate == 16_000
+    assert json.loads((tmp_path / "voices" / "race.json").read_text())["transcript"] == winners[0].transcript
+
+
+async def test_failed_commit_leaves_no_audio_behind(registry: VoiceRegistry, tmp_path: Path) -> None:
+    (tmp_path / "voices" / "blocked.json").mkdir()  # the commit marker cannot be renamed over a directory
+
+    with pytest.raises(OSError):
+        await registry.add_upload("blocked", _wav(), None)
+
+    assert registry.get("blocked") is None
+    assert sorted(p.name for p in (tmp_path / "voices").iterdir()) == ["blocked.json"]
+
+
+async def test_deletion_is_durable(registry: VoiceRegistry, tmp_path: Path) -> None:
+    await registry.add_upload("brief", _wav(), "here for a moment")
+    await registry.delete("brief")
+
+    reloaded = VoiceRegistry(REF_AUDIOS, tmp_path / "voices", min_seconds=1.0, max_seconds=30.0, aliases={})
+    reloaded.load()
+    assert reloaded.get("brief") is None
+
+
+# Runs one upload in a child process that SIGKILLs itself just before its Nth file-system
+# step (fsync or rename): a real crash, so no ``finally`` or cleanup of the registry runs.
+_CRASHING_UPLOAD = """
+import asyncio, os, signal, sys
+from pathlib import Path
+
+from app.voice_registry import VoiceRegistry
+
+voices, sample, crash_before = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+steps = 0
+
+def crashing(step):
+    def wrapper(*args):
+        global steps
+        steps += 1
+        if steps == crash_before:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(*args)
+    return wrapper
+
+os.fsync, os.replace = crashing(os.fsync), crashing(os.replace)
+registry = VoiceRegistry(voices / "none", voices, min_seconds=1.0, max_seconds=30.0, aliases={})
+asyncio.run(registry.add_upload("crashy", sample.read_bytes(), "survives whole or not at all"))
+print(steps)
+"""
+# fsync+rename of the audio, fsync of the directory, the same for the JSON commit marker.
+_PERSIST_STEPS = 6
+
+
+def _run_crashing_upload(tmp_path: Path, crash_before: int) -> subprocess.CompletedProcess[str]:
+    sample = tmp_path / "sample.wav"
+    sample.write_bytes(_wav(2.0))
+    return subprocess.run(
+        [sys.executable, "-c", _CRASHING_UPLOAD, str(tmp_path / "voices"), str(sample), str(crash_before)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=60,
+        check=False,
+    )
+
+
+def test_upload_without_a_crash_takes_the_expected_steps(tmp_path: Path) -> None:
+    done = _run_crashing_upload(tmp_path, crash_before=0)
+
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == _PERSIST_STEPS
+
+
+@pytest.mark.parametrize("crash_before", range(1, _PERSIST_STEPS + 1))
+def test_crash_at_any_step_leaves_a_whole_voice_or_none(tmp_path: Path, crash_before: int) -> None:
+    crashed = _run_crashing_upload(tmp_path, crash_before)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+
+    registry = VoiceRegistry(REF_AUDIOS, tmp_path / "voices", min_seconds=1.0, max_seconds=30.0, aliases={})
+    registry.load()
+
+    voice = registry.get("crashy")
+    left = sorted(p.name for p in (tmp_path / "voices").iterdir())
+    # The JSON rename (step 5) commits the upload.
+    if crash_before > 5:
+        assert voice is not None and voice.transcript == "survives whole or not at all"
+        assert voice.audio.duration == pytest.approx(2.0, abs=0.01)
+        assert left == ["crashy.json", "crashy.wav"]
+    else:
+        assert voice is None
+        assert left == []
