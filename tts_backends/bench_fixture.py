@@ -64,7 +64,7 @@ class FixtureConfig:
 def tone(samples: int, sample_rate: int) -> NDArray[np.float32]:
     """``samples`` of a sine at TONE_HZ, read-only (chunks are views of it)."""
     t = np.arange(samples, dtype=np.float64) / sample_rate
-    wave = (TONE_AMPLITUDE * np.sin(2 * np.pi * TONE_HZ * t)).astype(np.float32)
+    wave: NDArray[np.float32] = (TONE_AMPLITUDE * np.sin(2 * np.pi * TONE_HZ * t)).astype(np.float32)
     wave.flags.writeable = False
     return wave
 

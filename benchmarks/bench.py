@@ -1,0 +1,273 @@
+"""Benchmark the gateway against direct Triton, side by side, in one run.
+
+For each model and backend mode (offline, stream) and each concurrency level, the same
+requests go to Triton directly over gRPC (the contract inputs the gateway would send) and
+to the gateway (``POST /v1/audio/speech``): time to first audio byte and total latency
+(p50/p90/p99), aggregate RTF, requests/s, errors, the gateway's peak RSS, and the ratios.
+The benchmark fixture model (``bench_fixture``: a tone, no compute) shows the gateway's own
+overhead; Piper gives real-compute figures. Also measured: the streaming encoders' CPU cost
+(``encoding_cost.py``) and the embedded CPU default (``cpu_default.py``). The issue's targets
+are checked against the figures. Writes bench.json, bench.md and bench.png into ``--out``.
+
+By default it starts its own stack: the embedded Triton on the ``bench`` profile and, per mode,
+a gateway process pointed at it (``TTS_BACKEND_MODE``), with access logging off.
+
+    python benchmarks/bench.py --out var/bench
+    python benchmarks/bench.py --parts sweep --models bench_fixture --levels 1,32 --modes offline
+    python benchmarks/bench.py --triton-url HOST:8001 --gateway-url http://HOST:8080 --gateway-mode stream \\
+        --models cosyvoice2 --parts sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import bench_report
+import cpu_default
+import encoding_cost
+import httpx
+import tritonclient.grpc.aio as grpcclient
+from bench_load import DirectTarget, GatewayTarget, Target, direct_plan, run_level
+from bench_stack import GatewayServer, embedded_triton
+from bench_stats import ratios, summarize
+
+from app.settings import Settings
+
+Mode = Literal["offline", "stream"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+PARTS = ("sweep", "encoding", "cpu-default")
+FIXTURE = "bench_fixture"
+
+
+def _csv(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _modes(value: str) -> list[Mode]:
+    modes = _csv(value)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    return [m for m in MODES if m in modes]
+
+
+def _levels(value: str) -> list[int]:
+    levels = [int(item) for item in _csv(value)]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels are positive integers")
+    return levels
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("var/bench"), help="where bench.json/.md/.png go")
+    parser.add_argument("--parts", type=_csv, default=list(PARTS), help=f"of {','.join(PARTS)} (default: all)")
+    what = parser.add_argument_group("sweep")
+    what.add_argument("--models", type=_csv, default=[FIXTURE, "piper"], help="speech models (default: %(default)s)")
+    what.add_argument("--modes", type=_modes, default=list(MODES), help="backend modes (default: offline,stream)")
+    what.add_argument("--levels", type=_levels, default=[1, 2, 4, 8, 16, 32, 64], help="concurrency of the fixture")
+    what.add_argument("--model-levels", type=_levels, default=[1, 2, 4], help="concurrency of the other models")
+    what.add_argument("--texts", type=_csv, help="text names of bench_texts.py (default: all the model speaks)")
+    what.add_argument("--requests", type=int, default=20, help="requests per level at least (default: 20)")
+    what.add_argument("--rounds", type=int, default=3, help="requests per worker at least (default: 3)")
+    what.add_argument("--warmup", type=int, default=2, help="unmeasured requests per text and target")
+    what.add_argument("--voice", default="alloy", help="voice of every request (default: alloy)")
+    what.add_argument("--offline-format", default="wav", choices=("wav", "pcm"))
+    what.add_argument("--stream-format", default="pcm", choices=("wav", "pcm"))
+    what.add_argument("--overhead-model", default=FIXTURE, help="model the gateway-overhead targets are read on")
+    stack = parser.add_argument_group("stack (default: started here)")
+    stack.add_argument("--profile", default="bench", help="profile of the embedded Triton (default: bench)")
+    stack.add_argument("--set", dest="overrides", action="append", default=[], metavar="MODEL.KEY=VALUE")
+    stack.add_argument("--repository", type=Path, help="serve this rendered repository instead of a profile")
+    stack.add_argument("--triton-url", help="use this Triton (gRPC host:port) instead of starting one")
+    stack.add_argument("--gateway-url", help="use this gateway instead of starting them (needs --triton-url)")
+    stack.add_argument("--gateway-mode", choices=MODES, default="stream", help="TTS_BACKEND_MODE of --gateway-url")
+    stack.add_argument("--gateway-pid", type=int, help="process of --gateway-url, for its RSS")
+    stack.add_argument("--gateway-env", action="append", default=[], metavar="TTS_KEY=VALUE")
+    other = parser.add_argument_group("encoding and CPU default")
+    other.add_argument("--encoding-seconds", type=float, default=60.0)
+    other.add_argument("--cores", type=int, default=2, help="CPUs of the embedded CPU default run")
+    other.add_argument("--cpu-rounds", type=int, default=3)
+    return parser
+
+
+@dataclass(frozen=True)
+class Stack:
+    triton_url: str
+    workdir: Path
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "load_average": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def _gateway_env(args: argparse.Namespace, triton_url: str, mode: Mode) -> dict[str, str]:
+    """The gateway's settings: this Triton and mode, admission control wide enough for every level."""
+    slots = str(max(*args.levels, *args.model_levels))
+    env = {
+        "TTS_TRITON_URL": triton_url,
+        "TTS_BACKEND_MODE": mode,
+        "TTS_MAX_CONCURRENT_SPEECH": slots,
+        "TTS_MAX_QUEUED_SPEECH": slots,
+    }
+    for item in args.gateway_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("TTS_"):
+            raise SystemExit(f"--gateway-env {item!r} is not TTS_KEY=VALUE")
+        env[key] = value
+    return env
+
+
+@contextlib.contextmanager
+def _gateway(args: argparse.Namespace, stack: Stack, mode: Mode) -> Iterator[tuple[str, int | None]]:
+    """URL and process id of a gateway serving ``mode``."""
+    if args.gateway_url:
+        yield args.gateway_url, args.gateway_pid
+        return
+    with GatewayServer(stack.workdir / f"gateway-{mode}", _gateway_env(args, stack.triton_url, mode)) as gateway:
+        yield gateway.url, gateway.pid
+
+
+async def _sweep(
+    args: argparse.Namespace, stack: Stack, model: str, mode: Mode, gateway_url: str, gateway_pid: int | None
+) -> dict[str, Any]:
+    settings = Settings(backend_mode=mode)
+    plan = await direct_plan(stack.triton_url, settings, model, args.voice, args.texts, stack.workdir)
+    texts = plan.texts
+    if not texts:
+        raise SystemExit(f"model {model} speaks none of the languages of the chosen texts")
+    response_format = args.offline_format if mode == "offline" else args.stream_format
+    levels = args.levels if model == args.overhead_model else args.model_levels
+    grpc = grpcclient.InferenceServerClient(stack.triton_url)
+    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    try:
+        async with httpx.AsyncClient(timeout=settings.backend_timeout * 2, limits=limits) as http:
+            targets: dict[str, Target] = {
+                "direct": DirectTarget(
+                    grpc,
+                    plan.triton_model,
+                    plan.inputs,
+                    streaming=plan.streaming,
+                    sample_rate=plan.sample_rate,
+                    parallelism=settings.synthesis_parallelism,
+                    timeout=settings.backend_timeout,
+                ),
+                "gateway": GatewayTarget(http, gateway_url, model, args.voice, response_format),
+            }
+            for target in targets.values():
+                for text in texts * args.warmup:
+                    await target.request(text)
+            results = []
+            for level in levels:
+                requests = max(args.requests, level * args.rounds)
+                direct = summarize(await run_level(targets["direct"], texts, level, requests))
+                gateway = summarize(await run_level(targets["gateway"], texts, level, requests, gateway_pid))
+                results.append(
+                    {"concurrency": level, "direct": direct, "gateway": gateway, "ratio": ratios(gateway, direct)}
+                )
+                print(
+                    f"{model} {mode} c={level}: total p50 direct {direct['total_ms']['p50']} ms,"
+                    f" gateway {gateway['total_ms']['p50']} ms; errors {direct['errors']}/{gateway['errors']}",
+                    file=sys.stderr,
+                )
+    finally:
+        await grpc.close()
+    return {
+        "model": model,
+        "mode": mode,
+        "triton_model": plan.triton_model,
+        "response_format": response_format,
+        "texts": [t.name for t in texts],
+        "levels": results,
+    }
+
+
+def _sweeps(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    if args.gateway_url and not args.triton_url:
+        raise SystemExit("--gateway-url needs --triton-url: the direct target is Triton")
+    modes = [args.gateway_mode] if args.gateway_url else args.modes
+    with contextlib.ExitStack() as stack:
+        triton_url = args.triton_url
+        if triton_url is None:
+            server = stack.enter_context(
+                embedded_triton(
+                    workdir / "triton", profile=args.profile, overrides=args.overrides, repository=args.repository
+                )
+            )
+            triton_url = server.grpc_url
+        sweeps = []
+        for mode in modes:
+            with _gateway(args, Stack(triton_url, workdir), mode) as (url, pid):
+                for model in args.models:
+                    sweeps.append(asyncio.run(_sweep(args, Stack(triton_url, workdir), model, mode, url, pid)))
+    return sweeps
+
+
+def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Every part asked for; the report dict that bench.json holds."""
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"unknown parts {unknown}; known: {', '.join(PARTS)}")
+    report: dict[str, Any] = {
+        "command": command,
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        workdir = Path(tmp)
+        if "sweep" in args.parts:
+            report["sweeps"] = _sweeps(args, workdir)
+        if "encoding" in args.parts:
+            report["encoding"] = encoding_cost.measure(args.encoding_seconds)
+        if "cpu-default" in args.parts:
+            report["cpu_default"] = cpu_default.measure(workdir / "cpu-default", args.cores, args.cpu_rounds)
+    report["targets"] = bench_report.targets_json(bench_report.check_targets(report, args.overhead_model))
+    return report
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    (out / "bench.md").write_text(bench_report.markdown(report), encoding="utf-8")
+    if report.get("sweeps"):
+        bench_report.plot(report, out / "bench.png")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    report = run(args, shlex.join(["python", "benchmarks/bench.py", *argv]))
+    write(report, args.out)
+    print(bench_report.markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

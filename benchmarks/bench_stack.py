@@ -1,0 +1,116 @@
+"""The stack a benchmark runs on: the embedded Triton for a profile, and gateway processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import httpx
+
+from app.embedded_triton import EmbeddedTriton
+from tts_backends.model_repository import parse_overrides, render_repository
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def embedded_triton(
+    workdir: Path, *, profile: str, overrides: list[str], repository: Path | None = None
+) -> Iterator[EmbeddedTriton]:
+    """Triton serving ``repository``, or ``profile`` of triton_repo/ rendered with ``MODEL.KEY=VALUE`` overrides."""
+    if repository is None:
+        repository = workdir / "repository"
+        render_repository(ROOT / "triton_repo", profile, repository, parse_overrides(overrides))
+    server = EmbeddedTriton(repository, workdir=workdir, startup_timeout=300.0)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace=5.0)
+
+
+class GatewayServer:
+    """``python -m app serve`` as a child process, as users run it, ready once /health says so.
+
+    ``env`` adds ``TTS_*`` settings; without ``TTS_TRITON_URL`` the gateway starts its own embedded
+    Triton. ``cores`` pins the gateway and everything it starts to those CPUs.
+    """
+
+    def __init__(self, workdir: Path, env: Mapping[str, str], cores: set[int] | None = None) -> None:
+        self.workdir = workdir
+        self._env = dict(env)
+        self._cores = cores
+        self._process: subprocess.Popen[bytes] | None = None
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the gateway is not running")
+        return self._process.pid
+
+    def start(self, timeout: float = 300.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "TTS_LOG_LEVEL": "warning",
+            "TTS_VOICES_DIR": str(self.workdir / "voices"),
+            "TTS_EMBEDDED_WORKDIR": str(self.workdir / "embedded"),
+            **self._env,
+        }
+        cores = self._cores
+        with (self.workdir / "gateway.log").open("ab") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {self._process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the gateway was not healthy within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        log = self.workdir / "gateway.log"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
