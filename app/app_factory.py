@@ -13,11 +13,14 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from app.admission import AdmissionControl
+from app.auth import ApiKeyMiddleware
 from app.backend import SpeechBackend
 from app.dependencies import Services
 from app.embedded_triton import EmbeddedTriton
 from app.errors import install_error_handlers
 from app.metrics import GatewayMetrics, HttpMetricsMiddleware
+from app.request_limits import RequestBodyLimitMiddleware
 from app.routes import health, models, speech, voices
 from app.settings import OPENAI_MODEL_NAMES, Settings
 from app.speech_service import SpeechService
@@ -29,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 # How long a gateway pointed at a remote Triton waits for it at start-up before serving 503s.
 _REMOTE_STARTUP_WAIT = 10.0
+# The voice upload route (routes/voices.py): its body may be as large as an upload plus the form fields.
+_UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
+_LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 def _start_embedded(settings: Settings, stack: AsyncExitStack) -> EmbeddedTriton:
@@ -63,6 +69,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _log_exposure(settings)
+        admission = AdmissionControl(
+            slots=settings.max_concurrent_speech,
+            max_queued=settings.max_queued_speech,
+            queue_timeout=settings.queue_timeout,
+            metrics=metrics,
+        )
         async with AsyncExitStack() as stack:
             url = settings.triton_url
             if url is None:
@@ -72,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 stack.push_async_callback(asyncio.to_thread, server.stop)
                 url = server.grpc_url
             backend = SpeechBackend(
-                TritonClient(url, timeout=settings.backend_timeout),
+                TritonClient(url, timeout=settings.backend_timeout, chunk_timeout=settings.backend_chunk_timeout),
                 metrics,
                 default_model=settings.default_model,
                 model_aliases=settings.model_aliases,
@@ -95,7 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings=settings,
                 backend=backend,
                 voices=registry,
-                speech=SpeechService(backend, registry, settings, metrics),
+                speech=SpeechService(backend, registry, settings, metrics, admission),
                 metrics=metrics,
                 started_at=int(time.time()),
             )
@@ -110,5 +123,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (speech, voices, models, health):
         app.include_router(module.router)
+    # The last added runs first: metrics see every answer, a missing key is refused before the
+    # body is read, and the body limit applies before any route parses anything.
+    app.add_middleware(
+        RequestBodyLimitMiddleware,
+        default_limit=settings.request_max_bytes,
+        route_limits={_UPLOAD_ROUTE: settings.upload_max_bytes + settings.request_max_bytes},
+    )
+    if settings.api_keys:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            keys=[key.get_secret_value() for key in settings.api_keys],
+            public_paths=settings.public_endpoints,
+        )
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
     return app
+
+
+def _log_exposure(settings: Settings) -> None:
+    if settings.api_keys:
+        public = ", ".join(settings.public_endpoints) or "none"
+        logger.info("API keys required (%d configured); public paths: %s", len(settings.api_keys), public)
+    elif settings.host not in _LOOPBACK_HOSTS:
+        logger.warning("listening on %s without API keys: anyone who can reach it can use it", settings.host)

@@ -31,13 +31,32 @@ class GatewayError(Exception):
         self.param = param
         self.code = code or self.default_code
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers this error calls for (``Retry-After``, ``WWW-Authenticate``)."""
+        return {}
+
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        """The error as a response; also sent directly by the ASGI middlewares, which run outside the handlers."""
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 class InvalidRequestError(GatewayError):
     status_code = 400
     error_type = "invalid_request_error"
+
+
+class AuthenticationError(GatewayError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
 
 
 class NotFoundError(GatewayError):
@@ -58,6 +77,22 @@ class PayloadTooLargeError(GatewayError):
     default_code = "payload_too_large"
 
 
+class RateLimitError(GatewayError):
+    """No synthesis slot for the request now; OpenAI's shape for shed load, with when to retry."""
+
+    status_code = 429
+    error_type = "requests"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
 class BackendUnavailableError(GatewayError):
     status_code = 503
     error_type = "server_error"
@@ -68,6 +103,14 @@ class BackendTimeoutError(GatewayError):
     status_code = 504
     error_type = "server_error"
     default_code = "backend_timeout"
+
+
+class RequestTimeoutError(GatewayError):
+    """The request ran past the gateway's wall-clock limit for one request."""
+
+    status_code = 504
+    error_type = "server_error"
+    default_code = "request_timeout"
 
 
 class BackendError(GatewayError):
@@ -96,7 +139,7 @@ async def _gateway_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, GatewayError)
     if exc.status_code >= 500:
         logger.warning("request failed: %s (%s)", exc.message, exc.code)
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    return exc.response()
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

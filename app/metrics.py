@@ -42,6 +42,19 @@ class GatewayMetrics:
             "tts_audio_seconds", "Seconds of audio produced", ["model"], registry=self.registry
         )
         self.backend_ready = Gauge("tts_backend_ready", "1 when the speech backend is ready", registry=self.registry)
+        self.speech_slots = Gauge(
+            "tts_speech_slots", "Speech requests that may be synthesised at once", registry=self.registry
+        )
+        self.speech_slots_in_use = Gauge(
+            "tts_speech_slots_in_use", "Speech requests holding a synthesis slot", registry=self.registry
+        )
+        self.speech_queued = Gauge("tts_speech_queued", "Speech requests waiting for a slot", registry=self.registry)
+        self.speech_rejected = Counter(
+            "tts_speech_rejected",
+            "Speech requests turned away with 429, by reason (queue_full, queue_timeout)",
+            ["reason"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tts_backends.model_repository import parse_overrides
 
@@ -83,6 +84,22 @@ class Settings(BaseSettings):
     ref_max_seconds: float = Field(30.0, gt=0, le=30.0)
     upload_max_bytes: int = Field(10 * 1024 * 1024, gt=0)
 
+    # Network exposure: authentication, request limits, admission control, timeouts.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="accepted bearer keys, comma-separated or a JSON list; empty: no auth"
+    )
+    public_endpoints: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["/health"], description="paths served without a key when keys are set"
+    )
+    request_max_bytes: int = Field(256 * 1024, gt=0, description="largest request body (voice uploads excepted)")
+    max_concurrent_speech: int = Field(8, ge=1, description="speech requests synthesised at once")
+    max_queued_speech: int = Field(32, ge=0, description="speech requests waiting for a slot; more get 429")
+    queue_timeout: float = Field(30.0, gt=0, description="seconds a speech request may wait for a slot")
+    request_timeout: float = Field(300.0, gt=0, description="seconds one speech request may take, queue included")
+    backend_chunk_timeout: float = Field(
+        30.0, gt=0, description="longest gap between the chunks of a streamed backend call"
+    )
+
     @field_validator("triton_url")
     @classmethod
     def _check_triton_url(cls, value: str | None) -> str | None:
@@ -98,6 +115,33 @@ class Settings(BaseSettings):
     def _merge_voice_aliases(cls, value: dict[str, str]) -> dict[str, str]:
         return {**_DEFAULT_VOICE_ALIASES, **value}
 
+    @field_validator("api_keys", "public_endpoints", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        """Lists come from the environment as JSON or, more simply, comma-separated."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [item.strip() for item in value.split(",") if item.strip()]
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for key in value:
+            secret = key.get_secret_value()
+            if not secret or any(c.isspace() for c in secret):
+                raise ValueError("API keys must be non-empty and contain no whitespace")
+        return value
+
+    @field_validator("public_endpoints")
+    @classmethod
+    def _check_public_endpoints(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not path.startswith("/"):
+                raise ValueError(f"public endpoints are paths such as /health, got {path!r}")
+        return value
+
     @field_validator("embedded_overrides")
     @classmethod
     def _check_overrides(cls, value: list[str]) -> list[str]:
@@ -108,4 +152,6 @@ class Settings(BaseSettings):
     def _check_limits(self) -> Settings:
         if self.ref_min_seconds >= self.ref_max_seconds:
             raise ValueError("ref_min_seconds must be below ref_max_seconds")
+        if self.queue_timeout >= self.request_timeout:
+            raise ValueError("queue_timeout must be below request_timeout (the wait for a slot is part of a request)")
         return self

@@ -2,11 +2,14 @@
 
 :meth:`SpeechService.plan` does every check that can fail because of the request
 (model, voice, capabilities), so errors reach the client with a proper status
-before any byte is sent. :meth:`SpeechService.open_stream` then synthesises: the
-input is split into sentences, up to ``synthesis_parallelism`` of them are in flight
-at the backend at once, and their audio is emitted strictly in order, chunk by chunk,
-as it arrives. The first chunk is awaited before the response starts, so a backend
-that is down still yields a 503 rather than an empty 200.
+before any byte is sent. :meth:`SpeechService.open_stream` then waits for a synthesis
+slot (admission control) and synthesises: the input is split into sentences, up to
+``synthesis_parallelism`` of them are in flight at the backend at once, and their
+audio is emitted strictly in order, chunk by chunk, as it arrives. The first chunk is
+awaited before the response starts, so a backend that is down still yields a 503
+rather than an empty 200. The whole request, queue included, runs against one
+deadline (``request_timeout``): before the first byte running out is a 504, after it
+the response ends cleanly like any other mid-stream failure.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from app.admission import AdmissionControl, Slot
 from app.audio_encoding import AudioFormat, create_encoder
 from app.backend import SpeechBackend
-from app.errors import BackendError, GatewayError, InvalidRequestError
+from app.errors import BackendError, GatewayError, InvalidRequestError, RequestTimeoutError
 from app.metrics import GatewayMetrics
 from app.model_catalog import SpeechModel
 from app.protocol import SpeechRequest
@@ -109,14 +113,49 @@ class _Progress:
     error: GatewayError | None = None
 
 
+class SpeechStream:
+    """The body of one speech response, whose first bytes already exist.
+
+    It holds the request's synthesis slot. :meth:`aclose` stops the synthesis and frees
+    the slot; the owner must call it however the response ends (finished, client gone,
+    failed), also when the body was never iterated.
+    """
+
+    def __init__(self, first: bytes, rest: AsyncGenerator[bytes, None], slot: Slot) -> None:
+        self._first: bytes | None = first
+        self._rest = rest
+        self._slot = slot
+
+    def __aiter__(self) -> SpeechStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        try:
+            await self._rest.aclose()
+        finally:
+            self._slot.release()
+
+
 class SpeechService:
     def __init__(
-        self, backend: SpeechBackend, voices: VoiceRegistry, settings: Settings, metrics: GatewayMetrics
+        self,
+        backend: SpeechBackend,
+        voices: VoiceRegistry,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        admission: AdmissionControl,
     ) -> None:
         self._backend = backend
         self._voices = voices
         self._settings = settings
         self._metrics = metrics
+        self._admission = admission
 
     def plan(self, request: SpeechRequest) -> SpeechPlan:
         catalog = self._backend.catalog
@@ -141,69 +180,83 @@ class SpeechService:
             instructions=request.instructions,
         )
 
-    async def open_stream(self, plan: SpeechPlan) -> AsyncIterator[bytes]:
-        """Start synthesis, wait for the first bytes, and return the whole body as an iterator.
+    async def open_stream(self, plan: SpeechPlan) -> SpeechStream:
+        """Wait for a synthesis slot, start synthesis, wait for the first bytes.
 
-        Raises a :class:`GatewayError` if synthesis fails before any byte exists.
+        Raises a :class:`GatewayError` if there is no slot (429) or synthesis fails before
+        any byte exists. The returned stream holds the slot until it is closed.
         """
         started = time.perf_counter()
-        body = self._sse_body(plan) if plan.sse else self._audio_body(plan)
+        deadline = asyncio.get_running_loop().time() + self._settings.request_timeout
+        slot = await self._admission.acquire()
+        body = self._sse_body(plan, deadline) if plan.sse else self._audio_body(plan, deadline)
+        measured = self._measured(plan, body, started)
         try:
-            first = await anext(body)
-        except StopAsyncIteration:
-            first = b""
+            first = await anext(measured)
         except BaseException:
-            await body.aclose()
-            self._metrics.speech_requests.labels(plan.model.id, plan.response_format, "failed").inc()
+            slot.release()
             raise
-        self._metrics.first_audio.labels(plan.model.id).observe(time.perf_counter() - started)
-        return self._measured(plan, first, body, started)
+        return SpeechStream(first, measured, slot)
 
     async def _measured(
-        self, plan: SpeechPlan, first: bytes, body: AsyncIterator[bytes], started: float
-    ) -> AsyncIterator[bytes]:
-        outcome = "cancelled"
-        self._metrics.in_flight.inc()
-        try:
-            yield first
-            async for piece in body:
-                yield piece
-            outcome = "ok"
-        finally:
-            self._metrics.in_flight.dec()
-            self._metrics.speech_requests.labels(plan.model.id, plan.response_format, outcome).inc()
-            self._metrics.duration.labels(plan.model.id).observe(time.perf_counter() - started)
+        self, plan: SpeechPlan, body: AsyncGenerator[bytes, None], started: float
+    ) -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(body):
+            try:
+                first = await anext(body, b"")
+            except BaseException:
+                self._metrics.speech_requests.labels(plan.model.id, plan.response_format, "failed").inc()
+                raise
+            self._metrics.first_audio.labels(plan.model.id).observe(time.perf_counter() - started)
+            outcome = "cancelled"
+            self._metrics.in_flight.inc()
+            try:
+                yield first
+                async for piece in body:
+                    yield piece
+                outcome = "ok"
+            finally:
+                self._metrics.in_flight.dec()
+                self._metrics.speech_requests.labels(plan.model.id, plan.response_format, outcome).inc()
+                self._metrics.duration.labels(plan.model.id).observe(time.perf_counter() - started)
 
     # -- audio ---------------------------------------------------------------------------------------
 
-    async def _audio_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
-        async for data in self._encoded(plan, _Progress()):
-            yield data
+    # Every generator below closes the one it reads from (``aclosing``), so closing the response's
+    # stream stops the backend work at once rather than whenever the garbage collector gets to it.
 
-    async def _sse_body(self, plan: SpeechPlan) -> AsyncGenerator[bytes, None]:
+    async def _audio_body(self, plan: SpeechPlan, deadline: float) -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(self._encoded(plan, _Progress(), deadline)) as encoded:
+            async for data in encoded:
+                yield data
+
+    async def _sse_body(self, plan: SpeechPlan, deadline: float) -> AsyncGenerator[bytes, None]:
         progress = _Progress()
-        async for data in self._encoded(plan, progress):
-            yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+        async with contextlib.aclosing(self._encoded(plan, progress, deadline)) as encoded:
+            async for data in encoded:
+                yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         if progress.error is not None:
             yield _sse_event({"type": "error", **progress.error.body()})
             return
         seconds = progress.samples / plan.model.sample_rate
         yield _sse_event({"type": "speech.audio.done", "usage": _usage(plan.input_chars, seconds)})
 
-    async def _encoded(self, plan: SpeechPlan, progress: _Progress) -> AsyncGenerator[bytes, None]:
+    async def _encoded(self, plan: SpeechPlan, progress: _Progress, deadline: float) -> AsyncGenerator[bytes, None]:
         """Encoded audio as the backend produces it, then the encoder's tail.
 
         A failure before any audio propagates (the response has not started). A failure
         after it is logged and recorded in ``progress``, and the file ends cleanly where
         the audio stops: the headers, and the status code with them, are already sent.
+        Running past ``deadline`` while waiting for audio is such a failure.
         """
         encoder = create_encoder(plan.response_format, plan.model.sample_rate)
         try:
-            async for chunk in self._audio(plan):
-                progress.samples += chunk.size
-                data = await asyncio.to_thread(encoder.encode, chunk)
-                if data:
-                    yield data
+            async with contextlib.aclosing(self._audio(plan)) as audio:
+                while (chunk := await self._next_chunk(audio, deadline)) is not None:
+                    progress.samples += chunk.size
+                    data = await asyncio.to_thread(encoder.encode, chunk)
+                    if data:
+                        yield data
         except GatewayError as exc:
             if progress.samples == 0:
                 raise
@@ -216,22 +269,32 @@ class SpeechService:
         if tail:
             yield tail
 
-    async def _audio(self, plan: SpeechPlan) -> AsyncIterator[Audio]:
+    async def _next_chunk(self, audio: AsyncIterator[Audio], deadline: float) -> Audio | None:
+        """The next chunk of ``audio`` (``None`` at its end), if it comes before ``deadline`` (loop time)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await anext(audio, None)
+        except TimeoutError:
+            limit = self._settings.request_timeout
+            raise RequestTimeoutError(f"the request did not finish within the gateway's limit of {limit:g} s") from None
+
+    async def _audio(self, plan: SpeechPlan) -> AsyncGenerator[Audio, None]:
         """Audio at the model's rate, tempo-adjusted here when the model cannot do it."""
-        if plan.backend_speed or plan.speed == 1.0:
-            async for chunk in self._synthesise(plan):
-                yield chunk
-            return
-        stretcher = TimeStretcher(plan.speed, plan.model.sample_rate)
-        async for chunk in self._synthesise(plan):
-            stretched = await asyncio.to_thread(stretcher.process, chunk)
-            if stretched.size:
-                yield stretched
+        async with contextlib.aclosing(self._synthesise(plan)) as synthesised:
+            if plan.backend_speed or plan.speed == 1.0:
+                async for chunk in synthesised:
+                    yield chunk
+                return
+            stretcher = TimeStretcher(plan.speed, plan.model.sample_rate)
+            async for chunk in synthesised:
+                stretched = await asyncio.to_thread(stretcher.process, chunk)
+                if stretched.size:
+                    yield stretched
         rest = await asyncio.to_thread(stretcher.flush)
         if rest.size:
             yield rest
 
-    async def _synthesise(self, plan: SpeechPlan) -> AsyncIterator[Audio]:
+    async def _synthesise(self, plan: SpeechPlan) -> AsyncGenerator[Audio, None]:
         """Sentences pipelined at the backend with bounded parallelism, audio in order."""
         request_id = uuid.uuid4().hex
         sentences: Iterator[tuple[int, str]] = enumerate(plan.sentences)

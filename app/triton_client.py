@@ -3,6 +3,8 @@
 One gRPC channel serves every request: offline calls use ``ModelInfer``, streaming
 calls open a ``ModelStreamInfer`` stream per request whose responses are the audio
 chunks of a decoupled model. Tensors travel as raw bytes, never JSON lists.
+Every call is bounded by ``timeout``; a stream is also given up when its next response
+takes longer than ``chunk_timeout``, so a stalled model is noticed within seconds.
 Cancelling the async iterator of :meth:`TritonClient.stream` cancels the gRPC call,
 which Triton forwards to the model (``request.is_cancelled()``).
 
@@ -98,9 +100,10 @@ _NUMPY_DTYPES: dict[str, type[np.generic]] = {
 
 
 class TritonClient:
-    def __init__(self, url: str, *, timeout: float) -> None:
+    def __init__(self, url: str, *, timeout: float, chunk_timeout: float | None = None) -> None:
         self.url = url
         self._timeout = timeout
+        self._chunk_timeout = chunk_timeout
         self._client = grpcclient.InferenceServerClient(url)
 
     async def close(self) -> None:
@@ -150,7 +153,14 @@ class TritonClient:
         responses = self._client.stream_infer(one_request(), stream_timeout=self._timeout)
         finished = False
         try:
-            async for result, error in responses:
+            while True:
+                try:
+                    async with asyncio.timeout(self._chunk_timeout):
+                        result, error = await anext(responses)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise BackendTimeoutError(f"model {model!r} sent nothing for {self._chunk_timeout:g} s") from None
                 if error is not None:
                     raise translate_error(error, model)
                 chunk = _waveform(result)

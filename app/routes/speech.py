@@ -4,12 +4,31 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from app.audio_encoding import CONTENT_TYPES
 from app.dependencies import ServicesDep
 from app.protocol import SpeechRequest
+from app.speech_service import SpeechStream
 
 router = APIRouter()
+
+
+class SpeechResponse(StreamingResponse):
+    """Closes its speech stream however the response ends (sent, client gone, failed).
+
+    That stops the synthesis and frees the request's synthesis slot at once.
+    """
+
+    def __init__(self, stream: SpeechStream, *, media_type: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(stream, media_type=media_type, headers=headers)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.aclose()
 
 
 @router.post(
@@ -21,5 +40,5 @@ async def create_speech(body: SpeechRequest, services: ServicesDep) -> Streaming
     plan = services.speech.plan(body)
     stream = await services.speech.open_stream(plan)
     if plan.sse:
-        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return StreamingResponse(stream, media_type=CONTENT_TYPES[plan.response_format])
+        return SpeechResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return SpeechResponse(stream, media_type=CONTENT_TYPES[plan.response_format])

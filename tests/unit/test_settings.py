@@ -23,6 +23,13 @@ def test_voice_aliases_from_the_environment_merge_over_the_defaults(monkeypatch:
         ("embedded_overrides", ["no-equals-sign"]),
         ("backend_mode", "sometimes"),
         ("port", 0),
+        ("api_keys", "good-key, bad key"),
+        ("api_keys", '["unterminated"'),
+        ("public_endpoints", "health"),
+        ("max_concurrent_speech", 0),
+        ("max_queued_speech", -1),
+        ("backend_chunk_timeout", 0),
+        ("queue_timeout", 300.0),
     ],
 )
 def test_bad_values_are_rejected(field: str, value: object) -> None:
@@ -32,3 +39,27 @@ def test_bad_values_are_rejected(field: str, value: object) -> None:
 
 def test_triton_url_accepts_grpc_scheme() -> None:
     assert Settings(triton_url="grpc://triton:8001").triton_url == "triton:8001"
+
+
+@pytest.mark.parametrize("value", ["key-one,key-two", " key-one , key-two ,", '["key-one", "key-two"]'])
+def test_api_keys_come_comma_separated_or_as_json(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("TTS_API_KEYS", value)
+    settings = Settings()
+    assert [key.get_secret_value() for key in settings.api_keys] == ["key-one", "key-two"]
+    assert "key-one" not in repr(settings)
+
+
+def test_auth_is_off_and_health_public_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TTS_API_KEYS", raising=False)
+    monkeypatch.delenv("TTS_PUBLIC_ENDPOINTS", raising=False)
+    assert Settings().api_keys == []
+    assert Settings().public_endpoints == ["/health"]
+    monkeypatch.setenv("TTS_API_KEYS", "")
+    assert Settings().api_keys == []
+
+
+def test_public_endpoints_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_PUBLIC_ENDPOINTS", "/health,/metrics")
+    assert Settings().public_endpoints == ["/health", "/metrics"]
+    monkeypatch.setenv("TTS_PUBLIC_ENDPOINTS", "")
+    assert Settings().public_endpoints == []
