@@ -56,7 +56,8 @@ class AuthenticationError(GatewayError):
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"WWW-Authenticate": "Bearer"}
+        # Closing also spares the server from draining a body nobody will read.
+        return {"WWW-Authenticate": "Bearer", "Connection": "close"}
 
 
 class NotFoundError(GatewayError):
@@ -75,6 +76,11 @@ class PayloadTooLargeError(GatewayError):
     status_code = 413
     error_type = "invalid_request_error"
     default_code = "payload_too_large"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        # The rest of the body is left unread: the server closes the connection rather than drain it.
+        return {"Connection": "close"}
 
 
 class RateLimitError(GatewayError):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from app.embedded_triton import EmbeddedTriton
-from app.errors import BackendUnavailableError, InvalidRequestError
+from app.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
 from app.triton_client import TritonClient
+from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS, start_scripted_triton
 from tts_backends import contract
 
 pytestmark = pytest.mark.triton
@@ -48,3 +53,43 @@ async def test_a_server_that_is_not_there_is_unavailable() -> None:
             await client.infer("piper", {contract.TARGET_TEXT: "hi"}, request_id="d")
     finally:
         await client.close()
+
+
+@pytest.fixture(scope="module")
+def scripted_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    server = start_scripted_triton(tmp_path_factory.mktemp("scripted_triton"))
+    yield server
+    server.stop(grace=2.0)
+
+
+async def test_a_stalled_stream_is_given_up_after_the_chunk_timeout(scripted_triton: EmbeddedTriton) -> None:
+    client = TritonClient(scripted_triton.grpc_url, timeout=60, chunk_timeout=1.0)
+    chunks = []
+    started = time.monotonic()
+    try:
+        with pytest.raises(BackendTimeoutError, match="sent nothing for 1 s"):
+            async for chunk in client.stream("scripted_stream", {contract.TARGET_TEXT: "tone*2 hang"}, "stalled"):
+                chunks.append(chunk.size)
+    finally:
+        await client.close()
+    elapsed = time.monotonic() - started
+    assert chunks == [int(TONE_SECONDS * SAMPLE_RATE)] * 2
+    assert 2 * TONE_SECONDS + 1.0 <= elapsed < 2 * TONE_SECONDS + 2.0
+    # Giving up cancels the request at Triton: the model stops waiting.
+    deadline = time.monotonic() + 5
+    while "scripted_stream: request 'stalled' cancelled" not in scripted_triton.log_path.read_text():
+        assert time.monotonic() < deadline, "the stalled request was not cancelled at Triton"
+        await asyncio.sleep(0.1)
+
+
+async def test_the_chunk_timeout_bounds_each_gap_not_the_whole_stream(scripted_triton: EmbeddedTriton) -> None:
+    client = TritonClient(scripted_triton.grpc_url, timeout=60, chunk_timeout=1.5)
+    started = time.monotonic()
+    try:
+        # Gaps of 1.25 s, 2.75 s in all.
+        script = {contract.TARGET_TEXT: "tone wait tone wait tone"}
+        chunks = [c.size async for c in client.stream("scripted_stream", script, "paced")]
+    finally:
+        await client.close()
+    assert len(chunks) == 3
+    assert time.monotonic() - started > 2.5
