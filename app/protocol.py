@@ -12,7 +12,7 @@ strict: ``true`` or ``"1.5"`` is not a speed, and neither is NaN or infinity.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -74,6 +74,27 @@ class SpeechRequest(BaseModel):
     @property
     def voice_id(self) -> str:
         return self.voice if isinstance(self.voice, str) else self.voice.id
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope: the body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+# ``responses`` of a route: the error envelope for every 4xx and 5xx. Declaring "4XX" also
+# keeps FastAPI from documenting its 422, which this API never sends (validation errors are 400).
+ERROR_RESPONSES: Final[dict[int | str, dict[str, Any]]] = {
+    "4XX": {"model": ErrorResponse, "description": "The request is invalid (OpenAI error envelope)"},
+    "5XX": {"model": ErrorResponse, "description": "The server or its backend failed (OpenAI error envelope)"},
+}
 
 
 class ModelCard(BaseModel):

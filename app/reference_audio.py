@@ -39,7 +39,8 @@ _SILENT_PEAK: Final = 1e-3
 _TRIM_FRAME_SECONDS: Final = 0.01
 _TRIM_RELATIVE_LEVEL: Final = 10 ** (-40 / 20)
 _TRIM_MARGIN_SECONDS: Final = 0.1
-# Decoding stops once this many times the allowed duration has been decoded.
+# Decoding stops once this many times the allowed duration has been decoded: room for the
+# silence trimmed afterwards, and a bound on the memory and time a small file can claim.
 _DECODE_LIMIT_FACTOR: Final = 2.0
 # Leading bytes of the containers left to libsndfile (WAV, RF64, Wave64, FLAC, Ogg,
 # AIFF); everything else goes to FFmpeg, so libsndfile's many exotic parsers never
@@ -91,7 +92,7 @@ def load_reference_audio(data: bytes, *, min_seconds: float = 1.0, max_seconds: 
     """
     if not data:
         raise ReferenceAudioError("reference audio is empty")
-    samples = _decode(data, max_seconds * _DECODE_LIMIT_FACTOR)
+    samples = _decode(data, max_seconds)
     if samples.size == 0:
         raise ReferenceAudioError("reference audio contains no samples")
     if float(np.max(np.abs(samples))) < _SILENT_PEAK:
@@ -117,15 +118,15 @@ def load_reference_audio(data: bytes, *, min_seconds: float = 1.0, max_seconds: 
 class _MonoCollector:
     """Collects decoded blocks as mono 16 kHz audio, enforcing the decoding limits."""
 
-    def __init__(self, sample_rate: int, limit_seconds: float) -> None:
+    def __init__(self, sample_rate: int, max_seconds: float) -> None:
         if not MIN_INPUT_SAMPLE_RATE <= sample_rate <= MAX_INPUT_SAMPLE_RATE:
             raise ReferenceAudioError(
                 f"reference audio has an unsupported sample rate of {sample_rate} Hz"
                 f" (supported: {MIN_INPUT_SAMPLE_RATE} to {MAX_INPUT_SAMPLE_RATE} Hz)"
             )
         self.sample_rate = sample_rate
-        self._limit_seconds = limit_seconds
-        self._max_frames = int(limit_seconds * sample_rate)
+        self._max_seconds = max_seconds
+        self._max_frames = int(max_seconds * _DECODE_LIMIT_FACTOR * sample_rate)
         self._frames = 0
         self._resampler = (
             None
@@ -142,7 +143,10 @@ class _MonoCollector:
             raise ReferenceAudioError("reference audio contains invalid samples (NaN or infinity)")
         self._frames += block.shape[0]
         if self._frames > self._max_frames:
-            raise ReferenceAudioError(f"reference audio is too long (more than {self._limit_seconds:g} s)")
+            raise ReferenceAudioError(
+                f"reference audio is too long: it runs past {self._max_seconds * _DECODE_LIMIT_FACTOR:g} s,"
+                f" at most {self._max_seconds:g} s of sound is allowed"
+            )
         mono = np.mean(block, axis=1, dtype=np.float32)
         if self._resampler is not None:
             mono = np.asarray(self._resampler.resample_chunk(mono), dtype=np.float32)
@@ -155,17 +159,17 @@ class _MonoCollector:
         return np.concatenate(self._chunks) if self._chunks else np.zeros(0, dtype=np.float32)
 
 
-def _decode(data: bytes, limit_seconds: float) -> NDArray[np.float32]:
+def _decode(data: bytes, max_seconds: float) -> NDArray[np.float32]:
     """Decode with libsndfile (wav, flac, ogg), else with FFmpeg (mp3, aac, m4a, webm, ...)."""
     if not data.startswith(_SOUNDFILE_MAGIC):
-        return _decode_with_ffmpeg(data, limit_seconds)
+        return _decode_with_ffmpeg(data, max_seconds)
     try:
         sound_file = sf.SoundFile(io.BytesIO(data))
     except (sf.SoundFileError, ValueError, TypeError):
         # E.g. a WAV holding a codec libsndfile lacks.
-        return _decode_with_ffmpeg(data, limit_seconds)
+        return _decode_with_ffmpeg(data, max_seconds)
     with sound_file:
-        collector = _MonoCollector(sound_file.samplerate, limit_seconds)
+        collector = _MonoCollector(sound_file.samplerate, max_seconds)
         block_frames = max(1, _BLOCK_SAMPLES // max(1, sound_file.channels))
         try:
             # Read until the data ends rather than trusting the frame count in the
@@ -179,7 +183,7 @@ def _decode(data: bytes, limit_seconds: float) -> NDArray[np.float32]:
         return collector.finish()
 
 
-def _decode_with_ffmpeg(data: bytes, limit_seconds: float) -> NDArray[np.float32]:
+def _decode_with_ffmpeg(data: bytes, max_seconds: float) -> NDArray[np.float32]:
     try:
         container = av.open(io.BytesIO(data), mode="r", metadata_errors="replace")
     except (av.FFmpegError, ValueError) as exc:
@@ -191,7 +195,7 @@ def _decode_with_ffmpeg(data: bytes, limit_seconds: float) -> NDArray[np.float32
         collector: _MonoCollector | None = None
         for frame in _decoded_frames(container, stream):
             if collector is None:
-                collector = _MonoCollector(frame.sample_rate, limit_seconds)
+                collector = _MonoCollector(frame.sample_rate, max_seconds)
             collector.add(_frame_to_block(frame), frame.sample_rate)
     if collector is None:
         raise ReferenceAudioError(_UNDECODABLE)

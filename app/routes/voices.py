@@ -8,22 +8,27 @@ from fastapi import APIRouter, File, Form, UploadFile
 
 from app.dependencies import ServicesDep
 from app.errors import PayloadTooLargeError
-from app.protocol import VoiceDeleted, VoiceList, VoiceObject
+from app.protocol import ERROR_RESPONSES, VoiceDeleted, VoiceList, VoiceObject
+from app.voice_registry import VOICE_ID_PATTERN
 
 router = APIRouter()
 
 _READ_CHUNK = 1 << 16
 
 
-@router.get("/v1/audio/voices")
+@router.get("/v1/audio/voices", responses=ERROR_RESPONSES)
 async def list_voices(services: ServicesDep) -> VoiceList:
     return VoiceList(voices=services.voices.describe(services.backend.catalog))
 
 
-@router.post("/v1/audio/voices", status_code=201)
+@router.post("/v1/audio/voices", status_code=201, responses=ERROR_RESPONSES)
 async def upload_voice(
     services: ServicesDep,
-    name: Annotated[str, Form(max_length=64)],
+    name: Annotated[
+        str,
+        # The pattern is documented here and checked by the registry, whose message explains it.
+        Form(max_length=64, json_schema_extra={"pattern": f"^{VOICE_ID_PATTERN.pattern}$"}),
+    ],
     audio_sample: Annotated[UploadFile, File(description="reference recording, any common format")],
     transcript: Annotated[str | None, Form(description="what the recording says; improves cloning")] = None,
     consent: Annotated[str | None, Form(description="accepted for OpenAI compatibility")] = None,
@@ -45,7 +50,7 @@ async def upload_voice(
     )
 
 
-@router.delete("/v1/audio/voices/{voice_id}")
+@router.delete("/v1/audio/voices/{voice_id}", responses=ERROR_RESPONSES)
 async def delete_voice(voice_id: str, services: ServicesDep) -> VoiceDeleted:
     await services.voices.delete(voice_id)
     return VoiceDeleted(id=voice_id)

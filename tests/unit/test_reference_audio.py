@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import tracemalloc
 from collections.abc import Callable
 
 import av
@@ -19,6 +20,7 @@ from app.reference_audio import (
     ReferenceAudioError,
     load_reference_audio,
 )
+from tests.hostile_audio import flac_silence_bomb, wav_with_header
 from tts_backends.contract import REFERENCE_SAMPLE_RATE
 
 TONE_HZ = 440.0
@@ -157,31 +159,6 @@ def test_limits_are_configurable() -> None:
         load_reference_audio(data, max_seconds=3.0)
 
 
-def wav_header_bytes(rate: int, channels: int = 1, frames: int = 16_000) -> bytes:
-    """A PCM_16 WAV whose header says ``rate``, built by hand since libsndfile refuses odd rates."""
-    data = np.zeros(frames * channels, dtype="<i2")
-    data[::7] = 1000
-    payload = data.tobytes()
-    block_align = 2 * channels
-    header = struct.pack(
-        "<4sI4s4sIHHIIHH4sI",
-        b"RIFF",
-        36 + len(payload),
-        b"WAVE",
-        b"fmt ",
-        16,
-        1,
-        channels,
-        rate,
-        rate * block_align,
-        block_align,
-        16,
-        b"data",
-        len(payload),
-    )
-    return header + payload
-
-
 def nan_wav() -> bytes:
     signal = voice_like(2.0, 16_000)
     signal[1000] = np.nan
@@ -202,10 +179,10 @@ def inf_wav() -> bytes:
         pytest.param(np.random.default_rng(7).bytes(20_000), "could not be decoded", id="random"),
         pytest.param(soundfile_bytes(voice_like(2.0, 16_000), 16_000)[:30], "could not be decoded", id="cut-hdr"),
         pytest.param(soundfile_bytes(np.zeros((0, 1)), 16_000), "no samples", id="zero-length"),
-        pytest.param(wav_header_bytes(1_000), "unsupported sample rate of 1000 Hz", id="rate-low"),
-        pytest.param(wav_header_bytes(3_999), "unsupported sample rate", id="rate-just-low"),
-        pytest.param(wav_header_bytes(MAX_INPUT_SAMPLE_RATE + 1), "unsupported sample rate", id="rate-high"),
-        pytest.param(wav_header_bytes(2_000_000_000), "unsupported sample rate", id="rate-absurd"),
+        pytest.param(wav_with_header(1_000), "unsupported sample rate of 1000 Hz", id="rate-low"),
+        pytest.param(wav_with_header(3_999), "unsupported sample rate", id="rate-just-low"),
+        pytest.param(wav_with_header(MAX_INPUT_SAMPLE_RATE + 1), "unsupported sample rate", id="rate-high"),
+        pytest.param(wav_with_header(2_000_000_000), "unsupported sample rate", id="rate-absurd"),
         pytest.param(nan_wav(), "NaN or infinity", id="nan"),
         pytest.param(inf_wav(), "NaN or infinity", id="inf"),
         pytest.param(soundfile_bytes(np.zeros((32_000, 1)), 16_000), "silent", id="digital-silence"),
@@ -241,8 +218,23 @@ def test_decoding_stops_early_on_very_long_input(make: FileMaker) -> None:
     data = make(np.zeros((600 * 48_000, 1)), 48_000)
     assert len(data) < 1_000_000
 
-    with pytest.raises(ReferenceAudioError, match="more than 60 s"):
+    with pytest.raises(ReferenceAudioError, match="runs past 60 s, at most 30 s of sound is allowed"):
         load_reference_audio(data)
+
+
+def test_decompression_bomb_is_stopped_at_the_cap_with_little_memory() -> None:
+    data = flac_silence_bomb()
+    assert len(data) < 400_000
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ReferenceAudioError, match="runs past 20 s"):
+            load_reference_audio(data, max_seconds=10.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Decoding it all would take 330 MB; up to the cap it is 20 s at 8 kHz, plus one block.
+    assert peak < 8 * 1024 * 1024
 
 
 def test_header_claiming_more_data_than_present_decodes_what_is_there() -> None:
