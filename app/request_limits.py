@@ -36,10 +36,9 @@ class RequestBodyLimitMiddleware:
             await self._app(scope, receive, send)
             return
         limit = self._routes.get((scope["method"], scope["path"]), self._default)
-        error = PayloadTooLargeError(f"request body is larger than the limit of {limit} bytes")
         declared = _content_length(scope)
         if declared is not None and declared > limit:
-            await error.response()(scope, receive, send)
+            await _too_large(limit).response()(scope, receive, send)
             return
 
         received = 0
@@ -72,7 +71,11 @@ class RequestBodyLimitMiddleware:
             if not exceeded or response_started:
                 raise
         if exceeded and not response_started:
-            await error.response()(scope, receive, send)
+            await _too_large(limit).response()(scope, receive, send)
+
+
+def _too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"request body is larger than the limit of {limit} bytes")
 
 
 def _content_length(scope: Scope) -> int | None:
