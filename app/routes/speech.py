@@ -8,10 +8,12 @@ from starlette.types import Receive, Scope, Send
 
 from app.audio_encoding import CONTENT_TYPES
 from app.dependencies import ServicesDep
-from app.protocol import SpeechRequest
+from app.protocol import ERROR_RESPONSES, SpeechRequest
 from app.speech_service import SpeechStream
 
 router = APIRouter()
+
+_SSE = "text/event-stream"
 
 
 class SpeechResponse(StreamingResponse):
@@ -34,11 +36,11 @@ class SpeechResponse(StreamingResponse):
 @router.post(
     "/v1/audio/speech",
     response_class=StreamingResponse,
-    responses={200: {"content": {mime: {} for mime in sorted(set(CONTENT_TYPES.values()))}}},
+    responses={200: {"content": {mime: {} for mime in sorted({*CONTENT_TYPES.values(), _SSE})}}, **ERROR_RESPONSES},
 )
 async def create_speech(body: SpeechRequest, services: ServicesDep) -> StreamingResponse:
     plan = services.speech.plan(body)
     stream = await services.speech.open_stream(plan)
     if plan.sse:
-        return SpeechResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return SpeechResponse(stream, media_type=_SSE, headers={"Cache-Control": "no-cache"})
     return SpeechResponse(stream, media_type=CONTENT_TYPES[plan.response_format])
