@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
@@ -11,6 +13,13 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5,
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, ...
+        ProcessCollector(registry=self.registry)
+        self.event_loop_tasks = Gauge(
+            "tts_event_loop_tasks",
+            "asyncio tasks alive on the event loop (a leak shows as growth)",
+            registry=self.registry,
+        )
         self.http_requests = Counter(
             "tts_http_requests",
             "HTTP requests by route and status",
@@ -57,6 +66,8 @@ class GatewayMetrics:
         )
 
     def render(self) -> bytes:
+        """The exposition text; called on the event loop, whose live tasks it counts."""
+        self.event_loop_tasks.set(len(asyncio.all_tasks()))
         return generate_latest(self.registry)
 
 
