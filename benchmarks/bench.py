@@ -40,7 +40,7 @@ import cpu_default
 import encoding_cost
 import httpx
 import tritonclient.grpc.aio as grpcclient
-from bench_load import DirectTarget, GatewayTarget, Target, direct_plan, run_level
+from bench_load import DirectTarget, GatewayTarget, LevelRun, Target, direct_plan, merge_runs, run_level
 from bench_stack import GatewayServer, embedded_triton
 from bench_stats import ratios, summarize
 
@@ -64,6 +64,13 @@ def _modes(value: str) -> list[Mode]:
     return [m for m in MODES if m in modes]
 
 
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {number}")
+    return number
+
+
 def _levels(value: str) -> list[int]:
     levels = [int(item) for item in _csv(value)]
     if not levels or min(levels) < 1:
@@ -81,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--levels", type=_levels, default=[1, 2, 4, 8, 16, 32, 64], help="concurrency of the fixture")
     what.add_argument("--model-levels", type=_levels, default=[1, 2, 4], help="concurrency of the other models")
     what.add_argument("--texts", type=_csv, help="text names of bench_texts.py (default: all the model speaks)")
-    what.add_argument("--requests", type=int, default=20, help="requests per level at least (default: 20)")
-    what.add_argument("--rounds", type=int, default=3, help="requests per worker at least (default: 3)")
+    what.add_argument("--requests", type=_positive, default=20, help="requests per level at least (default: 20)")
+    what.add_argument("--rounds", type=_positive, default=3, help="requests per worker at least (default: 3)")
+    what.add_argument("--passes", type=_positive, default=2, help="turns each target takes per level (default: 2)")
     what.add_argument("--warmup", type=int, default=2, help="unmeasured requests per text and target")
     what.add_argument("--voice", default="alloy", help="voice of every request (default: alloy)")
     what.add_argument("--offline-format", default="wav", choices=("wav", "pcm"))
@@ -186,9 +194,15 @@ async def _sweep(
                     await target.request(text)
             results = []
             for level in levels:
-                requests = max(args.requests, level * args.rounds)
-                direct = summarize(await run_level(targets["direct"], texts, level, requests))
-                gateway = summarize(await run_level(targets["gateway"], texts, level, requests, gateway_pid))
+                # Direct and gateway take turns, a share of the requests at a time: load that drifts
+                # (a shared machine) then weighs on both alike.
+                share = -(-max(args.requests, level * args.rounds) // args.passes)
+                runs: dict[str, list[LevelRun]] = {"direct": [], "gateway": []}
+                for _ in range(args.passes):
+                    runs["direct"].append(await run_level(targets["direct"], texts, level, share))
+                    runs["gateway"].append(await run_level(targets["gateway"], texts, level, share, gateway_pid))
+                direct = summarize(merge_runs(runs["direct"]))
+                gateway = summarize(merge_runs(runs["gateway"]))
                 results.append(
                     {"concurrency": level, "direct": direct, "gateway": gateway, "ratio": ratios(gateway, direct)}
                 )

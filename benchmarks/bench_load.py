@@ -258,6 +258,13 @@ async def run_level(
     return LevelRun(tuple(samples), wall, sampler.peak_mb)
 
 
+def merge_runs(runs: Sequence[LevelRun]) -> LevelRun:
+    """Several runs of one level as one: all samples, wall times added, the highest RSS."""
+    peaks = [run.rss_peak_mb for run in runs if run.rss_peak_mb is not None]
+    samples = tuple(sample for run in runs for sample in run.samples)
+    return LevelRun(samples, sum(run.wall for run in runs), max(peaks) if peaks else None)
+
+
 class RssSampler:
     """Peak resident memory of one process, read from /proc every ``interval`` seconds."""
 

@@ -219,26 +219,36 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter, ScalarFormatter
 
     fig, (latency, throughput) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for sweep in report.get("sweeps", []):
+    ticks: set[int] = set()
+    for index, sweep in enumerate(report.get("sweeps", [])):
         levels = [level["concurrency"] for level in sweep["levels"]]
+        ticks.update(levels)
+        # One colour per sweep; direct Triton dashed, the gateway solid.
         for target, style in (("direct", "--"), ("gateway", "-")):
             label = f"{sweep['model']} {sweep['mode']} {target}"
             first = [level[target]["first_byte_ms"]["p50"] for level in sweep["levels"]]
             rate = [level[target]["requests_per_s"] for level in sweep["levels"]]
-            latency.plot(levels, first, style, marker="o", label=label)
-            throughput.plot(levels, rate, style, marker="o", label=label)
+            colour = f"C{index % 10}"
+            latency.plot(levels, first, style, color=colour, marker="o", label=label)
+            throughput.plot(levels, rate, style, color=colour, marker="o", label=label)
     for axis, title, unit in (
         (latency, "time to first audio byte, p50", "ms"),
         (throughput, "throughput", "requests/s"),
     ):
         axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xticks(sorted(ticks))
+        axis.xaxis.set_major_formatter(ScalarFormatter())
+        # Plain numbers (20, not 2 x 10^1) on the logarithmic latency and throughput axes.
+        axis.yaxis.set_major_formatter(LogFormatter())
+        axis.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
         axis.set_xlabel("concurrency")
         axis.set_ylabel(unit)
         axis.set_title(title)
-        axis.grid(True, alpha=0.3)
-    latency.set_yscale("log")
+        axis.grid(True, which="both", alpha=0.3)
     throughput.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -19,7 +19,7 @@ TEXTS = ("short-en", "medium-zh")  # one sentence, two sentences: 1 s and 2 s of
 def test_sweep_reports_both_targets_at_each_level(bench_triton: EmbeddedTriton, tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--out", str(out), "--parts", "sweep", "--models", "bench_fixture", "--levels", "1,2"]
-    argv += ["--requests", "4", "--rounds", "1", "--warmup", "1", "--texts", ",".join(TEXTS)]
+    argv += ["--requests", "4", "--rounds", "1", "--passes", "2", "--warmup", "1", "--texts", ",".join(TEXTS)]
     assert bench.main([*argv, "--triton-url", bench_triton.grpc_url]) == 0
 
     report = json.loads((out / "bench.json").read_text())
