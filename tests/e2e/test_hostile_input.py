@@ -288,3 +288,19 @@ def test_path_like_voice_ids_cannot_be_deleted(gateway: GatewayProcess, path: st
     _assert_error(response, 404)
     listed = {v["id"] for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
     assert "lumen" in listed
+
+
+def test_the_uploaded_file_name_is_never_used(gateway: GatewayProcess, voices_dir: Path) -> None:
+    target = voices_dir.parent / "planted.wav"
+    response = httpx.post(
+        f"{gateway.url}/v1/audio/voices",
+        data={"name": "file-name-ignored"},
+        files={"audio_sample": (f"../../../../../..{target}", _tone_wav(2.0), "audio/wav")},
+        timeout=60,
+    )
+    try:
+        assert response.status_code == 201, response.text
+        assert not target.exists()
+        assert (voices_dir / "file-name-ignored.wav").exists()
+    finally:
+        httpx.delete(f"{gateway.url}/v1/audio/voices/file-name-ignored")
