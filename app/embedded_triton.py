@@ -45,6 +45,9 @@ _ERROR_LINE: Final = re.compile(r"E\d{4} ")
 _POLL_INTERVAL: Final = 0.2
 # How tritonserver reports that one of its ports was bound by someone else first.
 _PORT_TAKEN: Final = re.compile(r"failed to start \w+ service: .*already in use", re.IGNORECASE)
+# Where the Python backend keeps the shared memory it exchanges with each model's stub process.
+_SHM_DIR: Final = Path("/dev/shm")
+_SHM_PREFIX: Final = b"triton_python_backend_shm_region_"
 
 
 class EmbeddedTritonError(RuntimeError):
@@ -62,7 +65,12 @@ class EmbeddedTriton:
         host: str = "127.0.0.1",
         startup_timeout: float = 120.0,
         log_path: Path | None = None,
+        ports: tuple[int, int, int] | None = None,
     ) -> None:
+        """``ports`` (gRPC, HTTP, metrics) fixes where the server listens, so that a server
+        started again, or started after its clients, is found at the same address; by
+        default three free ports are picked at each start.
+        """
         self.repository = repository
         self.workdir = workdir
         self.host = host
@@ -70,6 +78,7 @@ class EmbeddedTriton:
         self.log_path = log_path or workdir / "tritonserver.log"
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._fixed_ports = ports
         self._ports: tuple[int, int, int] | None = None  # grpc, http, metrics
 
     @property
@@ -100,6 +109,8 @@ class EmbeddedTriton:
         try:
             self._launch(layout, backends)
         except _AddressInUse:
+            if self._fixed_ports is not None:
+                raise
             logger.info("a chosen port was taken before Triton bound it; retrying with new ports")
             self._launch(layout, backends)
 
@@ -114,10 +125,14 @@ class EmbeddedTriton:
                 except subprocess.TimeoutExpired:
                     logger.warning("tritonserver did not stop within %.0f s; killing it", grace)
             # The Python backend stubs share the server's process group; take any stragglers,
-            # also those of a server that died on its own.
+            # also those of a server that died on its own. A stub killed leaves its shared-memory
+            # region behind (a clean shutdown removes it), so note the regions first.
+            regions = _stub_shm_regions(process.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            for region in regions:
+                region.unlink(missing_ok=True)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -155,12 +170,15 @@ class EmbeddedTriton:
             link = python_backend / name
             link.unlink(missing_ok=True)
             link.symlink_to(layout.python_backend / name)
-        # Copied, not linked: the backend runs the stub found in its own directory.
-        shutil.copy2(layout.stub, python_backend / layout.stub.name)
+        # Copied, not linked: the backend runs the stub found in its own directory. Copied aside
+        # and renamed into place: stubs of a crashed previous run may still be executing the old file.
+        staged = python_backend / f".{layout.stub.name}.new"
+        shutil.copy2(layout.stub, staged)
+        staged.replace(python_backend / layout.stub.name)
         return python_backend.parent
 
     def _launch(self, layout: _WheelLayout, backends: Path) -> None:
-        ports = _free_ports(self.host)
+        ports = self._fixed_ports or _free_ports(self.host)
         command = [
             str(layout.server),
             f"--model-repository={self.repository}",
@@ -286,6 +304,23 @@ def _free_ports(host: str) -> tuple[int, int, int]:
             sock.bind((host, 0))
         grpc, http, metrics = (int(sock.getsockname()[1]) for sock in socks)
     return grpc, http, metrics
+
+
+def _stub_shm_regions(group: int) -> list[Path]:
+    """The shared-memory files of the Python backend stubs in process group ``group``.
+
+    Each stub is told the name of its region on its command line.
+    """
+    regions = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(proc.name)) != group:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        regions += [_SHM_DIR / arg.decode() for arg in args if arg.startswith(_SHM_PREFIX)]
+    return regions
 
 
 def _is_ready(url: str) -> bool:

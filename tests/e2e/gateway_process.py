@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,10 +30,51 @@ def processes_under(directory: Path) -> list[int]:
     return pids
 
 
+def model_processes(directory: Path) -> list[int]:
+    """The Python backend stubs (one per model instance) of the Triton whose workdir is ``directory``."""
+    return [pid for pid in processes_under(directory) if b"triton_python_backend_stub" in _cmdline(pid)]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time the processes have used so far (a process gone counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"process {pid} reports no VmRSS")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int) -> tuple[int, ...]:
+    """``count`` distinct ports free now (held together while picked, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return tuple(int(sock.getsockname()[1]) for sock in socks)
 
 
 class GatewayProcess:
@@ -66,6 +108,22 @@ class GatewayProcess:
                 return
             time.sleep(0.2)
         raise RuntimeError(f"gateway did not become healthy:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the gateway was not started")
+        return self._process.pid
+
+    def send_signal(self, sig: signal.Signals) -> None:
+        if self._process is not None:
+            self._process.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """The exit status once the process has ended; raises ``subprocess.TimeoutExpired``."""
+        if self._process is None:
+            raise RuntimeError("the gateway was not started")
+        return self._process.wait(timeout=timeout)
 
     def stop(self) -> None:
         if self._process is None or self._process.poll() is not None:

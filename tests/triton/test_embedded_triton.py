@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient_sync
 import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
@@ -25,6 +27,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import app.embedded_triton as embedded_triton
 from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tests.e2e.gateway_process import free_ports, model_processes
 from tts_backends import contract
 
 pytestmark = pytest.mark.triton
@@ -281,18 +284,25 @@ def test_stop_is_idempotent_and_ends_the_process(empty_repository: Path, tmp_pat
         _ = server.http_url
 
 
-def test_failed_start_reports_the_log_tail(tmp_path: Path) -> None:
-    model = tmp_path / "models" / "broken" / "1"
+def write_python_model(repository: Path, name: str, source: str) -> None:
+    """A Python model with one FP32 input ``x`` and one FP32 output ``y``."""
+    model = repository / name / "1"
     model.mkdir(parents=True)
     (model.parent / "config.pbtxt").write_text(
         'backend: "python"\nmax_batch_size: 0\n'
         'input [ { name: "x", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
         'output [ { name: "y", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
     )
-    (model / "model.py").write_text(
+    (model / "model.py").write_text(source)
+
+
+def test_failed_start_reports_the_log_tail(tmp_path: Path) -> None:
+    write_python_model(
+        tmp_path / "models",
+        "broken",
         "class TritonPythonModel:\n"
         "    def initialize(self, args):\n"
-        "        raise RuntimeError('voice file is corrupt')\n"
+        "        raise RuntimeError('voice file is corrupt')\n",
     )
     server = EmbeddedTriton(tmp_path / "models", workdir=tmp_path / "work")
     with pytest.raises(EmbeddedTritonError, match="exited with status") as excinfo:
@@ -371,3 +381,125 @@ def test_missing_wheel_names_the_extra(empty_repository: Path, tmp_path: Path, m
     monkeypatch.setitem(sys.modules, "pytriton", None)
     with pytest.raises(EmbeddedTritonError, match=r"pip install 'tts-gateway\[embedded\]'"):
         EmbeddedTriton(empty_repository, workdir=tmp_path / "work").start()
+
+
+@pytest.fixture
+def python_model_repository(tmp_path: Path) -> Path:
+    """One trivial Python model: a server with a backend stub process that starts in seconds."""
+    write_python_model(
+        tmp_path / "models",
+        "echo",
+        "import triton_python_backend_utils as pb_utils\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        return [pb_utils.InferenceResponse([pb_utils.Tensor('y', pb_utils.get_input_tensor_by_name(r, 'x')"
+        ".as_numpy())]) for r in requests]\n",
+    )
+    return tmp_path / "models"
+
+
+def stub_shm_regions(workdir: Path) -> list[Path]:
+    """The shared-memory files of the running stubs, named on their command lines."""
+    regions = []
+    for pid in model_processes(workdir):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        regions += [Path("/dev/shm") / arg for arg in args if arg.startswith("triton_python_backend_shm_region_")]
+    return regions
+
+
+def echo(server: EmbeddedTriton) -> float:
+    client = grpcclient_sync.InferenceServerClient(server.grpc_url)
+    try:
+        tensor = grpcclient_sync.InferInput("x", [1], "FP32")
+        tensor.set_data_from_numpy(np.array([1.5], dtype=np.float32))
+        result = client.infer("echo", [tensor]).as_numpy("y")
+    finally:
+        client.close()
+    assert result is not None
+    return float(result[0])
+
+
+def crash(server: EmbeddedTriton) -> None:
+    """SIGKILL the server (not its model processes) and wait until it has died."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while server.is_running():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_restart_after_a_crash_on_fixed_ports(python_model_repository: Path, tmp_path: Path) -> None:
+    grpc_port, http_port, metrics_port = free_ports(3)
+    server = EmbeddedTriton(
+        python_model_repository, workdir=tmp_path / "work", ports=(grpc_port, http_port, metrics_port)
+    )
+    try:
+        server.start()
+        assert server.grpc_url == f"127.0.0.1:{grpc_port}"
+        assert server.http_url == f"http://127.0.0.1:{http_port}"
+        assert server.metrics_url == f"http://127.0.0.1:{metrics_port}/metrics"
+        crashed = model_processes(tmp_path / "work")
+        assert crashed, "the Python model runs in a stub process"
+        crash(server)
+        # The crashed server's stub still runs the stub binary that a new start puts in place.
+        server.start()
+        assert server.grpc_url == f"127.0.0.1:{grpc_port}"
+        assert echo(server) == 1.5
+        assert not set(crashed) & set(model_processes(tmp_path / "work"))
+    finally:
+        server.stop(grace=2.0)
+
+
+def test_stopping_a_crashed_server_removes_its_shared_memory(python_model_repository: Path, tmp_path: Path) -> None:
+    server = EmbeddedTriton(python_model_repository, workdir=tmp_path / "work")
+    server.start()
+    regions = stub_shm_regions(tmp_path / "work")
+    assert regions and all(region.exists() for region in regions)
+    crash(server)
+    server.stop()
+    assert not [region for region in regions if region.exists()]
+    deadline = time.monotonic() + 5  # SIGKILLed processes take a moment to leave /proc
+    while model_processes(tmp_path / "work") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert model_processes(tmp_path / "work") == []
+
+
+def test_fixed_port_taken_is_an_error(empty_repository: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        _, http_port, metrics_port = free_ports(3)
+        server = EmbeddedTriton(
+            empty_repository, workdir=tmp_path / "work", ports=(taken.getsockname()[1], http_port, metrics_port)
+        )
+        with pytest.raises(EmbeddedTritonError, match="already in use"):
+            server.start()
+    assert not server.is_running()
+
+
+def test_start_replaces_a_stub_binary_still_in_use(empty_repository: Path, tmp_path: Path) -> None:
+    """Stubs of a crashed server run on for a moment: the next start must not need to write their binary."""
+    server = EmbeddedTriton(empty_repository, workdir=tmp_path / "work")
+    server.start()
+    server.stop()
+    stub = next((tmp_path / "work" / "backends" / "python").glob("triton_python_backend_stub"))
+    # A process held stopped right after it executed the stub (PTRACE_TRACEME): the file is busy.
+    libc = ctypes.CDLL(None, use_errno=True)
+    holder = subprocess.Popen(
+        [stub], preexec_fn=lambda: libc.ptrace(0, 0, None, None), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 5
+        while (state := Path(f"/proc/{holder.pid}/stat").read_text().rpartition(")")[2].split()[0]) != "t":
+            if holder.poll() is not None or time.monotonic() > deadline:
+                pytest.skip(f"cannot hold a process stopped after exec here (state {state})")
+            time.sleep(0.05)
+        with pytest.raises(OSError, match="Text file busy"):
+            stub.open("r+b")
+        server.start()
+        assert server.is_running()
+    finally:
+        holder.kill()
+        holder.wait()
+        server.stop()
