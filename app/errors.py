@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +160,27 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code, headers=exc.headers)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed_methods(request))
+    return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code, headers=headers)
+
+
+_HTTP_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Methods some route serves on the request's path (Starlette's 405 names only the first route's)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _HTTP_METHODS
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    ]
 
 
 async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:

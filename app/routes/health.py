@@ -7,9 +7,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.dependencies import ServicesDep
-from app.protocol import HealthStatus
+from app.protocol import ERROR_RESPONSES, HealthStatus
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})

@@ -6,9 +6,9 @@ from fastapi import APIRouter
 
 from app.dependencies import ServicesDep
 from app.errors import NotFoundError
-from app.protocol import AudioModel, AudioModelList, ModelCard, ModelList
+from app.protocol import ERROR_RESPONSES, AudioModel, AudioModelList, ModelCard, ModelList
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @router.get("/v1/models")

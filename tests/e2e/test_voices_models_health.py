@@ -130,6 +130,17 @@ def test_health_and_metrics(gateway: GatewayProcess, client: OpenAI) -> None:
     assert 'tts_speech_requests_total{format="pcm",model="piper",outcome="ok"}' in metrics.text
     assert "tts_time_to_first_audio_seconds_bucket" in metrics.text
     assert "tts_backend_ready 1.0" in metrics.text
+    assert "process_open_fds " in metrics.text
+    assert "process_resident_memory_bytes " in metrics.text
+    assert "tts_event_loop_tasks " in metrics.text
+
+
+def test_wrong_method_names_every_allowed_one(gateway: GatewayProcess) -> None:
+    # /v1/audio/voices has a GET and a POST route; the 405 must name both.
+    response = httpx.put(f"{gateway.url}/v1/audio/voices", json={})
+    assert response.status_code == 405
+    assert response.json()["error"]["code"] == "method_not_allowed"
+    assert set(response.headers["allow"].split(", ")) == {"GET", "POST"}
 
 
 def test_backend_down_gives_503(tmp_path: Path) -> None:
