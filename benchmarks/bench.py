@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -277,6 +278,8 @@ def write(report: dict[str, Any], out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    # A terminated run still stops its servers and removes its temporary files.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run(args, shlex.join(["python", "benchmarks/bench.py", *argv]))
     write(report, args.out)
     print(bench_report.markdown(report))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import signal
 import socket
@@ -20,6 +22,7 @@ from app.embedded_triton import EmbeddedTriton
 from tts_backends.model_repository import parse_overrides, render_repository
 
 ROOT = Path(__file__).resolve().parents[1]
+_PR_SET_PDEATHSIG = 1
 
 
 @contextlib.contextmanager
@@ -70,7 +73,6 @@ class GatewayServer:
             "TTS_EMBEDDED_WORKDIR": str(self.workdir / "embedded"),
             **self._env,
         }
-        cores = self._cores
         with (self.workdir / "gateway.log").open("ab") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
@@ -78,7 +80,7 @@ class GatewayServer:
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+                preexec_fn=functools.partial(_child_setup, os.getpid(), self._cores),
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -114,3 +116,12 @@ class GatewayServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _child_setup(parent: int, cores: set[int] | None) -> None:
+    """Runs in the gateway process before exec: pin it, and have it killed when the benchmark dies."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
