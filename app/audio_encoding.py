@@ -48,6 +48,9 @@ _BYTES_PER_SAMPLE: Final = 2
 class StreamEncoder(Protocol):
     """Encodes one response's audio incrementally."""
 
+    cheap: bool
+    """Costs so little (well under a millisecond per second of audio) that a worker thread would cost more."""
+
     def encode(self, samples: NDArray[np.float32]) -> bytes:
         """Add mono float32 samples in [-1, 1]; return the bytes ready so far (may be empty)."""
         ...
@@ -155,6 +158,8 @@ class _Encoder(ABC):
 
 
 class _PcmEncoder(_Encoder):
+    cheap = True
+
     def _encode_output(self, samples: NDArray[np.float32]) -> bytes:
         return _to_int16_bytes(samples)
 
@@ -163,6 +168,7 @@ class _PcmEncoder(_Encoder):
 
 
 class _StreamingWavEncoder(_Encoder):
+    cheap = True
     """WAV whose header, with unknown sizes, goes out with the first bytes (as OpenAI does)."""
 
     def __init__(self, input_sample_rate: int) -> None:
@@ -183,6 +189,7 @@ class _StreamingWavEncoder(_Encoder):
 
 
 class _WholeWavEncoder(_Encoder):
+    cheap = True
     """WAV with exact sizes: everything is returned by finish()."""
 
     def __init__(self, input_sample_rate: int) -> None:
@@ -218,6 +225,8 @@ class _DrainableSink:
 
 class _PyAVEncoder(_Encoder):
     """A compressed format encoded and muxed by FFmpeg through PyAV."""
+
+    cheap = False
 
     def __init__(self, spec: _CodecSpec, input_sample_rate: int, *, streaming: bool) -> None:
         super().__init__(input_sample_rate)

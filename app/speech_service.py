@@ -254,7 +254,7 @@ class SpeechService:
             async with contextlib.aclosing(self._audio(plan)) as audio:
                 while (chunk := await self._next_chunk(audio, deadline)) is not None:
                     progress.samples += chunk.size
-                    data = await asyncio.to_thread(encoder.encode, chunk)
+                    data = encoder.encode(chunk) if encoder.cheap else await asyncio.to_thread(encoder.encode, chunk)
                     if data:
                         yield data
         except GatewayError as exc:
@@ -264,7 +264,7 @@ class SpeechService:
             logger.error("speech stream for model %s ended early: %s", plan.model.id, exc.message)
         if progress.samples == 0:
             raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
-        tail = await asyncio.to_thread(encoder.finish)
+        tail = encoder.finish() if encoder.cheap else await asyncio.to_thread(encoder.finish)
         self._metrics.audio_seconds.labels(plan.model.id).inc(progress.samples / plan.model.sample_rate)
         if tail:
             yield tail
@@ -295,31 +295,37 @@ class SpeechService:
             yield rest
 
     async def _synthesise(self, plan: SpeechPlan) -> AsyncGenerator[Audio, None]:
-        """Sentences pipelined at the backend with bounded parallelism, audio in order."""
+        """Sentences pipelined at the backend with bounded parallelism, audio in order.
+
+        The first sentence runs alone until its first audio arrives: it then has the backend to
+        itself (no competition for the first byte), and the later sentences still start long
+        before they are due.
+        """
         request_id = uuid.uuid4().hex
         sentences: Iterator[tuple[int, str]] = enumerate(plan.sentences)
         in_flight: deque[tuple[asyncio.Task[None], asyncio.Queue[Audio | _End | GatewayError]]] = deque()
+        parallelism = 1
 
-        def launch_next() -> None:
-            item = next(sentences, None)
-            if item is None:
-                return
-            index, sentence = item
-            queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue(_SENTENCE_QUEUE_CHUNKS)
-            task = asyncio.create_task(self._sentence(plan, index, sentence, f"{request_id}-{index}", queue))
-            in_flight.append((task, queue))
+        def launch() -> None:
+            while len(in_flight) < parallelism and (item := next(sentences, None)) is not None:
+                index, sentence = item
+                queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue(_SENTENCE_QUEUE_CHUNKS)
+                task = asyncio.create_task(self._sentence(plan, index, sentence, f"{request_id}-{index}", queue))
+                in_flight.append((task, queue))
 
-        for _ in range(self._settings.synthesis_parallelism):
-            launch_next()
+        launch()
         try:
             while in_flight:
                 _, queue = in_flight[0]
                 while not isinstance(item := await queue.get(), _End):
                     if isinstance(item, GatewayError):
                         raise item
+                    if parallelism == 1:
+                        parallelism = self._settings.synthesis_parallelism
+                        launch()
                     yield item
                 in_flight.popleft()
-                launch_next()
+                launch()
         finally:
             for task, _ in in_flight:
                 task.cancel()
