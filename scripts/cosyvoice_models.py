@@ -1,7 +1,8 @@
-"""CosyVoice2 model operations: download, tiny test checkpoint, TensorRT-LLM engine, render, launch.
+"""CosyVoice2 model operations: download, random checkpoints (tiny, full size), TensorRT-LLM engine, render, launch.
 
     python scripts/cosyvoice_models.py download --models-root /models
     python scripts/cosyvoice_models.py tiny --models-root var/tiny
+    python scripts/cosyvoice_models.py random-full --models-root var/random-full
     python scripts/cosyvoice_models.py build-engine --models-root /models
     python scripts/cosyvoice_models.py render --profile cosyvoice2-cpu --dest var/repo --models-root var/tiny
     python scripts/cosyvoice_models.py launch --profile gpu-trtllm --repo /models/repo --prepare
@@ -111,6 +112,14 @@ def cmd_tiny(args: argparse.Namespace) -> None:
     sys.stderr.write(f"tiny checkpoint written under {args.models_root}\n")
 
 
+def cmd_random_full(args: argparse.Namespace) -> None:
+    from tts_backends.cosyvoice2.random_checkpoint import ensure_checkpoint, full_size
+
+    _, written = ensure_checkpoint(args.models_root, full_size(), seed=args.seed)
+    state = "written" if written else "already complete"
+    sys.stderr.write(f"full-size random checkpoint {state} under {args.models_root}\n")
+
+
 def cmd_build_engine(args: argparse.Namespace) -> None:
     settings = _settings(args)
     hf_dir = args.models_root / LLM_DIR
@@ -181,6 +190,11 @@ def parser() -> argparse.ArgumentParser:
     with_root(tiny, True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_tiny)
+
+    full = sub.add_parser("random-full", help="write a random-weight checkpoint at full size (~2 GB) unless complete")
+    with_root(full, True)
+    full.add_argument("--seed", type=int, default=0)
+    full.set_defaults(func=cmd_random_full)
 
     engine = sub.add_parser("build-engine", help="build the TensorRT-LLM engine unless up to date")
     with_root(engine, True)

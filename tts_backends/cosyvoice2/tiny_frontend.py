@@ -9,7 +9,8 @@
   ``config.json``, ``generation_config.json``, ``model.safetensors`` (bf16, with the
   ``lm_head.bias`` upstream's conversion writes: -inf outside the speech rows), and a byte-level
   BPE tokenizer padded with placeholders so that every special and speech token sits at its real
-  id (see :mod:`.vocab`).
+  id (see :mod:`.vocab`). :func:`write_llm` writes the same directory at any Qwen2 shape; the
+  full-size random checkpoint (:mod:`.random_checkpoint`) uses it with Qwen2-0.5B's.
 
 The ONNX graphs are built with ``onnx.helper`` (opset 17) so no exporter is involved.
 """
@@ -53,6 +54,7 @@ LLM_HEADS: Final = 2
 LLM_KV_HEADS: Final = 1
 # Speech rows of upstream's llm_decoder / speech_embedding: 6561 tokens and eos1..eos3.
 _SPEECH_ROWS: Final = slice(vocab.SPEECH_TOKEN_OFFSET, vocab.EOS3_ID + 1)
+_STOP_ROWS: Final = slice(vocab.EOS1_ID, vocab.EOS3_ID + 1)
 
 _BPE_CORPUS: Final = (
     "The quick brown fox jumps over the lazy dog.",
@@ -151,19 +153,17 @@ def write_tiny_campplus_onnx(path: Path, *, seed: int = 0) -> Path:
 
 def write_tiny_llm(directory: Path, *, seed: int = 0) -> Path:
     """Write a tiny ``cosyvoice2_llm``-shaped HF directory (weights and tokenizer) to ``directory``."""
+    return write_llm(directory, tiny_llm_config(), seed=seed)
+
+
+def write_llm(directory: Path, config: Qwen2Config, *, seed: int = 0, stop_logit: float | None = None) -> Path:
+    """Write a random-weight ``cosyvoice2_llm`` HF directory of any Qwen2 shape (see :func:`llm_state`)."""
     directory.mkdir(parents=True, exist_ok=True)
-    config = tiny_llm_config()
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).eval()
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    generator = torch.Generator().manual_seed(seed)
-    state["lm_head.weight"] = _speech_rows_only(state["lm_head.weight"])
-    bias = torch.full((config.vocab_size,), float("-inf"))
-    rows = _SPEECH_ROWS.stop - _SPEECH_ROWS.start
-    bias[_SPEECH_ROWS] = torch.randn(rows, generator=generator) * 0.5
-    state["lm_head.bias"] = bias
     save_file(
-        {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in state.items()},
+        {
+            name: tensor.to(torch.bfloat16).contiguous()
+            for name, tensor in llm_state(config, seed=seed, stop_logit=stop_logit).items()
+        },
         str(directory / "model.safetensors"),
         metadata={"format": "pt"},
     )
@@ -175,16 +175,61 @@ def write_tiny_llm(directory: Path, *, seed: int = 0) -> Path:
     return directory
 
 
+def llm_state(config: Qwen2Config, *, seed: int = 0, stop_logit: float | None = None) -> dict[str, torch.Tensor]:
+    """Random float32 weights of a CosyVoice2 LLM: Hugging Face's Qwen2 initialisation, then upstream's head.
+
+    The head keeps only the speech rows, with a random bias, and -inf bias elsewhere. With
+    ``stop_logit`` the stop rows instead get zero weights and that bias: a large value makes
+    every generation stop as soon as the caller's ``min_new_tokens`` allows, which gives a
+    random-weight model a reproducible output length. Built on torch's default device (under
+    ``torch.device("meta")`` it only has shapes).
+    """
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).eval()
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    head = state["lm_head.weight"]
+    state["lm_head.weight"] = _speech_rows_only(head)
+    bias = torch.full((config.vocab_size,), float("-inf"), device=head.device)
+    rows = _SPEECH_ROWS.stop - _SPEECH_ROWS.start
+    bias[_SPEECH_ROWS] = (torch.randn(rows, generator=generator, device="cpu") * 0.5).to(head.device)
+    if stop_logit is not None:
+        state["lm_head.weight"][_STOP_ROWS] = 0.0
+        bias[_STOP_ROWS] = stop_logit
+    state["lm_head.bias"] = bias
+    return state
+
+
 def tiny_llm_config() -> Qwen2Config:
     """Qwen2 config of the tiny LLM: real vocabulary size and conventions, tiny dimensions."""
-    return Qwen2Config(
-        vocab_size=vocab.MODEL_VOCAB_SIZE,
+    return qwen2_config(
         hidden_size=LLM_HIDDEN,
         intermediate_size=LLM_INTERMEDIATE,
         num_hidden_layers=LLM_LAYERS,
         num_attention_heads=LLM_HEADS,
         num_key_value_heads=LLM_KV_HEADS,
         max_position_embeddings=4096,
+    )
+
+
+def qwen2_config(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    max_position_embeddings: int,
+) -> Qwen2Config:
+    """A Qwen2 config with the CosyVoice2 LLM's vocabulary and conventions (untied, bf16) and the given shape."""
+    return Qwen2Config(
+        vocab_size=vocab.MODEL_VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
         tie_word_embeddings=False,

@@ -1,0 +1,134 @@
+"""The full-size random checkpoint has the released model's shapes, and its LLM stops where the caller allows.
+
+The full-size weights are checked on the meta device (shapes only, no memory); behaviour is
+checked on tiny shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.config import load_config
+from tts_backends.cosyvoice2.flow import CausalFlow
+from tts_backends.cosyvoice2.hift import HiFTGenerator
+from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
+from tts_backends.cosyvoice2.random_checkpoint import (
+    FLOW_FILENAME,
+    FULL_STOP_LOGIT,
+    HIFT_FILENAME,
+    MARKER_FILENAME,
+    OFFICIAL_CONFIG_FILE,
+    ensure_checkpoint,
+    full_size,
+    module_states,
+)
+from tts_backends.cosyvoice2.tiny_checkpoint import tiny_size
+from tts_backends.cosyvoice2.tiny_frontend import llm_state, tiny_llm_config, write_llm
+
+pytestmark = pytest.mark.cosyvoice
+
+# Qwen2-0.5B: 494,032,768 parameters with its 151,936-row embedding tied to the head.
+QWEN2_05B_PARAMETERS = 494_032_768
+QWEN2_05B_VOCAB_ROWS = 151_936
+
+
+def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+def test_flow_and_hift_are_written_at_the_official_hyper_parameters() -> None:
+    official = load_config(OFFICIAL_CONFIG_FILE)
+    size = full_size()
+    assert size.model == official
+    with torch.device("meta"):
+        states = module_states(size.model)
+        expected = {
+            FLOW_FILENAME: CausalFlow(official.flow).state_dict(),
+            HIFT_FILENAME: HiFTGenerator(official.hift).state_dict(),
+        }
+    assert {name: shapes(state) for name, state in states.items()} == {
+        name: shapes(state) for name, state in expected.items()
+    }
+
+    flow, hift = shapes(states[FLOW_FILENAME]), shapes(states[HIFT_FILENAME])
+    assert flow["input_embedding.weight"] == (6561, 512)
+    assert flow["encoder.encoders.5.self_attn.pos_bias_u"] == (8, 64)
+    assert "encoder.encoders.6.self_attn.pos_bias_u" not in flow
+    assert flow["decoder.estimator.mid_blocks.11.0.block1.block.0.weight"] == (256, 256, 3)
+    assert "decoder.estimator.mid_blocks.12.0.block1.block.0.weight" not in flow
+    assert hift["conv_pre.parametrizations.weight.original1"] == (512, 80, 7)
+    # 450 MB and 83 MB in float32.
+    assert sum(t.numel() for t in states[FLOW_FILENAME].values()) == 112_549_360
+    assert sum(t.numel() for t in states[HIFT_FILENAME].values()) == 20_821_295
+
+
+def test_llm_has_qwen2_05b_shape_with_the_extended_vocabulary_and_an_untied_biased_head() -> None:
+    config = full_size().llm
+    dims = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
+    assert dims == (896, 24, 14, 2)
+    assert config.intermediate_size == 4864
+    assert config.vocab_size == vocab.MODEL_VOCAB_SIZE
+    assert config.tie_word_embeddings is False
+    with torch.device("meta"):
+        state = shapes(llm_state(config, stop_logit=FULL_STOP_LOGIT))
+    assert state["model.embed_tokens.weight"] == state["lm_head.weight"] == (vocab.MODEL_VOCAB_SIZE, 896)
+    assert state["lm_head.bias"] == (vocab.MODEL_VOCAB_SIZE,)
+    assert state["model.layers.23.self_attn.q_proj.weight"] == (896, 896)
+    assert state["model.layers.23.self_attn.k_proj.weight"] == (128, 896)
+    assert state["model.layers.23.mlp.gate_proj.weight"] == (4864, 896)
+    assert "model.layers.24.self_attn.q_proj.weight" not in state
+    untied_rows = 2 * vocab.MODEL_VOCAB_SIZE * 896 + vocab.MODEL_VOCAB_SIZE
+    expected = QWEN2_05B_PARAMETERS - QWEN2_05B_VOCAB_ROWS * 896 + untied_rows
+    assert sum(torch.Size(shape).numel() for shape in state.values()) == expected
+
+
+@pytest.mark.parametrize(("stop_logit", "stops_at_minimum"), [(FULL_STOP_LOGIT, True), (None, False)])
+def test_the_stop_logit_ends_generation_as_soon_as_the_minimum_allows(
+    tmp_path: Path, stop_logit: float | None, stops_at_minimum: bool
+) -> None:
+    llm_dir = write_llm(tmp_path / "cosyvoice2_llm", tiny_llm_config(), stop_logit=stop_logit)
+    llm = TorchSpeechLLM(llm_dir)
+    ids = vocab.build_prompt_ids(AutoTokenizer.from_pretrained(llm_dir), "Hi there.", "A longer sentence.", [5, 6, 7])
+    lengths = [
+        len(
+            list(
+                llm.generate(
+                    ids, SamplingParams(seed=seed), max_new_tokens=80, min_new_tokens=minimum, stop_ids=vocab.STOP_IDS
+                )
+            )
+        )
+        for seed, minimum in ((0, 3), (1, 17), (2, 40))
+    ]
+    assert (lengths == [3, 17, 40]) is stops_at_minimum
+
+
+def test_a_complete_checkpoint_is_reused_and_any_other_replaced(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    staging = tmp_path / "models.partial"
+    staging.mkdir()
+    (staging / "left-over").write_text("an interrupted write", encoding="utf-8")
+
+    first, written = ensure_checkpoint(root, tiny_size(), seed=0)
+    assert written
+    assert not staging.exists()
+    assert (first.model_dir / FLOW_FILENAME).is_file() and (first.llm_dir / "model.safetensors").is_file()
+    flow_written = (first.model_dir / FLOW_FILENAME).stat().st_mtime_ns
+
+    again, written = ensure_checkpoint(root, tiny_size(), seed=0)
+    assert (again, written) == (first, False)
+    assert (first.model_dir / FLOW_FILENAME).stat().st_mtime_ns == flow_written
+
+    before = torch.load(first.model_dir / HIFT_FILENAME, weights_only=True)
+    _, written = ensure_checkpoint(root, tiny_size(), seed=1)
+    after = torch.load(first.model_dir / HIFT_FILENAME, weights_only=True)
+    assert written
+    assert not all(torch.equal(before[key], after[key]) for key in before)
+
+    (root / MARKER_FILENAME).unlink()  # a checkpoint without its marker (written in place) is not trusted
+    _, written = ensure_checkpoint(root, tiny_size(), seed=1)
+    assert written
