@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from collections.abc import Sequence
-from typing import Any
+from types import FrameType
+from typing import Any, NoReturn
 
 import uvicorn
 
@@ -25,6 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_after_shutdown(signum: int, frame: FrameType | None) -> NoReturn:
+    """Exit 0 on SIGINT/SIGTERM: uvicorn raises the signal again once it has shut down gracefully.
+
+    Left to the default handlers, that re-raise would end the process as killed by the signal
+    (status 143, or a KeyboardInterrupt traceback), although the shutdown asked for completed.
+    Before uvicorn installs its own handlers, the same signal simply ends the process.
+    """
+    raise SystemExit(0)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     overrides: dict[str, Any] = {
@@ -34,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, _exit_after_shutdown)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import tritonclient.grpc as grpcclient
 
 
 def processes_under(directory: Path) -> list[int]:
@@ -53,6 +56,16 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise ValueError(f"process {pid} reports no VmRSS")
+
+
+def stream_requests_seen(triton_url: str, model: str = "piper_stream") -> int:
+    """Requests ``model`` has finished so far, successfully or not (Triton's own statistics)."""
+    client = grpcclient.InferenceServerClient(triton_url)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+    finally:
+        client.close()
+    return sum(int(stats[kind].get("count", 0)) for kind in ("success", "fail"))
 
 
 def _cmdline(pid: int) -> bytes:
@@ -138,3 +151,42 @@ class GatewayProcess:
     def log_tail(self, lines: int = 40) -> str:
         text = self._log_path.read_text(errors="replace") if self._log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+class SlowReader(threading.Thread):
+    """A raw HTTP client with a tiny receive buffer that reads ``rate`` bytes per second, in small reads."""
+
+    def __init__(self, port: int, body: dict[str, str], rate: int) -> None:
+        super().__init__(daemon=True)
+        self.received = 0
+        self.status_line = b""
+        self._pause = 512 / rate
+        self._leaving = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self._sock.connect(("127.0.0.1", port))
+        payload = json.dumps(body).encode()
+        head = "POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        self._sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+    def run(self) -> None:
+        while not self._leaving.is_set():
+            try:
+                data = self._sock.recv(512)
+            except ConnectionResetError:
+                return  # the server closed the connection with data still unread
+            if not data:
+                return
+            if not self.status_line:
+                self.status_line = data.split(b"\r\n", 1)[0]
+            self.received += len(data)
+            time.sleep(self._pause)
+
+    def hurry(self) -> None:
+        """Read the rest at full speed (what the kernels still buffer), to the end of the response."""
+        self._pause = 0.0
+
+    def leave(self) -> None:
+        self._leaving.set()
+        self.join(timeout=5)
+        self._sock.close()
