@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import tritonclient.grpc as grpcclient
 
+from app.embedded_triton import EmbeddedTriton
+
 
 def processes_under(directory: Path) -> list[int]:
     """Live (not zombie) processes whose command line mentions ``directory``."""
@@ -73,6 +75,16 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def crash(server: EmbeddedTriton) -> None:
+    """SIGKILL the server (not its model processes) and wait until it has died."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while server.is_running():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 def free_port() -> int:
@@ -147,6 +159,15 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+
+    def wait_for(self, path: str, status: int, within: float) -> float:
+        """Seconds until ``GET path`` answers ``status``; fails after ``within``."""
+        started = time.monotonic()
+        while (code := httpx.get(f"{self.url}{path}", timeout=5).status_code) != status:
+            if time.monotonic() - started > within:
+                raise AssertionError(f"{path} still answers {code} after {within} s:\n{self.log_tail()}")
+            time.sleep(0.1)
+        return time.monotonic() - started
 
     def log_tail(self, lines: int = 40) -> str:
         text = self._log_path.read_text(errors="replace") if self._log_path.exists() else ""

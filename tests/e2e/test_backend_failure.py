@@ -1,30 +1,32 @@
-"""Triton dies while a response streams: the stream ends cleanly and the gateway stays up."""
+"""Triton dies while responses stream: each ends cleanly, the gateway stays up and recovers when Triton is back."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from app.embedded_triton import EmbeddedTriton
-from tests.audio_checks import decode
-from tests.e2e.gateway_process import GatewayProcess, processes_under
+from tests.audio_checks import assert_speech, decode
+from tests.e2e.gateway_process import GatewayProcess, crash, free_ports, processes_under
 
 pytestmark = pytest.mark.triton
 
 LONG_TEXT = " ".join(f"Sentence number {n} keeps the stream going for a while." for n in range(60))
+SHORT = {"model": "tts-1", "voice": "alloy", "input": "A short one."}
 
 
 @pytest.fixture()
 def doomed(cpu_repository: Path, tmp_path: Path) -> Iterator[tuple[EmbeddedTriton, GatewayProcess]]:
-    """A Triton of its own (the test kills it) and a gateway in front of it."""
-    triton = EmbeddedTriton(cpu_repository, workdir=tmp_path / "triton")
+    """A Triton of its own (the test kills it; fixed ports, so it can come back) and a gateway in front of it."""
+    ports = free_ports(3)
+    triton = EmbeddedTriton(cpu_repository, workdir=tmp_path / "triton", ports=(ports[0], ports[1], ports[2]))
     triton.start()
     gateway = GatewayProcess(
         tmp_path / "gateway.log", {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(tmp_path / "voices")}
@@ -35,11 +37,6 @@ def doomed(cpu_repository: Path, tmp_path: Path) -> Iterator[tuple[EmbeddedTrito
     finally:
         gateway.stop()
         triton.stop(grace=1.0)
-
-
-def _kill(triton: EmbeddedTriton) -> None:
-    assert triton.pid is not None
-    os.kill(triton.pid, signal.SIGKILL)
 
 
 def _assert_no_model_process_left(triton: EmbeddedTriton) -> None:
@@ -62,7 +59,7 @@ def test_sse_stream_ends_with_an_error_event(doomed: tuple[EmbeddedTriton, Gatew
                 continue
             events.append(json.loads(line.removeprefix("data: ")))
             if len(events) == 1:
-                _kill(triton)
+                crash(triton)
     assert events[0]["type"] == "speech.audio.delta"
     assert events[-1]["type"] == "error"
     assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
@@ -82,7 +79,7 @@ def test_audio_stream_ends_as_a_valid_shorter_file(doomed: tuple[EmbeddedTriton,
         assert response.status_code == 200
         for piece in response.iter_bytes():
             if not received:
-                _kill(triton)
+                crash(triton)
             received += piece
     audio = decode(bytes(received), "wav")
     assert audio.sample_rate == 24_000
@@ -92,3 +89,90 @@ def test_audio_stream_ends_as_a_valid_shorter_file(doomed: tuple[EmbeddedTriton,
     assert speech.status_code == 503
     assert speech.json()["error"]["code"] == "backend_unavailable"
     _assert_no_model_process_left(triton)
+
+
+@dataclass
+class Outcome:
+    """How one response ended: its status and body, or the transport error that cut it."""
+
+    status: int
+    body: bytes
+    error: str | None = None
+
+
+async def long_stream(client: httpx.AsyncClient, body: dict[str, str], started: asyncio.Event) -> Outcome:
+    async with client.stream("POST", "/v1/audio/speech", json=body) as response:
+        received = bytearray()
+        try:
+            async for piece in response.aiter_raw():
+                received += piece
+                started.set()
+        except httpx.TransportError as exc:
+            return Outcome(response.status_code, bytes(received), repr(exc))
+    return Outcome(response.status_code, bytes(received))
+
+
+async def short_requests(client: httpx.AsyncClient, stop: asyncio.Event) -> list[Outcome]:
+    """Short requests one after the other until ``stop``, through the crash."""
+    outcomes = []
+    while not stop.is_set():
+        response = await client.post("/v1/audio/speech", json={**SHORT, "response_format": "wav"})
+        outcomes.append(Outcome(response.status_code, response.content))
+    return outcomes
+
+
+async def requests_through_a_crash(gateway: GatewayProcess, triton: EmbeddedTriton) -> list[Outcome]:
+    """Two long wav streams, one long SSE stream and a run of short requests; Triton dies under them all."""
+    long_bodies = [
+        {"model": "tts-1", "voice": "alloy", "input": LONG_TEXT, "response_format": "wav"},
+        {"model": "tts-1", "voice": "nova", "input": LONG_TEXT, "response_format": "wav"},
+        {"model": "tts-1", "voice": "alloy", "input": LONG_TEXT, "response_format": "pcm", "stream_format": "sse"},
+    ]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
+        started = [asyncio.Event() for _ in long_bodies]
+        longs = [asyncio.create_task(long_stream(client, b, e)) for b, e in zip(long_bodies, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+        stop = asyncio.Event()
+        shorts = asyncio.create_task(short_requests(client, stop))
+        await asyncio.sleep(0.5)
+        crash(triton)
+        await asyncio.sleep(1.0)
+        stop.set()
+        # None may hang: every response ends within seconds of the crash.
+        *ended, short_outcomes = await asyncio.wait_for(asyncio.gather(*longs, shorts), 15)
+    return [*ended, *short_outcomes]
+
+
+def test_concurrent_requests_end_cleanly_and_the_gateway_recovers(
+    doomed: tuple[EmbeddedTriton, GatewayProcess],
+) -> None:
+    triton, gateway = doomed
+    wav_a, wav_b, sse, *shorts = asyncio.run(requests_through_a_crash(gateway, triton))
+    for stream in (wav_a, wav_b):
+        assert stream.status == 200
+        assert stream.error is None, stream.error
+        audio = decode(stream.body, "wav")
+        assert audio.sample_rate == 24_000
+        assert 0.5 < audio.duration < 120.0
+    assert sse.status == 200
+    assert sse.error is None, sse.error
+    events = [json.loads(line.removeprefix("data: ")) for line in sse.body.decode().splitlines() if line]
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error"
+    assert shorts, "short requests ran through the crash"
+    for short in shorts:
+        if short.status == 200:
+            assert decode(short.body, "wav").duration > 0.5
+        else:
+            assert short.status == 503, short.body
+            assert json.loads(short.body)["error"]["code"] == "backend_unavailable"
+    assert shorts[-1].status == 503, "requests after the crash are refused"
+    # Every response is accounted for, and the gateway is still there.
+    assert "tts_speech_in_flight 0.0" in httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    assert httpx.get(f"{gateway.url}/health", timeout=5).status_code == 503
+    triton.start()
+    gateway.wait_for("/health", 200, within=5.0)
+    response = httpx.post(f"{gateway.url}/v1/audio/speech", json={**SHORT, "response_format": "wav"}, timeout=30)
+    assert response.status_code == 200
+    audio = decode(response.content, "wav")
+    assert_speech(audio, expected_seconds=audio.duration)

@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import app.embedded_triton as embedded_triton
 from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
-from tests.e2e.gateway_process import free_ports, model_processes
+from tests.e2e.gateway_process import crash, free_ports, model_processes
 from tts_backends import contract
 
 pytestmark = pytest.mark.triton
@@ -417,16 +417,6 @@ def echo(server: EmbeddedTriton) -> float:
         client.close()
     assert result is not None
     return float(result[0])
-
-
-def crash(server: EmbeddedTriton) -> None:
-    """SIGKILL the server (not its model processes) and wait until it has died."""
-    assert server.pid is not None
-    os.kill(server.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while server.is_running():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def test_restart_after_a_crash_on_fixed_ports(python_model_repository: Path, tmp_path: Path) -> None:
