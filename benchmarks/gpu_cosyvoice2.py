@@ -1,0 +1,581 @@
+"""CosyVoice2 behind Triton on one GPU (``gpu-torch`` profile) at full model size, random weights.
+
+Writes (or reuses) the full-size random checkpoint (flow and HiFT at CosyVoice2-0.5B's
+hyper-parameters, the LLM at Qwen2-0.5B's shape; see ``tts_backends/cosyvoice2/random_checkpoint.py``),
+renders the profile over it, starts the embedded tritonserver and warms it up. Then, for each
+concurrency level, it sends a fixed set of prompts (English and Chinese, two reference voices)
+over gRPC (one channel, as the gateway does), streamed to ``cosyvoice2_stream`` and offline to
+``cosyvoice2``. It reports first-chunk latency (avg/p50/p90), total latency, RTF (wall time of the
+level / seconds of audio produced: upstream's definition, a throughput figure) and GPU memory, next
+to upstream's L20 figures, in ``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md`` under ``--out``
+(rewritten after every pass, so an interrupted run keeps what it measured).
+
+Random weights cost what real ones cost per token; only the output length has to be imposed: the
+checkpoint's LLM stops as soon as the profile's ``min_token_text_ratio`` allows, so every request
+yields a known number of speech tokens (checked) and the audio seconds are the same in every pass.
+
+    python benchmarks/gpu_cosyvoice2.py --out /tmp/report          # GPU: 6 to 8 minutes
+    python benchmarks/gpu_cosyvoice2.py --cpu --levels 1 --prompts 2  # rehearsal without a GPU
+
+Passes that would overrun ``--budget-s`` (counted from the start) are skipped and reported as
+such; run them again with ``--levels``. The checkpoint lives under ``--workdir`` and is reused.
+"""
+
+# ruff: noqa: RUF001
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import gpu_sanity
+import grpc
+import numpy as np
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio_grpcclient
+from gpu_sanity import ROOT, Voice, cosyvoice_models
+from numpy.typing import NDArray
+from transformers import AutoTokenizer
+from tritonclient.utils import InferenceServerException
+
+from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_backends import contract
+from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.random_checkpoint import ensure_checkpoint, full_size
+
+MODEL: Final = "cosyvoice2"
+PROFILE: Final = "gpu-torch"
+SAMPLE_RATE: Final = 24_000
+SAMPLES_PER_TOKEN: Final = 960
+VOICES: Final = ("harbor", "lumen")
+MODES: Final = ("stream", "offline")
+# Short (36 speech tokens: one stream chunk and the final one): warms CUDA and the voice caches.
+WARMUP_TEXT: Final = "Warming up the models."
+# --cpu rehearses the harness, it measures nothing: every model on the CPU in one instance, the
+# flow in float32 (float16 convolutions crawl there) and with 1 Euler step instead of 10 (the
+# full-size flow takes about 30 s per call on two cores with 10).
+CPU_OVERRIDES: Final = (
+    *gpu_sanity.SINGLE_INSTANCES,
+    *gpu_sanity.CPU_DEVICES,
+    "token2wav.dtype=float32",
+    "token2wav.n_timesteps=1",
+)
+
+# Sentences of everyday lengths (2 to 7 s of speech), English with a Chinese one in every four or
+# five (their full-width punctuation is intended). Request i uses voice i % 2 and seed i.
+PROMPTS: Final = (
+    "The train to the coast leaves at half past eight, so we should be at the station a little earlier.",
+    "今天下午我们去公园散步，看到很多人在湖边钓鱼。",
+    "Please remember to water the plants on the balcony while I am away next week.",
+    "After three days of heavy rain, the river finally rose above the old stone bridge, and the village "
+    "council closed the road.",
+    "Thank you for calling. All of our agents are busy at the moment, but your call is important to us.",
+    "这家餐厅的菜很好吃，服务也非常周到，我们下次还会再来。",
+    "She opened the letter slowly, read the first line twice, and then put it back in the envelope without a word.",
+    "Turn left at the next traffic light.",
+    "The museum will stay open until nine on Fridays during the summer, and entry is free for children under twelve.",
+    "明天早上八点开会，请大家准时参加，并提前准备好自己的报告。",
+    "A good cup of coffee in the morning can make even a long day feel a little shorter.",
+    "The software update fixes several security problems and improves battery life on older devices.",
+    "If you have any questions about your order, you can reply to this message and someone will get back to "
+    "you within a day.",
+    "火车晚点了半个小时，我们只好在候车室里等着。",
+    "Our neighbours are building a small wooden house for the birds in their garden.",
+    "He had never seen so many stars, and for a long time he simply lay on the grass and looked up.",
+    "The quarterly report shows that sales grew by twelve percent, mostly thanks to strong demand in Asia.",
+    "窗外下着小雨，她一边喝茶一边看书，觉得这个周末过得很安静。",
+    "Could you send me the slides from this morning's presentation?",
+    "The bakery on the corner sells the best bread in town, but it is usually sold out before noon.",
+    "When the lights went out, the whole audience fell silent, waiting for the first note of the piano.",
+    "Scientists hope the new telescope will help them understand how the first galaxies were formed.",
+    "孩子们在操场上踢足球，笑声传得很远。",
+    "Don't forget your umbrella; the forecast says it will rain again this afternoon.",
+    "The recipe calls for two cups of flour, a pinch of salt, three eggs and a little warm milk.",
+    "We walked along the beach until the sun went down and the first lights appeared in the harbour.",
+)
+
+# Upstream runtime/triton_trtllm on one L20: real weights, TensorRT-LLM, 26 prompts, ~170 s of audio.
+# Streaming with the voice cache on (this benchmark's voices are cached after the warm-up).
+L20_REFERENCE: Final = {
+    ("stream", 1): (190.0, 0.116),
+    ("stream", 2): (323.0, 0.091),
+    ("stream", 4): (978.0, 0.073),
+    ("offline", 1): (758.0, 0.089),
+    ("offline", 2): (1026.0, 0.066),
+    ("offline", 4): (1914.0, 0.061),
+}
+L20_STREAM_NO_CACHE: Final = "streaming without the voice cache: 220 / 477 / 1107 ms, RTF 0.124 / 0.102 / 0.092"
+
+
+@dataclass(frozen=True)
+class Client:
+    """One gRPC channel for every request of a run, and the time limit of one request."""
+
+    grpc: aio_grpcclient.InferenceServerClient
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: int
+    text: str
+    voice: Voice
+    expected_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    prompt: int
+    voice: str
+    audio_s: float
+    first_chunk_ms: float
+    total_ms: float
+    chunks: int
+    error: str | None = None
+
+
+@dataclass
+class PassResult:
+    mode: str
+    concurrency: int
+    wall_s: float
+    gpu_peak_mib: int | None
+    requests: list[RequestResult] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        ok = [r for r in self.requests if r.error is None]
+        audio = sum(r.audio_s for r in ok)
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "requests": len(self.requests),
+            "failed": len(self.requests) - len(ok),
+            "wall_s": round(self.wall_s, 3),
+            "audio_s": round(audio, 3),
+            "rtf": round(self.wall_s / audio, 4) if audio else None,
+            "first_chunk_ms": _stats([r.first_chunk_ms for r in ok]),
+            "latency_ms": _stats([r.total_ms for r in ok]),
+            "gpu_peak_mib": self.gpu_peak_mib,
+        }
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    p50, p90 = np.percentile(values, [50, 90])
+    return {"avg": round(float(np.mean(values)), 1), "p50": round(float(p50), 1), "p90": round(float(p90), 1)}
+
+
+class GpuMemoryPeak:
+    """Highest ``memory.used`` of GPU 0 while the block runs, sampled from nvidia-smi in a thread."""
+
+    def __init__(self, enabled: bool, interval_s: float = 0.5) -> None:
+        self._enabled = enabled
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.peak_mib: int | None = None
+
+    def __enter__(self) -> GpuMemoryPeak:
+        if self._enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._enabled:
+            self._stop.set()
+            self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            used = gpu_sanity.gpu_memory_used()
+            self.peak_mib = max(self.peak_mib or 0, used)
+            if self._stop.wait(self._interval_s):
+                return
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def request_inputs(job: Job) -> list[grpcclient.InferInput]:
+    """gpu_sanity's request in the job's voice and seed (the prompt number), saying the job's text."""
+    inputs = gpu_sanity.request_inputs(job.voice, job.prompt)
+    text = next(tensor for tensor in inputs if tensor.name() == contract.TARGET_TEXT)
+    text.set_data_from_numpy(np.array([job.text.encode()], dtype=np.object_))
+    return inputs
+
+
+async def synthesize(client: Client, mode: str, job: Job, request_id: str) -> RequestResult:
+    """One request; a stream's first-chunk time is taken when its first audio arrives."""
+    chunks: list[NDArray[np.float32]] = []
+    first = 0.0
+    error: str | None = None
+    started = time.perf_counter()
+    try:
+        if mode == "offline":
+            result = await client.grpc.infer(
+                MODEL, request_inputs(job), request_id=request_id, client_timeout=client.timeout_s
+            )
+            chunks.append(result.as_numpy(contract.WAVEFORM))
+        else:
+            request = {
+                "model_name": contract.stream_model_name(MODEL),
+                "inputs": request_inputs(job),
+                "request_id": request_id,
+            }
+
+            async def one_request() -> AsyncIterator[dict[str, Any]]:
+                yield request
+
+            async for result, failure in client.grpc.stream_infer(one_request(), stream_timeout=client.timeout_s):
+                if failure is not None:
+                    raise failure
+                chunk = result.as_numpy(contract.WAVEFORM)
+                if chunk is not None and chunk.size:
+                    first = first or time.perf_counter() - started
+                    chunks.append(chunk)
+    except (InferenceServerException, grpc.RpcError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    total = time.perf_counter() - started
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    error = error or audio_problem(audio, job.expected_tokens)
+    return RequestResult(
+        prompt=job.prompt,
+        voice=job.voice.name,
+        audio_s=audio.size / SAMPLE_RATE,
+        first_chunk_ms=round(1000 * (first or total), 1),
+        total_ms=round(1000 * total, 1),
+        chunks=len(chunks),
+        error=error,
+    )
+
+
+def audio_problem(audio: NDArray[np.float32], expected_tokens: int) -> str | None:
+    """Why ``audio`` is not the expected speech (float32, finite, not constant, whole expected tokens)."""
+    if audio.size != expected_tokens * SAMPLES_PER_TOKEN:
+        return f"{audio.size} samples, expected {expected_tokens} tokens of {SAMPLES_PER_TOKEN}"
+    if not np.isfinite(audio).all():
+        return "waveform holds NaN or inf"
+    if float(np.std(audio)) == 0.0:
+        return "waveform is constant"
+    return None
+
+
+async def run_pass(client: Client, mode: str, concurrency: int, jobs: list[Job], *, gpu: bool) -> PassResult:
+    """Send every job with ``concurrency`` requests in flight; each worker takes the next job when done."""
+    pending = iter(jobs)
+    results: list[RequestResult] = []
+    label = f"{mode} c={concurrency}"
+
+    async def worker() -> None:
+        for job in pending:
+            result = await synthesize(client, mode, job, f"{mode}-{concurrency}-{job.prompt}")
+            results.append(result)
+            state = f"FAILED {result.error}" if result.error else f"first {result.first_chunk_ms:.0f} ms"
+            log(
+                f"  [{label}] {len(results)}/{len(jobs)} p{job.prompt:02d} {job.voice.name} "
+                f"{result.audio_s:.1f} s audio, total {result.total_ms / 1000:.2f} s, {state}"
+            )
+
+    with GpuMemoryPeak(gpu) as peak:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    results.sort(key=lambda r: r.prompt)
+    return PassResult(mode, concurrency, wall, peak.peak_mib, results)
+
+
+def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dict[str, str]) -> list[Job]:
+    """Jobs with the speech tokens the pipeline must produce: the minimum its length bounds allow."""
+    jobs = []
+    for index, text in enumerate(texts):
+        bounds = vocab.length_bounds(
+            max(1, len(vocab.text_token_ids(tokenizer, text))),
+            min_token_text_ratio=float(params["min_token_text_ratio"]),
+            max_token_text_ratio=float(params["max_token_text_ratio"]),
+            max_new_tokens_cap=int(params["max_output_tokens"]),
+        )
+        jobs.append(Job(index, text, voices[index % len(voices)], bounds.min_new_tokens))
+    return jobs
+
+
+def markdown(report: dict[str, Any]) -> str:
+    setup = report["setup"]
+    lines = [
+        f"## CosyVoice2 behind Triton, profile `{setup['profile']}`, {setup['device']}",
+        "",
+        "**Random weights at full size** (flow and HiFT at CosyVoice2-0.5B's hyper-parameters, the LLM at "
+        "Qwen2-0.5B's shape, bf16) on the **PyTorch LLM** path (Hugging Face eager, one request per thread, "
+        "no batching), not TensorRT-LLM. The L20 columns are upstream's figures (runtime/triton_trtllm: real "
+        "weights, TensorRT-LLM, 26 prompts, ~170 s of audio) on a **different GPU**: a point of reference, "
+        "not a like-for-like comparison.",
+        "",
+        f"{setup['prompts']} prompts ({setup['english']} English, {setup['chinese']} Chinese), voices "
+        f"{', '.join(setup['voices'])}, {setup['audio_s_per_pass']:.1f} s of audio per pass (per request "
+        f"{setup['audio_s_min']:.1f} / {setup['audio_s_avg']:.1f} / {setup['audio_s_max']:.1f} s min / avg / "
+        f"max: the random LLM stops at the profile's minimum length, {setup['min_token_text_ratio']:g} speech "
+        "tokens per text token of the stand-in tokenizer, about 3 English words or 4.5 Chinese characters a "
+        "second). "
+        "RTF = wall time of the pass / seconds of audio (upstream's definition). Offline latency is the "
+        "whole response. Voice prompts are cached per orchestrator instance and the warm-up primes most of "
+        "them (the speech tokenizer and CAM++ are tiny stand-ins: a miss costs little).",
+        "",
+        "| mode | concurrency | first chunk ms avg / p50 / p90 | latency ms avg / p50 / p90 | RTF | "
+        "L20 first chunk / latency avg ms | L20 RTF | GPU memory peak MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for item in report["passes"]:
+        key = (item["mode"], item["concurrency"])
+        reference = L20_REFERENCE.get(key)
+        if item.get("skipped"):
+            lines.append(f"| {item['mode']} | {item['concurrency']} | skipped: {item['skipped']} | | | | | |")
+            continue
+        first = _triple(item["first_chunk_ms"]) if item["mode"] == "stream" else "-"
+        rtf = "-" if item["rtf"] is None else f"{item['rtf']:.3f}"
+        failed = f" ({item['failed']} failed)" if item["failed"] else ""
+        lines.append(
+            f"| {item['mode']}{failed} | {item['concurrency']} | {first} | {_triple(item['latency_ms'])} | {rtf} | "
+            f"{'-' if reference is None else f'{reference[0]:.0f}'} | "
+            f"{'-' if reference is None else f'{reference[1]:.3f}'} | {item['gpu_peak_mib'] or '-'} |"
+        )
+    lines += [
+        "",
+        f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "
+        f"streaming {setup['stream_slots']} (instances x stream_workers), LLM {setup['llm_slots']} "
+        "(max_concurrency, one thread each); token2wav converts one call at a time.",
+    ]
+    memory = report.get("cuda_memory_by_process_mib")
+    if memory:
+        lines.append(f"CUDA memory by process at the end (MiB): {memory}.")
+    lines.append(
+        f"Setup: instances {setup['instances']}; torch {setup['torch']} (CUDA {setup['torch_cuda']}); checkpoint "
+        f"{setup['checkpoint_s']:.0f} s, tritonserver start {setup['startup_s']:.0f} s, "
+        f"warm-up {setup['warmup_s']:.0f} s; overrides: {', '.join(setup['overrides']) or 'none'}."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _triple(stats: dict[str, float] | None) -> str:
+    return "-" if stats is None else f"{stats['avg']:.0f} / {stats['p50']:.0f} / {stats['p90']:.0f}"
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("gpu_cosyvoice2.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n"),
+        ("gpu_cosyvoice2.md", markdown(report)),
+    ):
+        partial = out / f".{name}.partial"
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(out / name)
+
+
+def render(workdir: Path, cpu: bool, extra: list[str]) -> Path:
+    repository = workdir / "repository"
+    shutil.rmtree(repository, ignore_errors=True)
+    sets = [*(CPU_OVERRIDES if cpu else ()), *extra]
+    args = ["render", "--profile", PROFILE, "--dest", str(repository), "--models-root", str(workdir / "models")]
+    if cosyvoice_models.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
+        raise RuntimeError("rendering the repository failed")
+    return repository
+
+
+def instance_counts(repository: Path) -> dict[str, int]:
+    """Instances of each model of a rendered repository (one ``count:`` per config)."""
+    counts = {}
+    for config in sorted(repository.glob("*/config.pbtxt")):
+        text = config.read_text(encoding="utf-8")
+        counts[config.parent.name] = int(text.split("count:", 1)[1].split(",", 1)[0])
+    return counts
+
+
+async def measure(
+    url: str,
+    report: dict[str, Any],
+    jobs: list[Job],
+    warmup: list[Job],
+    levels: list[int],
+    *,
+    gpu: bool,
+    deadline: float,
+    timeout_s: float,
+    out: Path,
+) -> bool:
+    """Warm up, then run every level in both modes; returns whether every request succeeded."""
+    client = Client(aio_grpcclient.InferenceServerClient(url), timeout_s)
+    all_ok = True
+    try:
+        warm = time.perf_counter()
+        for mode in MODES:
+            log(f"warm-up: {len(warmup)} {mode} requests, {max(levels)} at a time")
+            result = await run_pass(client, mode, max(levels), warmup, gpu=False)
+            failed = [r.error for r in result.requests if r.error]
+            if failed:
+                raise RuntimeError(f"{len(failed)} warm-up requests failed, e.g. {failed[0]}")
+        report["setup"]["warmup_s"] = round(time.perf_counter() - warm, 1)
+        last_wall: dict[str, float] = {}
+        for level in levels:
+            for mode in MODES:
+                remaining = deadline - time.perf_counter()
+                if mode in last_wall and last_wall[mode] > remaining:
+                    reason = f"~{last_wall[mode]:.0f} s expected, {max(0.0, remaining):.0f} s of budget left"
+                    log(f"{mode} c={level}: skipped ({reason})")
+                    report["passes"].append({"mode": mode, "concurrency": level, "skipped": reason})
+                    continue
+                log(f"{mode} c={level}: {len(jobs)} requests")
+                result = await run_pass(client, mode, level, jobs, gpu=gpu)
+                summary = result.summary()
+                all_ok = all_ok and summary["failed"] == 0
+                last_wall[mode] = result.wall_s
+                report["passes"].append(summary | {"per_request": [asdict(r) for r in result.requests]})
+                write_report(out, report)
+                first = summary["first_chunk_ms"]
+                log(
+                    f"{mode} c={level}: wall {result.wall_s:.1f} s for {summary['audio_s']:.1f} s audio, "
+                    f"RTF {summary['rtf']}, first chunk avg {first['avg'] if first else '-'} ms, "
+                    f"GPU peak {summary['gpu_peak_mib']} MiB, {summary['failed']} failed"
+                )
+    finally:
+        await client.grpc.close()
+    return all_ok
+
+
+def run(args: argparse.Namespace) -> bool:
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    workdir: Path = args.workdir.resolve()
+    gpu = not args.cpu
+    log(f"full-size random checkpoint under {workdir / 'models'} (about 2 GB, written once)")
+    checkpoint, written = ensure_checkpoint(workdir / "models", full_size())
+    checkpoint_s = time.perf_counter() - started
+    log(f"  {'written' if written else 'reused'} in {checkpoint_s:.1f} s")
+    repository = render(workdir, args.cpu, args.set)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.llm_dir)
+    voices = [gpu_sanity.load_voice(name) for name in VOICES]
+    texts = list(PROMPTS[: args.prompts])
+
+    device = "CPU rehearsal"
+    if gpu:
+        device = ", ".join(gpu_sanity.nvidia_smi("gpu=name,driver_version,memory.total")[0]) + " MiB"
+    idle_mib = gpu_sanity.gpu_memory_used() if gpu else None
+    triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout)
+    loading = time.perf_counter()
+    triton.start()
+    try:
+        startup_s = time.perf_counter() - loading
+        instances = instance_counts(repository)
+        log(f"tritonserver ready in {startup_s:.1f} s (instances {instances}; log {triton.log_path})")
+        params, llm_params = model_parameters(triton.grpc_url)
+        jobs = make_jobs(texts, voices, tokenizer, params)
+        audio = [job.expected_tokens / 25 for job in jobs]
+        report: dict[str, Any] = {
+            "setup": {
+                "profile": PROFILE,
+                "device": device,
+                "gpu_idle_mib": idle_mib,
+                "torch": torch.__version__,
+                "torch_cuda": torch.version.cuda,
+                "instances": instances,
+                "offline_slots": instances[MODEL],
+                "stream_slots": instances[contract.stream_model_name(MODEL)] * int(params["stream_workers"]),
+                "llm_slots": int(llm_params["max_concurrency"]),
+                "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *args.set],
+                "prompts": len(jobs),
+                "english": sum(text.isascii() for text in texts),
+                "chinese": sum(not text.isascii() for text in texts),
+                "voices": list(VOICES),
+                "min_token_text_ratio": float(params["min_token_text_ratio"]),
+                "audio_s_per_pass": round(sum(audio), 2),
+                "audio_s_min": min(audio),
+                "audio_s_avg": round(sum(audio) / len(audio), 2),
+                "audio_s_max": max(audio),
+                "checkpoint_s": round(checkpoint_s, 1),
+                "startup_s": round(startup_s, 1),
+                "warmup_s": 0.0,
+            },
+            "passes": [],
+        }
+        log(f"{len(jobs)} prompts, {sum(audio):.1f} s of audio per pass; levels {args.levels}")
+        warmup = make_jobs([WARMUP_TEXT] * 2 * max(args.levels), voices, tokenizer, params)
+        ok = asyncio.run(
+            measure(
+                triton.grpc_url,
+                report,
+                jobs,
+                warmup,
+                args.levels,
+                gpu=gpu,
+                deadline=deadline,
+                timeout_s=args.timeout_s,
+                out=args.out,
+            )
+        )
+        if gpu:
+            report["cuda_memory_by_process_mib"] = gpu_sanity.cuda_memory_by_model(repository, triton.pid)
+        for line in gpu_sanity.execution_stats(triton.grpc_url):
+            log(f"  {line}")
+        write_report(args.out, report)
+    finally:
+        triton.stop()
+    if not ok:
+        gpu_sanity.print_server_errors(triton.log_path)
+    log(markdown(report))
+    log(f"report: {args.out / 'gpu_cosyvoice2.md'} and .json; {time.perf_counter() - started:.0f} s in all")
+    return ok
+
+
+def model_parameters(url: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Config parameters of the offline orchestrator (its length bounds say how long each request is) and the LLM."""
+    client = grpcclient.InferenceServerClient(url)
+
+    def parameters(model: str) -> dict[str, str]:
+        config = client.get_model_config(model, as_json=True)["config"]
+        return {key: value.get("string_value", "") for key, value in config["parameters"].items()}
+
+    try:
+        orchestrator = parameters(MODEL)
+        return orchestrator, parameters(orchestrator["llm_model"])
+    finally:
+        client.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU: one instance per model")
+    parser.add_argument(
+        "--levels", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4, 8], help="e.g. 1,2,4,8"
+    )
+    parser.add_argument("--prompts", type=int, default=16, help=f"the first N of {len(PROMPTS)} prompts")
+    parser.add_argument("--out", type=Path, default=None, help="report folder; default WORKDIR/report")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2", help="checkpoint, repo, logs")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="skip passes that would end later than this")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="limit of one request")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="profile overrides")
+    args = parser.parse_args()
+    if not 1 <= args.prompts <= len(PROMPTS) or min(args.levels) < 1:
+        parser.error(f"--prompts must lie in [1, {len(PROMPTS)}] and levels must be positive")
+    args.out = (args.out or args.workdir / "report").resolve()
+    try:
+        ok = run(args)
+    except (EmbeddedTritonError, InferenceServerException, RuntimeError, OSError) as exc:
+        gpu_sanity.print_server_errors(args.workdir.resolve() / "tritonserver.log")
+        log(f"FAIL: {type(exc).__name__}: {exc}")
+        return 1
+    log("PASS" if ok else "FAIL: some requests failed (see above)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
