@@ -37,6 +37,14 @@ from tts_backends import contract
 
 logger = logging.getLogger(__name__)
 
+# Passing channel arguments replaces tritonclient's, so its message-size limits are repeated here.
+# gRPC's reconnect backoff grows to 2 minutes by default: after Triton restarts the gateway
+# would stay unavailable for up to that long. Capped, it reconnects within about a second.
+_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 _UNAVAILABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.UNKNOWN")
 
 
@@ -59,8 +67,10 @@ def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -
         status = str(exc.status() or "")
         message = exc.message() or str(exc)
     else:
-        status = str(exc.code()) if isinstance(exc, grpc.Call) else ""
-        message = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
+        # grpc.aio's errors carry a status too, but are not grpc.Call objects.
+        call = exc if isinstance(exc, grpc.Call | grpc.aio.AioRpcError) else None
+        status = str(call.code()) if call is not None else ""
+        message = (call.details() if call is not None else None) or str(exc)
     # Errors of decoupled models arrive as a message only; the contract models lead it with their code.
     code, _, rest = message.partition("] ") if message.startswith("[") else ("", "", message)
     if status == "StatusCode.INVALID_ARGUMENT" or code == "[INVALID_ARG":
@@ -104,7 +114,7 @@ class TritonClient:
         self.url = url
         self._timeout = timeout
         self._chunk_timeout = chunk_timeout
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
 
     async def close(self) -> None:
         await self._client.close()
