@@ -8,7 +8,7 @@ over gRPC (one channel, as the gateway does), streamed to ``cosyvoice2_stream`` 
 ``cosyvoice2``. It reports first-chunk latency (avg/p50/p90), total latency, RTF (wall time of the
 level / seconds of audio produced: upstream's definition, a throughput figure) and GPU memory, next
 to upstream's L20 figures, in ``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md`` under ``--out``
-(rewritten after every pass, so an interrupted run keeps what it measured).
+(rewritten after every pass, so an interrupted run keeps what it measured), with the server's log.
 
 Random weights cost what real ones cost per token; only the output length has to be imposed: the
 checkpoint's LLM stops as soon as the profile's ``min_token_text_ratio`` allows, so every request
@@ -528,6 +528,8 @@ def run(args: argparse.Namespace) -> bool:
         write_report(args.out, report)
     finally:
         triton.stop()
+        args.out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(triton.log_path, args.out / "tritonserver.log")
     if not ok:
         gpu_sanity.print_server_errors(triton.log_path)
     log(markdown(report))
