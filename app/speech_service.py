@@ -189,7 +189,7 @@ class SpeechService:
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self._settings.request_timeout
         slot = await self._admission.acquire()
-        body = self._sse_body(plan, deadline) if plan.sse else self._audio_body(plan, deadline)
+        body = self._sse_body(plan, deadline) if plan.sse else self._encoded(plan, _Progress(), deadline)
         measured = self._measured(plan, body, started)
         try:
             first = await anext(measured)
@@ -224,11 +224,6 @@ class SpeechService:
 
     # Every generator below closes the one it reads from (``aclosing``), so closing the response's
     # stream stops the backend work at once rather than whenever the garbage collector gets to it.
-
-    async def _audio_body(self, plan: SpeechPlan, deadline: float) -> AsyncGenerator[bytes, None]:
-        async with contextlib.aclosing(self._encoded(plan, _Progress(), deadline)) as encoded:
-            async for data in encoded:
-                yield data
 
     async def _sse_body(self, plan: SpeechPlan, deadline: float) -> AsyncGenerator[bytes, None]:
         progress = _Progress()

@@ -111,7 +111,8 @@ class DirectTarget:
         request_id = uuid.uuid4().hex
         window: deque[asyncio.Task[None]] = deque()
         try:
-            # As the gateway does: the next sentence starts once the oldest in flight has finished.
+            # The next sentence starts once the oldest in flight has finished. Unlike the gateway, which
+            # holds later sentences back until the first audio, this client sends the first window at once.
             for index, values in enumerate(self._inputs[text.name]):
                 if len(window) == self._parallelism:
                     await window.popleft()

@@ -61,7 +61,10 @@ def rss_bytes(pid: int) -> int:
 
 
 def stream_requests_seen(triton_url: str, model: str = "piper_stream") -> int:
-    """Requests ``model`` has finished so far, successfully or not (Triton's own statistics)."""
+    """Requests Triton has handed to ``model`` so far, successful or not (its own statistics).
+
+    A decoupled Python model's request counts once ``execute`` has taken it, not when its stream ends.
+    """
     client = grpcclient.InferenceServerClient(triton_url)
     try:
         stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]

@@ -14,11 +14,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import tritonclient.grpc as grpcclient
 
 from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import decode
-from tests.e2e.gateway_process import GatewayProcess
+from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
 from tests.fixtures.scripted_triton import TONE_SECONDS, start_scripted_triton
 
 pytestmark = pytest.mark.triton
@@ -47,16 +46,6 @@ def gateway(scripted_triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFa
     process.stop()
 
 
-def _received_requests(triton: EmbeddedTriton) -> int:
-    """Requests handed to the model so far (the Python backend's ``execute`` returned for them)."""
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    try:
-        stats = client.get_inference_statistics(STREAM_MODEL, as_json=True)
-    finally:
-        client.close()
-    return int(stats["model_stats"][0]["inference_stats"]["success"].get("count", 0))
-
-
 def _speak_in_background(gateway: GatewayProcess, script: str) -> tuple[threading.Thread, list[bytes]]:
     body: list[bytes] = []
 
@@ -73,10 +62,10 @@ def _speak_in_background(gateway: GatewayProcess, script: str) -> tuple[threadin
 
 def _received_after(triton: EmbeddedTriton, gateway: GatewayProcess, script: str, seconds: float) -> tuple[int, int]:
     """Sentence requests Triton received ``seconds`` into a speech request, and the request's audio in tones."""
-    before = _received_requests(triton)
+    before = stream_requests_seen(triton.grpc_url, STREAM_MODEL)
     thread, body = _speak_in_background(gateway, script)
     time.sleep(seconds)
-    during = _received_requests(triton) - before
+    during = stream_requests_seen(triton.grpc_url, STREAM_MODEL) - before
     thread.join(timeout=30)
     assert body, "the speech request failed"
     audio = decode(body[0], "wav")

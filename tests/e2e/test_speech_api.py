@@ -10,12 +10,11 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-import tritonclient.grpc as grpcclient
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
 from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import assert_speech, decode
-from tests.e2e.gateway_process import GatewayProcess
+from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
 
 pytestmark = pytest.mark.triton
 
@@ -214,20 +213,10 @@ def test_unknown_route_is_an_openai_404(gateway: GatewayProcess) -> None:
     assert response.json()["error"]["code"] == "not_found"
 
 
-def _stream_requests_seen(triton: EmbeddedTriton) -> int:
-    """Requests piper_stream has received so far (Triton's own statistics)."""
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    try:
-        stats = client.get_inference_statistics("piper_stream", as_json=True)["model_stats"][0]["inference_stats"]
-    finally:
-        client.close()
-    return sum(int(stats[kind].get("count", 0)) for kind in ("success", "fail"))
-
-
 def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess, cpu_triton: EmbeddedTriton) -> None:
     sentences = 40
     text = " ".join(f"Sentence {n} keeps the backend busy for a while." for n in range(sentences))
-    before = _stream_requests_seen(cpu_triton)
+    before = stream_requests_seen(cpu_triton.grpc_url)
     with httpx.stream(
         "POST",
         f"{gateway.url}/v1/audio/speech",
@@ -246,7 +235,7 @@ def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess, cpu_triton
     # On the Triton side the work stopped too: only the sentences in flight at the disconnect
     # (synthesis_parallelism of them, plus the one being read) ever reached the model.
     time.sleep(2.0)
-    seen = _stream_requests_seen(cpu_triton) - before
+    seen = stream_requests_seen(cpu_triton.grpc_url) - before
     assert seen <= 4, f"{seen} of {sentences} sentence requests reached Triton after the client left"
     # The server is still healthy and serves the next request.
     assert httpx.get(f"{gateway.url}/health").status_code == 200
