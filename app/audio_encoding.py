@@ -81,7 +81,8 @@ _CODEC_SPECS: Final[Mapping[AudioFormat, _CodecSpec]] = {
 
 
 def _to_int16_bytes(samples: NDArray[np.float32]) -> bytes:
-    scaled: NDArray[np.float32] = np.round(samples * np.float32(32767.0))
+    scaled = samples * np.float32(32767.0)
+    np.rint(scaled, out=scaled)
     return scaled.astype("<i2").tobytes()
 
 
@@ -126,8 +127,12 @@ class _Resampler:
     def _sanitise(samples: NDArray[np.float32]) -> NDArray[np.float32]:
         # The resampler can overshoot full-scale input slightly; a NaN from a broken
         # backend must not reach the codec as garbage.
-        cleaned = np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0)
-        return np.clip(cleaned, -1.0, 1.0).astype(np.float32, copy=False)
+        # Clipping maps the infinities to full scale; NaN survives it and makes the sum NaN,
+        # a cheap test (nan_to_num on every chunk cost more than the rest of the encoding).
+        cleaned: NDArray[np.float32] = np.clip(samples, np.float32(-1.0), np.float32(1.0))
+        if np.isnan(cleaned.sum()):
+            np.nan_to_num(cleaned, copy=False, nan=0.0)
+        return cleaned
 
 
 class _Encoder(ABC):
@@ -168,8 +173,9 @@ class _PcmEncoder(_Encoder):
 
 
 class _StreamingWavEncoder(_Encoder):
-    cheap = True
     """WAV whose header, with unknown sizes, goes out with the first bytes (as OpenAI does)."""
+
+    cheap = True
 
     def __init__(self, input_sample_rate: int) -> None:
         super().__init__(input_sample_rate)
@@ -189,8 +195,9 @@ class _StreamingWavEncoder(_Encoder):
 
 
 class _WholeWavEncoder(_Encoder):
-    cheap = True
     """WAV with exact sizes: everything is returned by finish()."""
+
+    cheap = True
 
     def __init__(self, input_sample_rate: int) -> None:
         super().__init__(input_sample_rate)
@@ -201,9 +208,10 @@ class _WholeWavEncoder(_Encoder):
         return b""
 
     def _close(self) -> bytes:
-        data = b"".join(self._chunks)
+        size = sum(len(chunk) for chunk in self._chunks)
+        data = b"".join([_wav_header(size), *self._chunks])
         self._chunks.clear()
-        return _wav_header(len(data)) + data
+        return data
 
 
 class _DrainableSink:

@@ -24,7 +24,8 @@ class Services:
     started_at: int
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:
+    # Async: FastAPI would run a plain function on its thread pool, a thread hop per request.
     services: Services = request.app.state.services
     return services
 
