@@ -39,9 +39,17 @@ from typing import Any, Literal, get_args
 import bench_report
 import cpu_default
 import encoding_cost
-import httpx
 import tritonclient.grpc.aio as grpcclient
-from bench_load import DirectTarget, GatewayTarget, LevelRun, Target, direct_plan, merge_runs, run_level
+from bench_load import (
+    DirectTarget,
+    GatewayTarget,
+    LevelRun,
+    Target,
+    direct_plan,
+    gateway_session,
+    merge_runs,
+    run_level,
+)
 from bench_stack import GatewayServer, embedded_triton
 from bench_stats import ratios, summarize
 
@@ -175,9 +183,8 @@ async def _sweep(
     response_format = args.offline_format if mode == "offline" else args.stream_format
     levels = args.levels if model == args.overhead_model else args.model_levels
     grpc = grpcclient.InferenceServerClient(stack.triton_url)
-    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
     try:
-        async with httpx.AsyncClient(timeout=settings.backend_timeout * 2, limits=limits) as http:
+        async with gateway_session(max(levels), settings.backend_timeout * 2) as http:
             targets: dict[str, Target] = {
                 "direct": DirectTarget(
                     grpc,

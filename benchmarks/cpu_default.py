@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-from bench_load import GatewayTarget, Sample
+from bench_load import GatewayTarget, Sample, gateway_session
 from bench_stack import GatewayServer
 from bench_texts import FIVE_SENTENCES, BenchText, select_texts
 
@@ -44,7 +43,7 @@ def pinned_cores(count: int) -> set[int]:
 async def _measure(url: str, rounds: int) -> dict[str, Any]:
     five = BenchText("long-en", "en", FIVE_SENTENCES)
     first_sentence = BenchText("first-sentence", "en", split_sentences(FIVE_SENTENCES)[0])
-    async with httpx.AsyncClient(timeout=300) as http:
+    async with gateway_session(1, 300) as http:
         target = GatewayTarget(http, url, MODEL, VOICE, "pcm")
         texts = select_texts(None, ["en"])
         await target.request(texts[0])  # warm-up
