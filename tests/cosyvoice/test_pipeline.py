@@ -7,7 +7,7 @@ models behind the same protocol are exercised in ``test_triton_cosyvoice2.py``.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +65,7 @@ class ScriptedStages:
             embedding=np.ones(192, dtype=np.float32),
         )
 
-    def generate(self, request: LLMRequest) -> Generator[Sequence[int], None, None]:
+    def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
         self.llm_requests.append(request)
         try:
             for llm_id in self.llm_ids:

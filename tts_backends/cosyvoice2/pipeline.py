@@ -83,8 +83,12 @@ class Stages(Protocol):
         """Speech tokens, 24 kHz mel feats and speaker embedding of a 16 kHz recording."""
         ...
 
-    def generate(self, request: LLMRequest) -> Generator[Sequence[int], None, None]:
-        """Generated LLM ids, in pieces as they arrive; closing the iterator abandons the rest."""
+    def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
+        """Generated LLM ids, in pieces as they arrive; closing the iterator abandons the rest.
+
+        ``is_cancelled`` is the request's cancellation check; a stage may also call it once the
+        stream has ended (Triton's stages do, to order their clean-up with the stub's).
+        """
         ...
 
     def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
@@ -226,7 +230,7 @@ class CosyVoice2Pipeline:
 
     def _speech_tokens(self, llm_request: LLMRequest, is_cancelled: Callable[[], bool]) -> Iterator[int]:
         """Speech tokens (not LLM ids) as generated; ends at the first non-speech id or on cancel."""
-        pieces = self._stages.generate(llm_request)
+        pieces = self._stages.generate(llm_request, is_cancelled)
         try:
             for piece in pieces:
                 if is_cancelled():

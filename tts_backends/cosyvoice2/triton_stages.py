@@ -7,7 +7,8 @@ are built and read by :mod:`tts_backends.cosyvoice2.tensors`.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class StageModels:
 class TritonStages:
     def __init__(self, models: StageModels) -> None:
         self._models = models
+        self._streams = _FinishedStreams()
 
     def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
         try:
@@ -46,7 +48,7 @@ class TritonStages:
             # Too short or too long a recording: the caller's to fix.
             raise ContractError(f"reference_wav: {exc}") from exc
 
-    def generate(self, request: LLMRequest) -> Generator[Sequence[int], None, None]:
+    def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
         inference = pb_utils.InferenceRequest(
             model_name=self._models.llm,
             inputs=_tensors(tensors.llm_inputs(request)),
@@ -68,6 +70,7 @@ class TritonStages:
             cancel = getattr(responses, "cancel", None)
             if cancel is not None:
                 cancel()
+            self._streams.let_go(responses, is_cancelled)
 
     def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
         outputs = self._call(self._models.token2wav, tensors.token2wav_inputs(request), tensors.WAVEFORM_OUTPUT)
@@ -103,6 +106,35 @@ class TritonStages:
         ).exec()
         _check(response, model)
         return np.asarray(pb_utils.get_output_tensor_by_name(response, output).as_numpy())
+
+
+class _FinishedStreams:
+    """Keeps decoupled BLS response streams until the stub has dropped its own reference.
+
+    The Python backend stub also holds every stream in a map and removes a finished one from
+    its stub-to-parent thread, which does not take the GIL. When that removal drops the last
+    reference, the responses' NumPy arrays are freed without a Python thread state: Python
+    3.12 segfaults there (earlier versions race on the allocator). That thread serves a FIFO
+    queue which ``request.is_cancelled()`` also goes through, so a query answered after a
+    stream finished proves the stub let go of it: the last reference is then dropped here,
+    under the GIL. A ``True`` answer may come from a cache without the round trip; such
+    streams wait for the next query that does make it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[int, Any]] = []
+        self._count = 0
+
+    def let_go(self, responses: Any, is_cancelled: Callable[[], bool]) -> None:
+        with self._lock:
+            self._count += 1
+            mark = self._count
+            self._held.append((mark, responses))
+        if is_cancelled():
+            return
+        with self._lock:
+            self._held = [(number, stream) for number, stream in self._held if number > mark]
 
 
 class _RemoteTokenizer:
