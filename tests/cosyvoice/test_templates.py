@@ -14,7 +14,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tts_backends import contract
-from tts_backends.model_repository import load_profiles, render_repository
+from tts_backends.model_repository import TemplateError, load_profiles, render_repository
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -225,3 +225,8 @@ def test_token2wav_runs_as_one_instance_everywhere(rendered: dict[str, dict[str,
         if "token2wav" in configs:
             groups = configs["token2wav"].instance_group
             assert sum(group.count for group in groups) == 1, profile
+
+
+def test_token2wav_instances_cannot_be_overridden(tmp_path: Path) -> None:
+    with pytest.raises(TemplateError, match=r"token2wav.*unknown keys \['instance_count'\]"):
+        render_repository(SOURCE, "gpu-torch", tmp_path / "repo", {"token2wav": {"instance_count": "4"}})
