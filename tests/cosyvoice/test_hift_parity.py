@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 
 from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
 from tts_backends.cosyvoice2.hift import HiFTGenerator
-from tts_backends.cosyvoice2.streaming import HiftStreamState
+from tts_backends.cosyvoice2.hift_stream import HiftStreamState
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from tts_backends.cosyvoice2.streaming import HiftStreamState, HopPolicy, HopSchedule, hamming_crossfade
+from tts_backends.cosyvoice2.hift_stream import HiftStreamState, hamming_crossfade
+from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from tts_backends.cosyvoice2.config import load_config
 from tts_backends.cosyvoice2.flow import CausalFlow
 from tts_backends.cosyvoice2.hift import HiFTGenerator
-from tts_backends.cosyvoice2.streaming import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
+from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
 DEFAULT_STATE_TTL_S = 300.0
 
