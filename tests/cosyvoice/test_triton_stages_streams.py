@@ -10,7 +10,7 @@ The orchestrator here is a minimal model around ``TritonStages.generate`` over a
 decoupled LLM. After the last token it logs a burst: log records go through that same thread,
 so the stub's clean-up of the stream is queued behind them and always comes last. Without the
 fix the orchestrator's stub dies at the first request on Python 3.12 (the GPU machine's); on
-3.11 the race does no visible harm and the test checks the streams only. The stub's embedded
+3.11 the race does no visible harm, so ``scripts/test.sh`` runs this file again under 3.12. The stub's embedded
 interpreter ignores ``PYTHON*`` variables, so ``PYTHONMALLOC=debug`` cannot expose it there.
 """
 
