@@ -3,8 +3,8 @@
 :class:`HopSchedule` decides how many new speech tokens each chunk converts. The first hop is
 small (first-chunk latency is the headline number); later hops grow so that the flow model,
 which re-runs over the whole prefix for every chunk, is called fewer times. How the chunks are
-joined is :mod:`tts_backends.cosyvoice2.hift_stream`. Plain Python: the orchestrator's process
-imports it without torch.
+joined is :mod:`tts_backends.cosyvoice2.hift_stream`. Plain Python, free of torch, so the
+pipeline and its BLS stages import where torch is absent (the tests' Python 3.12 leg).
 """
 
 from __future__ import annotations
