@@ -40,10 +40,15 @@ logger = logging.getLogger(__name__)
 # Passing channel arguments replaces tritonclient's, so its message-size limits are repeated here.
 # gRPC's reconnect backoff grows to 2 minutes by default: after Triton restarts the gateway
 # would stay unavailable for up to that long. Capped, it reconnects within about a second.
+# Each stream's receive window is fixed at 1 MiB (BDP probing off): audio arrives far below what
+# that carries even across a WAN, and what a slow client has not read stays bounded in Triton
+# rather than in the gateway (probing grew the window to several MiB per stream under load).
 _CHANNEL_ARGS = [
     ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
     ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 1 << 20),
 ]
 _UNAVAILABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.UNKNOWN")
 

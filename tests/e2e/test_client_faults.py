@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TONE_SECONDS, CHUNK = 300, 0.5
 # What one response may hold: TTS_SYNTHESIS_PARALLELISM (2) sentences, each with up to 32 chunks queued
 # (speech_service's _SENTENCE_QUEUE_CHUNKS: 2 x 32 x 0.5 s x 24 kHz x 4 bytes = 3 MiB) and what gRPC has
-# received for it but not handed over (its flow-control window, which BDP probing grows to a few MiB per
-# stream); uvicorn stops at 64 KiB of unsent output. Measured: 50-80 MiB more for four slow readers, flat
-# over a dozen rounds (the allocator's fragmentation varies, nothing accumulates); unbounded buffering
-# took 187 MiB more in the first four seconds, and grows with the audio (4 x 2 x 27.5 MiB here).
-RSS_BOUND = 96 * 2**20
+# received for it but not handed over (the triton_client's fixed 1 MiB window per stream); uvicorn stops
+# at 64 KiB of unsent output. Measured: 20-25 MiB more for four slow readers, also with both cores busy
+# (with gRPC's BDP probing the windows grew under load: 50-80 MiB, once 112); unbounded buffering took
+# 187 MiB more in the first four seconds, and grows with the audio (4 x 2 x 27.5 MiB here).
+RSS_BOUND = 48 * 2**20
 # Piper's streaming model runs in its own stub process; idle, it uses (almost) no CPU.
 IDLE_CPU_SECONDS = 0.05
 
