@@ -353,7 +353,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "
         f"streaming {setup['stream_slots']} (instances x stream_workers), LLM {setup['llm_slots']} "
-        "(max_concurrency, one thread each); token2wav converts one call at a time.",
+        "(instances x max_concurrency, one thread each); token2wav converts one call at a time.",
     ]
     memory = report.get("cuda_memory_by_process_mib")
     if memory:
@@ -489,7 +489,7 @@ def run(args: argparse.Namespace) -> bool:
                 "instances": instances,
                 "offline_slots": instances[MODEL],
                 "stream_slots": instances[contract.stream_model_name(MODEL)] * int(params["stream_workers"]),
-                "llm_slots": int(llm_params["max_concurrency"]),
+                "llm_slots": instances[params["llm_model"]] * int(llm_params["max_concurrency"]),
                 "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *args.set],
                 "prompts": len(jobs),
                 "english": sum(text.isascii() for text in texts),

@@ -56,6 +56,7 @@ SINGLE_INSTANCES = (
     "cosyvoice2_stream.instance_count=1",
     "audio_tokenizer.instance_count=1",
     "speaker_embedding.instance_count=1",
+    "llm.instance_count=1",
 )
 CPU_DEVICES = ("token2wav.device=cpu", "token2wav.instance_kind=KIND_CPU", "llm.device=cpu")
 GPU_MODELS = ("llm", "token2wav")
