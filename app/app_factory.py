@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -37,8 +37,11 @@ _UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
 _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
-def _start_embedded(settings: Settings, stack: AsyncExitStack) -> EmbeddedTriton:
-    """Render the embedded profile and start ``tritonserver`` over it (blocking)."""
+def start_embedded_triton(settings: Settings, stack: ExitStack | AsyncExitStack) -> EmbeddedTriton:
+    """Render the embedded profile and start ``tritonserver`` over it (blocking).
+
+    ``stack`` removes the temporary work directory; stopping the server is the caller's.
+    """
     if settings.embedded_workdir is not None:
         workdir = settings.embedded_workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if url is None:
                 # Started on the event loop's (main) thread on purpose: the server is tied to the
                 # life of the thread that starts it (PR_SET_PDEATHSIG), and nothing is served yet.
-                server = _start_embedded(settings, stack)
+                server = start_embedded_triton(settings, stack)
                 stack.push_async_callback(asyncio.to_thread, server.stop)
                 url = server.grpc_url
             backend = SpeechBackend(

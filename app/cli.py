@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.config
+import os
 import signal
+import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack
 from types import FrameType
 from typing import Any, NoReturn
 
 import uvicorn
 
-from app.app_factory import create_app
+from app.app_factory import create_app, start_embedded_triton
 from app.settings import Settings
+
+# prometheus_client's multiprocess mode: each worker writes its samples under this directory.
+_METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,7 +31,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--triton-url", help="Triton gRPC host:port (TTS_TRITON_URL); without it the embedded server starts"
     )
+    serve.add_argument("--workers", type=int, help="gateway processes sharing the port (TTS_WORKERS)")
     return parser
+
+
+def _log_config(level: str) -> dict[str, Any]:
+    """Logging for uvicorn to apply in every process it runs the app in (spawned workers included)."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+        "root": {"handlers": ["stderr"], "level": level.upper()},
+    }
 
 
 def _exit_after_shutdown(signum: int, frame: FrameType | None) -> NoReturn:
@@ -37,21 +56,57 @@ def _exit_after_shutdown(signum: int, frame: FrameType | None) -> NoReturn:
     raise SystemExit(0)
 
 
+def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
+    """Several uvicorn worker processes on one port, sharing one Triton.
+
+    The workers are spawned and build their settings from the environment, so the command
+    line's values travel there. The embedded Triton, if any, is started here, once, and
+    stopped after the last worker has ended; so is the directory the workers' metrics share.
+    """
+    with ExitStack() as stack:
+        environment = {f"TTS_{key.upper()}": str(value) for key, value in overrides.items()}
+        if settings.triton_url is None:
+            server = start_embedded_triton(settings, stack)
+            stack.callback(server.stop)
+            environment["TTS_TRITON_URL"] = server.grpc_url
+        environment[_METRICS_DIR_VARIABLE] = stack.enter_context(tempfile.TemporaryDirectory(prefix="tts-metrics-"))
+        os.environ.update(environment)
+        uvicorn.run(
+            "app.app_factory:create_app",
+            factory=True,
+            workers=settings.workers,
+            host=settings.host,
+            port=settings.port,
+            log_config=_log_config(settings.log_level),
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=settings.shutdown_grace,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     overrides: dict[str, Any] = {
         key: value
-        for key, value in (("host", args.host), ("port", args.port), ("triton_url", args.triton_url))
+        for key, value in (
+            ("host", args.host),
+            ("port", args.port),
+            ("triton_url", args.triton_url),
+            ("workers", args.workers),
+        )
         if value is not None
     }
     settings = Settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.config.dictConfig(_log_config(settings.log_level))
     for handled in (signal.SIGINT, signal.SIGTERM):
         signal.signal(handled, _exit_after_shutdown)
+    if settings.workers > 1:
+        _serve_workers(settings, overrides)
+        return
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
+        log_config=_log_config(settings.log_level),
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace,
     )

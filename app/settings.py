@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="gateway processes on one port; they share voices and metrics, admission limits are per process",
+    )
     shutdown_grace: int = Field(
         30, ge=0, description="seconds in-flight requests may take to finish after SIGTERM before they are cut"
     )

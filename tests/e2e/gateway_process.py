@@ -37,7 +37,7 @@ def processes_under(directory: Path) -> list[int]:
 
 def model_processes(directory: Path) -> list[int]:
     """The Python backend stubs (one per model instance) of the Triton whose workdir is ``directory``."""
-    return [pid for pid in processes_under(directory) if b"triton_python_backend_stub" in _cmdline(pid)]
+    return [pid for pid in processes_under(directory) if b"triton_python_backend_stub" in cmdline(pid)]
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -73,7 +73,7 @@ def stream_requests_seen(triton_url: str, model: str = "piper_stream") -> int:
     return sum(int(stats[kind].get("count", 0)) for kind in ("success", "fail"))
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -109,14 +109,14 @@ class GatewayProcess:
     def __init__(self, log_path: Path, env: dict[str, str], args: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log_path = log_path
+        self.log_path = log_path
         self._env = env
         self._args = args or []
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self, *, expect_healthy: bool = True, timeout: float = 120.0) -> None:
         env = {**os.environ, "TTS_LOG_LEVEL": "info", **self._env}
-        with self._log_path.open("ab") as log:
+        with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "app", "serve", "--port", str(self.port), *self._args],
                 env=env,
@@ -173,7 +173,7 @@ class GatewayProcess:
         return time.monotonic() - started
 
     def log_tail(self, lines: int = 40) -> str:
-        text = self._log_path.read_text(errors="replace") if self._log_path.exists() else ""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
 
