@@ -1,24 +1,65 @@
-"""Prometheus metrics of one gateway instance (own registry, so several apps can coexist)."""
+"""Prometheus metrics of the gateway, in one process or summed over several worker processes.
+
+One process (the default): each ``GatewayMetrics`` has its own registry, so several apps can coexist in
+one process (the tests build many), and ``render()`` shows this process's values and its ``process_*``
+metrics.
+
+Several workers (``tts-gateway serve --workers N``): the parent points ``PROMETHEUS_MULTIPROC_DIR`` at an
+empty directory before the workers start, so prometheus_client keeps every value in per-process files
+there, and ``render()`` answers with the whole gateway, whichever worker is asked:
+
+- counters and histograms are summed over every worker that ever ran, the dead ones too, so that a
+  replaced worker does not make a counter go backwards;
+- gauges count live workers only. In-flight, queued, slots, slots in use and event-loop tasks are
+  summed; ``tts_backend_ready`` is the minimum, 1 only when every worker sees the backend ready, because
+  a request may land on any of them. A worker's event-loop task count is as fresh as its last HTTP
+  request or ``/metrics`` answer;
+- ``process_*``: prometheus_client cannot add these up (a sum of start times or of open-file limits
+  means nothing), so each live worker's are read from ``/proc`` and carry its ``pid`` label.
+
+A worker's live gauges stop counting when it calls ``close()`` at shutdown. One killed without that
+(SIGKILL, OOM) is swept when the next ``GatewayMetrics`` is built, which is what the replacement worker
+does, and before every multi-process ``render()``. Only one ``GatewayMetrics`` per process in this mode:
+instances in one process would share its files.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+from collections.abc import Iterable
+from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest, values
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0)
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# How prometheus_client names the file of a process's gauges in one of the live* modes.
+_LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db")
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
+        self._multiprocess_dir = os.environ.get(MULTIPROC_DIR_ENV) or None
+        if self._multiprocess_dir is not None and not values.ValueClass._multiprocess:
+            raise RuntimeError(
+                f"{MULTIPROC_DIR_ENV} was set after prometheus_client was imported; "
+                "it must be in the environment before the worker process starts"
+            )
+        # This process's metrics. With several workers, render() serves their sum from the files
+        # instead, and this registry only keeps the names unique.
         self.registry = CollectorRegistry()
-        # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, ...
-        ProcessCollector(registry=self.registry)
-        self.event_loop_tasks = Gauge(
-            "tts_event_loop_tasks",
-            "asyncio tasks alive on the event loop (a leak shows as growth)",
-            registry=self.registry,
+        if self._multiprocess_dir is None:
+            # process_resident_memory_bytes, process_open_fds, process_cpu_seconds_total, ...
+            ProcessCollector(registry=self.registry)
+        else:
+            _sweep_dead_workers(self._multiprocess_dir)
+        self.event_loop_tasks = self._gauge(
+            "tts_event_loop_tasks", "asyncio tasks alive on the event loop (a leak shows as growth)", "livesum"
         )
         self.http_requests = Counter(
             "tts_http_requests",
@@ -32,7 +73,7 @@ class GatewayMetrics:
             ["model", "format", "outcome"],
             registry=self.registry,
         )
-        self.in_flight = Gauge("tts_speech_in_flight", "Speech responses being produced", registry=self.registry)
+        self.in_flight = self._gauge("tts_speech_in_flight", "Speech responses being produced", "livesum")
         self.first_audio = Histogram(
             "tts_time_to_first_audio_seconds",
             "Request start to first audio byte handed to the server",
@@ -50,14 +91,14 @@ class GatewayMetrics:
         self.audio_seconds = Counter(
             "tts_audio_seconds", "Seconds of audio produced", ["model"], registry=self.registry
         )
-        self.backend_ready = Gauge("tts_backend_ready", "1 when the speech backend is ready", registry=self.registry)
-        self.speech_slots = Gauge(
-            "tts_speech_slots", "Speech requests that may be synthesised at once", registry=self.registry
+        self.backend_ready = self._gauge("tts_backend_ready", "1 when the speech backend is ready", "livemin")
+        self.speech_slots = self._gauge(
+            "tts_speech_slots", "Speech requests that may be synthesised at once", "livesum"
         )
-        self.speech_slots_in_use = Gauge(
-            "tts_speech_slots_in_use", "Speech requests holding a synthesis slot", registry=self.registry
+        self.speech_slots_in_use = self._gauge(
+            "tts_speech_slots_in_use", "Speech requests holding a synthesis slot", "livesum"
         )
-        self.speech_queued = Gauge("tts_speech_queued", "Speech requests waiting for a slot", registry=self.registry)
+        self.speech_queued = self._gauge("tts_speech_queued", "Speech requests waiting for a slot", "livesum")
         self.speech_rejected = Counter(
             "tts_speech_rejected",
             "Speech requests turned away with 429, by reason (queue_full, queue_timeout)",
@@ -65,10 +106,78 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-    def render(self) -> bytes:
-        """The exposition text; called on the event loop, whose live tasks it counts."""
+    def _gauge(self, name: str, documentation: str, mode: Literal["livesum", "livemin"]) -> Gauge:
+        """``mode``: how the values of the live workers add up when there are several."""
+        return Gauge(name, documentation, registry=self.registry, multiprocess_mode=mode)
+
+    def count_event_loop_tasks(self) -> None:
+        """Sets ``tts_event_loop_tasks``; must run on the event loop."""
         self.event_loop_tasks.set(len(asyncio.all_tasks()))
-        return generate_latest(self.registry)
+
+    def render(self) -> bytes:
+        """The exposition text of this process, or of every worker; called on the event loop."""
+        self.count_event_loop_tasks()
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        workers = _sweep_dead_workers(self._multiprocess_dir)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        registry.register(_WorkersProcessCollector(workers))
+        return generate_latest(registry)
+
+    def close(self) -> None:
+        """Takes this worker's gauges out of the sum; call once at shutdown. Nothing to do in one process."""
+        if self._multiprocess_dir is not None:
+            _mark_dead(os.getpid(), self._multiprocess_dir)
+
+
+def _sweep_dead_workers(directory: str) -> list[int]:
+    """The pids that have live gauges in ``directory``; those of processes gone are removed first."""
+    pids = {int(match[1]) for name in os.listdir(directory) if (match := _LIVE_GAUGE_FILE.fullmatch(name))}
+    alive = []
+    for pid in sorted(pids):
+        if _process_exists(pid):
+            alive.append(pid)
+        else:
+            _mark_dead(pid, directory)
+    return alive
+
+
+def _mark_dead(pid: int, directory: str) -> None:
+    """Removes the live-gauge files of ``pid``, the only files prometheus_client deletes for a dead process."""
+    mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+def _process_exists(pid: int) -> bool:
+    """A pid reused by another process reads as alive: the dead worker's gauges then count until it ends."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _WorkersProcessCollector:
+    """``process_*`` of each given worker, told apart by a ``pid`` label."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._pids = pids
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for pid in self._pids:
+            for family in _process_metrics(pid):
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "pid": str(pid)}, sample.value)
+        return families.values()
+
+
+def _process_metrics(pid: int) -> Iterable[Metric]:
+    """Read from ``/proc/<pid>``; a worker that exits meanwhile yields nothing rather than an error."""
+    return ProcessCollector(pid=lambda: pid, registry=None).collect()
 
 
 class HttpMetricsMiddleware:
@@ -96,3 +205,5 @@ class HttpMetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", "unmatched")
             self._metrics.http_requests.labels(scope["method"], template, str(status)).inc()
+            # With several workers, an idle one's task count would otherwise date from its last /metrics.
+            self._metrics.count_event_loop_tasks()
