@@ -17,7 +17,7 @@ import soundfile as sf
 
 from app.errors import ConflictError, InvalidRequestError, NotFoundError
 from app.model_catalog import ModelCatalog, SpeechModel
-from app.voice_registry import VoiceRegistry
+from app.voice_registry import GENERATION_FILE, LOCK_FILE, VoiceRegistry
 
 REF_AUDIOS = Path(__file__).resolve().parents[2] / "ref_audios"
 
@@ -47,6 +47,11 @@ def _wav(seconds: float = 2.0, rate: int = 22_050) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, 0.3 * np.sin(2 * np.pi * 200 * t), rate, format="WAV")
     return buffer.getvalue()
+
+
+def _files(directory: Path) -> list[str]:
+    """The directory's entries, less the registry's own bookkeeping files."""
+    return sorted(p.name for p in directory.iterdir() if p.name not in (LOCK_FILE, GENERATION_FILE))
 
 
 @pytest.fixture()
@@ -82,7 +87,7 @@ def test_resolution_rules(registry: VoiceRegistry) -> None:
 async def test_upload_is_persisted_and_reloaded(registry: VoiceRegistry, tmp_path: Path) -> None:
     voice = await registry.add_upload("mine", _wav(), " hello there ")
     assert voice.transcript == "hello there"
-    assert sorted(p.name for p in (tmp_path / "voices").iterdir()) == ["mine.json", "mine.wav"]
+    assert _files(tmp_path / "voices") == ["mine.json", "mine.wav"]
     meta = json.loads((tmp_path / "voices" / "mine.json").read_text())
     assert meta["transcript"] == "hello there"
 
@@ -112,7 +117,7 @@ async def test_delete_rules(registry: VoiceRegistry, tmp_path: Path) -> None:
     await registry.add_upload("gone", _wav(), None)
     await registry.delete("gone")
     assert registry.get("gone") is None
-    assert list((tmp_path / "voices").iterdir()) == []
+    assert _files(tmp_path / "voices") == []
     with pytest.raises(NotFoundError):
         await registry.delete("gone")
     with pytest.raises(InvalidRequestError, match="cannot be deleted"):
@@ -129,7 +134,7 @@ def test_half_written_upload_is_ignored_and_cleaned(tmp_path: Path) -> None:
     reg = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
     reg.load()
     assert reg.get("half") is None and reg.get("broken") is None
-    assert sorted(p.name for p in voices.iterdir()) == ["broken.json", "listed.json"]
+    assert _files(voices) == ["broken.json", "listed.json"]
 
 
 @pytest.mark.parametrize(
@@ -150,11 +155,12 @@ def test_half_written_upload_is_ignored_and_cleaned(tmp_path: Path) -> None:
 async def test_hostile_voice_names_are_rejected_and_nothing_is_written(
     registry: VoiceRegistry, tmp_path: Path, name: str
 ) -> None:
+    before = sorted(os.listdir(tmp_path / "voices"))
     with pytest.raises(InvalidRequestError) as info:
         await registry.add_upload(name, _wav(), None)
 
     assert info.value.param == "name"
-    assert list((tmp_path / "voices").iterdir()) == []
+    assert sorted(os.listdir(tmp_path / "voices")) == before
     assert os.listdir(tmp_path) == ["voices"]
 
 
@@ -202,7 +208,7 @@ async def test_failed_commit_leaves_no_audio_behind(registry: VoiceRegistry, tmp
         await registry.add_upload("blocked", _wav(), None)
 
     assert registry.get("blocked") is None
-    assert sorted(p.name for p in (tmp_path / "voices").iterdir()) == ["blocked.json"]
+    assert _files(tmp_path / "voices") == ["blocked.json"]
 
 
 async def test_deletion_is_durable(registry: VoiceRegistry, tmp_path: Path) -> None:
@@ -239,8 +245,9 @@ registry = VoiceRegistry(voices / "none", voices, min_seconds=1.0, max_seconds=3
 asyncio.run(registry.add_upload("crashy", sample.read_bytes(), "survives whole or not at all"))
 print(steps)
 """
-# fsync+rename of the audio, fsync of the directory, the same for the JSON commit marker.
-_PERSIST_STEPS = 6
+# fsync+rename of the audio, fsync of the directory, the same for the JSON commit marker,
+# then the rename of the new generation token (not fsynced: it need not survive a reboot).
+_PERSIST_STEPS = 7
 
 
 def _run_crashing_upload(tmp_path: Path, crash_before: int) -> subprocess.CompletedProcess[str]:
@@ -272,7 +279,7 @@ def test_crash_at_any_step_leaves_a_whole_voice_or_none(tmp_path: Path, crash_be
     registry.load()
 
     voice = registry.get("crashy")
-    left = sorted(p.name for p in (tmp_path / "voices").iterdir())
+    left = _files(tmp_path / "voices")
     # The JSON rename (step 5) commits the upload.
     if crash_before > 5:
         assert voice is not None and voice.transcript == "survives whole or not at all"
