@@ -16,6 +16,12 @@ a gateway process pointed at it (``TTS_BACKEND_MODE``), with access logging off.
     python benchmarks/bench.py --parts sweep --models bench_fixture --levels 1,32 --modes offline
     python benchmarks/bench.py --triton-url HOST:8001 --gateway-url http://HOST:8080 --gateway-mode stream \\
         --models cosyvoice2 --parts sweep
+
+On a machine with cores to spare, give Triton, the gateway and the load generator their own
+(the load generator in several processes, the gateway in several workers):
+
+    python benchmarks/bench.py --parts sweep --triton-cores 0-3 --gateway-cores 4-9 --gateway-workers 4 \\
+        --client-cores 10-15 --client-processes 6
 """
 
 from __future__ import annotations
@@ -39,18 +45,20 @@ from typing import Any, Literal, get_args
 import bench_report
 import cpu_default
 import encoding_cost
-import tritonclient.grpc.aio as grpcclient
 from bench_load import (
-    DirectTarget,
-    GatewayTarget,
+    ClientProcesses,
+    DirectSpec,
+    GatewaySpec,
+    InProcessLoad,
     LevelRun,
-    Target,
+    LoadGenerator,
+    TargetSpec,
+    client_processes,
     direct_plan,
-    gateway_session,
     merge_runs,
-    run_level,
+    process_tree,
 )
-from bench_stack import GatewayServer, embedded_triton
+from bench_stack import GatewayServer, cpus_of, embedded_triton, format_cpus, parse_cpus, pinned
 from bench_stats import ratios, summarize
 
 from app.settings import Settings
@@ -87,6 +95,13 @@ def _levels(value: str) -> list[int]:
     return levels
 
 
+def _cpus(value: str) -> set[int]:
+    try:
+        return parse_cpus(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("var/bench"), help="where bench.json/.md/.png go")
@@ -105,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--offline-format", default="wav", choices=("wav", "pcm"))
     what.add_argument("--stream-format", default="pcm", choices=("wav", "pcm"))
     what.add_argument("--overhead-model", default=FIXTURE, help="model the gateway-overhead targets are read on")
+    what.add_argument(
+        "--client-processes",
+        type=_positive,
+        default=1,
+        help="processes generating each level's load together (default: 1, this process)",
+    )
     stack = parser.add_argument_group("stack (default: started here)")
     stack.add_argument("--profile", default="bench", help="profile of the embedded Triton (default: bench)")
     stack.add_argument("--set", dest="overrides", action="append", default=[], metavar="MODEL.KEY=VALUE")
@@ -114,6 +135,11 @@ def _parser() -> argparse.ArgumentParser:
     stack.add_argument("--gateway-mode", choices=MODES, default="stream", help="TTS_BACKEND_MODE of --gateway-url")
     stack.add_argument("--gateway-pid", type=int, help="process of --gateway-url, for its RSS")
     stack.add_argument("--gateway-env", action="append", default=[], metavar="TTS_KEY=VALUE")
+    stack.add_argument("--gateway-workers", type=_positive, default=1, help="TTS_WORKERS of the gateways started")
+    cores = parser.add_argument_group("CPU pinning of the sweep (CPU lists such as 0-3,8; default: not pinned)")
+    cores.add_argument("--triton-cores", type=_cpus, help="the Triton started here and its model processes")
+    cores.add_argument("--gateway-cores", type=_cpus, help="the gateways started here and their workers")
+    cores.add_argument("--client-cores", type=_cpus, help="the load generator (this process and its clients)")
     other = parser.add_argument_group("encoding and CPU default")
     other.add_argument("--encoding-seconds", type=float, default=60.0)
     other.add_argument("--cores", type=int, default=2, help="CPUs of the embedded CPU default run")
@@ -158,22 +184,32 @@ def _gateway_env(args: argparse.Namespace, triton_url: str, mode: Mode) -> dict[
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("TTS_"):
             raise SystemExit(f"--gateway-env {item!r} is not TTS_KEY=VALUE")
+        if key == "TTS_WORKERS":
+            raise SystemExit("--gateway-env TTS_WORKERS: use --gateway-workers (the report states it)")
         env[key] = value
+    env["TTS_WORKERS"] = str(args.gateway_workers)
     return env
 
 
 @contextlib.contextmanager
-def _gateway(args: argparse.Namespace, stack: Stack, mode: Mode) -> Iterator[tuple[str, int | None]]:
-    """URL and process id of a gateway serving ``mode``."""
+def _gateway(args: argparse.Namespace, stack: Stack, mode: Mode, cores: set[int]) -> Iterator[tuple[str, int | None]]:
+    """URL and process id of a gateway serving ``mode``; one started here runs on ``cores``."""
     if args.gateway_url:
         yield args.gateway_url, args.gateway_pid
         return
-    with GatewayServer(stack.workdir / f"gateway-{mode}", _gateway_env(args, stack.triton_url, mode)) as gateway:
+    env = _gateway_env(args, stack.triton_url, mode)
+    with GatewayServer(stack.workdir / f"gateway-{mode}", env, cores) as gateway:
         yield gateway.url, gateway.pid
 
 
 async def _sweep(
-    args: argparse.Namespace, stack: Stack, model: str, mode: Mode, gateway_url: str, gateway_pid: int | None
+    args: argparse.Namespace,
+    stack: Stack,
+    model: str,
+    mode: Mode,
+    gateway_url: str,
+    gateway_pid: int | None,
+    clients: ClientProcesses | None,
 ) -> dict[str, Any]:
     settings = Settings(backend_mode=mode)
     plan = await direct_plan(stack.triton_url, settings, model, args.voice, args.texts, stack.workdir)
@@ -182,74 +218,94 @@ async def _sweep(
         raise SystemExit(f"model {model} speaks none of the languages of the chosen texts")
     response_format = args.offline_format if mode == "offline" else args.stream_format
     levels = args.levels if model == args.overhead_model else args.model_levels
-    grpc = grpcclient.InferenceServerClient(stack.triton_url)
+    targets: dict[str, TargetSpec] = {
+        "direct": DirectSpec(stack.triton_url, plan, settings.synthesis_parallelism, settings.backend_timeout),
+        "gateway": GatewaySpec(
+            gateway_url, model, args.voice, response_format, max(levels), settings.backend_timeout * 2
+        ),
+    }
+    load: LoadGenerator = clients or InProcessLoad()
     try:
-        async with gateway_session(max(levels), settings.backend_timeout * 2) as http:
-            targets: dict[str, Target] = {
-                "direct": DirectTarget(
-                    grpc,
-                    plan.triton_model,
-                    plan.inputs,
-                    streaming=plan.streaming,
-                    sample_rate=plan.sample_rate,
-                    parallelism=settings.synthesis_parallelism,
-                    timeout=settings.backend_timeout,
-                ),
-                "gateway": GatewayTarget(http, gateway_url, model, args.voice, response_format),
-            }
-            for target in targets.values():
-                for text in texts * args.warmup:
-                    await target.request(text)
-            results = []
-            for level in levels:
-                # Direct and gateway take turns, a share of the requests at a time: load that drifts
-                # (a shared machine) then weighs on both alike.
-                share = -(-max(args.requests, level * args.rounds) // args.passes)
-                runs: dict[str, list[LevelRun]] = {"direct": [], "gateway": []}
-                for _ in range(args.passes):
-                    runs["direct"].append(await run_level(targets["direct"], texts, level, share))
-                    runs["gateway"].append(await run_level(targets["gateway"], texts, level, share, gateway_pid))
-                direct = summarize(merge_runs(runs["direct"]))
-                gateway = summarize(merge_runs(runs["gateway"]))
-                results.append(
-                    {"concurrency": level, "direct": direct, "gateway": gateway, "ratio": ratios(gateway, direct)}
-                )
-                print(
-                    f"{model} {mode} c={level}: total p50 direct {direct['total_ms']['p50']} ms,"
-                    f" gateway {gateway['total_ms']['p50']} ms; errors {direct['errors']}/{gateway['errors']}",
-                    file=sys.stderr,
-                )
+        await load.open(targets, texts * args.warmup)
+        results = []
+        for level in levels:
+            # Direct and gateway take turns, a share of the requests at a time: load that drifts
+            # (a shared machine) then weighs on both alike.
+            share = -(-max(args.requests, level * args.rounds) // args.passes)
+            runs: dict[str, list[LevelRun]] = {"direct": [], "gateway": []}
+            for _ in range(args.passes):
+                runs["direct"].append(await load.run("direct", texts, level, share))
+                runs["gateway"].append(await load.run("gateway", texts, level, share, gateway_pid))
+            direct = summarize(merge_runs(runs["direct"]))
+            gateway = summarize(merge_runs(runs["gateway"]))
+            results.append(
+                {"concurrency": level, "direct": direct, "gateway": gateway, "ratio": ratios(gateway, direct)}
+            )
+            print(
+                f"{model} {mode} c={level}: total p50 direct {direct['total_ms']['p50']} ms,"
+                f" gateway {gateway['total_ms']['p50']} ms; errors {direct['errors']}/{gateway['errors']}",
+                file=sys.stderr,
+            )
     finally:
-        await grpc.close()
+        await load.close()
     return {
         "model": model,
         "mode": mode,
         "triton_model": plan.triton_model,
         "response_format": response_format,
         "texts": [t.name for t in texts],
+        # With several workers: the gateway's supervisor, its workers and anything else they started.
+        "gateway_processes": len(process_tree(gateway_pid)) if gateway_pid is not None else None,
         "levels": results,
     }
 
 
-def _sweeps(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+def _sweeps(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The sweeps, and how the stack they ran on was laid out (the CPUs read back from its processes)."""
     if args.gateway_url and not args.triton_url:
         raise SystemExit("--gateway-url needs --triton-url: the direct target is Triton")
+    if args.triton_url and args.triton_cores:
+        raise SystemExit("--triton-cores pins the Triton started here: not with --triton-url")
+    if args.gateway_url and (args.gateway_cores or args.gateway_workers != 1):
+        raise SystemExit("--gateway-cores and --gateway-workers apply to gateways started here: not with --gateway-url")
     modes = [args.gateway_mode] if args.gateway_url else args.modes
-    with contextlib.ExitStack() as stack:
+    # What is not pinned runs where this process could before it pinned itself to the client CPUs.
+    everywhere = os.sched_getaffinity(0)
+    layout: dict[str, Any] = {
+        "gateway_workers": None if args.gateway_url else args.gateway_workers,
+        "client_processes": args.client_processes,
+        "cpus": {},
+    }
+    cpus = layout["cpus"]
+    with contextlib.ExitStack() as stack, pinned(args.client_cores):
+        cpus["clients"] = format_cpus(os.sched_getaffinity(0))
+        clients = None
+        if args.client_processes > 1:
+            clients = stack.enter_context(client_processes(args.client_processes, args.client_cores))
+            cpus["clients"] = ", ".join(sorted({cpus_of(pid) or "gone" for pid in clients.pids}))
         triton_url = args.triton_url
         if triton_url is None:
             server = stack.enter_context(
                 embedded_triton(
-                    workdir / "triton", profile=args.profile, overrides=args.overrides, repository=args.repository
+                    workdir / "triton",
+                    profile=args.profile,
+                    overrides=args.overrides,
+                    repository=args.repository,
+                    cores=args.triton_cores or everywhere,
                 )
             )
             triton_url = server.grpc_url
+            cpus["triton"] = cpus_of(server.pid) if server.pid is not None else None
         sweeps = []
         for mode in modes:
-            with _gateway(args, Stack(triton_url, workdir), mode) as (url, pid):
+            gateway_cores = args.gateway_cores or everywhere
+            with _gateway(args, Stack(triton_url, workdir), mode, gateway_cores) as (url, pid):
+                if pid is not None:
+                    cpus["gateway"] = cpus_of(pid)
                 for model in args.models:
-                    sweeps.append(asyncio.run(_sweep(args, Stack(triton_url, workdir), model, mode, url, pid)))
-    return sweeps
+                    sweep = _sweep(args, Stack(triton_url, workdir), model, mode, url, pid, clients)
+                    sweeps.append(asyncio.run(sweep))
+    return sweeps, layout
 
 
 def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
@@ -265,7 +321,7 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         workdir = Path(tmp)
         if "sweep" in args.parts:
-            report["sweeps"] = _sweeps(args, workdir)
+            report["sweeps"], report["stack"] = _sweeps(args, workdir)
         if "encoding" in args.parts:
             report["encoding"] = encoding_cost.measure(args.encoding_seconds)
         if "cpu-default" in args.parts:

@@ -126,9 +126,12 @@ def _num(value: float | None, digits: int = 2, suffix: str = "") -> str:
 
 
 def _sweep_tables(sweep: dict[str, Any]) -> Iterator[str]:
+    processes = sweep.get("gateway_processes")
     yield (
         f"### {sweep['model']}, {sweep['mode']} (Triton model `{sweep['triton_model']}`, "
-        f"gateway `response_format={sweep['response_format']}`, texts: {', '.join(sweep['texts'])})"
+        f"gateway `response_format={sweep['response_format']}`, texts: {', '.join(sweep['texts'])}"
+        + ("" if processes is None else f"; {processes} processes in the gateway's tree")
+        + ")"
     )
     yield ""
     yield (
@@ -160,6 +163,14 @@ def _sweep_tables(sweep: dict[str, Any]) -> Iterator[str]:
     yield ""
 
 
+def _stack_line(stack: dict[str, Any]) -> str:
+    workers = stack["gateway_workers"]
+    gateway = "a gateway not started here" if workers is None else f"gateway workers: {workers}"
+    where = {"triton": "Triton", "gateway": "gateway", "clients": "clients"}
+    cpus = ", ".join(f"{where[part]} {stack['cpus'][part]}" for part in where if part in stack["cpus"])
+    return f"Sweep stack: {gateway}; client processes: {stack['client_processes']}; CPUs: {cpus}."
+
+
 def markdown(report: dict[str, Any]) -> str:
     machine = report["machine"]
     lines = [
@@ -171,6 +182,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"{machine['memory_gib']:.0f} GiB, {machine['system']}, Python {machine['python']}; "
         f"load average at start {machine['load_average']}.",
         "",
+    ]
+    if report.get("stack"):
+        lines += [_stack_line(report["stack"]), ""]
+    lines += [
         "## Targets",
         "",
         "| target | goal | measured | result |",
@@ -181,7 +196,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {check['name']} | {check['goal']} | {check['measured']} | {result} |")
     lines.append("")
     if report.get("sweeps"):
-        lines += ["## Concurrency sweeps", ""]
+        lines += [
+            "## Concurrency sweeps",
+            "",
+            "RSS: the gateway's peak resident memory, its worker processes included (summed).",
+            "",
+        ]
         for sweep in report["sweeps"]:
             lines += list(_sweep_tables(sweep))
     if report.get("encoding"):

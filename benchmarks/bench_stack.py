@@ -6,12 +6,13 @@ import contextlib
 import ctypes
 import functools
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -25,16 +26,75 @@ ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
 
 
+def parse_cpus(value: str) -> set[int]:
+    """A CPU list as taskset and /proc write them, ``0-3,8``; each CPU one this process may use."""
+    cpus: set[int] = set()
+    for item in value.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if match is None:
+            raise ValueError(f"{value!r} is not a CPU list such as 0-3,8")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if low > high:
+            raise ValueError(f"{item.strip()!r}: a range runs from low to high")
+        cpus.update(range(low, high + 1))
+    usable = os.sched_getaffinity(0)
+    if not cpus <= usable:
+        raise ValueError(f"CPUs {format_cpus(cpus - usable)} are not usable here (these are: {format_cpus(usable)})")
+    return cpus
+
+
+def format_cpus(cpus: Iterable[int]) -> str:
+    """``{0, 1, 2, 3, 8}`` as ``0-3,8``."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in ranges)
+
+
+def cpus_of(pid: int) -> str | None:
+    """The CPUs ``pid`` may run on, as ``0-3,8``; None once it is gone."""
+    try:
+        return format_cpus(os.sched_getaffinity(pid))
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    """The calling thread on ``cpus`` meanwhile (None: as it is): what it starts meanwhile inherits them."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @contextlib.contextmanager
 def embedded_triton(
-    workdir: Path, *, profile: str, overrides: list[str], repository: Path | None = None
+    workdir: Path,
+    *,
+    profile: str,
+    overrides: list[str],
+    repository: Path | None = None,
+    cores: set[int] | None = None,
 ) -> Iterator[EmbeddedTriton]:
-    """Triton serving ``repository``, or ``profile`` of triton_repo/ rendered with ``MODEL.KEY=VALUE`` overrides."""
+    """Triton serving ``repository``, or ``profile`` of triton_repo/ rendered with ``MODEL.KEY=VALUE`` overrides.
+
+    ``cores`` pins the server; the Python backend stubs it starts inherit them.
+    """
     if repository is None:
         repository = workdir / "repository"
         render_repository(ROOT / "triton_repo", profile, repository, parse_overrides(overrides))
     server = EmbeddedTriton(repository, workdir=workdir, startup_timeout=300.0)
-    server.start()
+    with pinned(cores):
+        server.start()
     try:
         yield server
     finally:

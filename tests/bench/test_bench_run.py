@@ -59,3 +59,42 @@ def test_sweep_reports_both_targets_at_each_level(bench_triton: EmbeddedTriton, 
     assert "| 2 | gateway |" in markdown
     assert "first streamed byte p50" in markdown
     assert (out / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_sweep_from_client_processes_against_gateway_workers(bench_triton: EmbeddedTriton, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--parts", "sweep", "--models", "bench_fixture", "--modes", "offline"]
+    argv += ["--levels", "3", "--requests", "5", "--rounds", "1", "--passes", "1", "--warmup", "1"]
+    argv += ["--texts", "short-en", "--client-processes", "2", "--gateway-workers", "2"]
+    argv += ["--client-cores", "0", "--gateway-cores", "1", "--triton-url", bench_triton.grpc_url]
+    assert bench.main(argv) == 0
+
+    report = json.loads((out / "bench.json").read_text())
+    # The CPUs are read back from the processes started.
+    assert report["stack"] == {"gateway_workers": 2, "client_processes": 2, "cpus": {"clients": "0", "gateway": "1"}}
+    (sweep,) = report["sweeps"]
+    # The supervisor and its two workers at least.
+    assert sweep["gateway_processes"] >= 3
+    (level,) = sweep["levels"]
+    for target in ("direct", "gateway"):
+        stats = level[target]
+        assert stats["requests"] == 5
+        assert stats["errors"] == 0, stats["error_examples"]
+        assert stats["audio_s"] == pytest.approx(5.0, abs=0.01)
+        assert stats["requests_per_s"] > 0
+    # Summed over the supervisor and its workers: more than one gateway process holds (about 110 MiB).
+    assert level["gateway"]["rss_peak_mb"] > 150
+    assert (
+        "Sweep stack: gateway workers: 2; client processes: 2; CPUs: gateway 1, clients 0."
+        in (out / "bench.md").read_text()
+    )
+
+
+def test_pinning_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        bench._parser().parse_args(["--client-cores", "0-x"])
+    argv = ["--out", str(tmp_path), "--parts", "sweep", "--triton-url", "127.0.0.1:1"]
+    with pytest.raises(SystemExit, match="--triton-cores pins the Triton started here"):
+        bench.main([*argv, "--triton-cores", "0"])
+    with pytest.raises(SystemExit, match="--gateway-workers apply to gateways started here"):
+        bench.main([*argv, "--gateway-url", "http://127.0.0.1:1", "--gateway-workers", "2"])
