@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +23,8 @@ from app.errors import ConflictError, InvalidRequestError, NotFoundError
 from app.model_catalog import ModelCatalog, SpeechModel
 from app.voice_registry import GENERATION_FILE, LOCK_FILE, VoiceRegistry
 
-REF_AUDIOS = Path(__file__).resolve().parents[2] / "ref_audios"
+ROOT = Path(__file__).resolve().parents[2]
+REF_AUDIOS = ROOT / "ref_audios"
 
 
 def _model(name: str, *, cloning: bool, voices: tuple[str, ...] = ()) -> SpeechModel:
@@ -42,11 +47,17 @@ COSY = _model("cosyvoice2", cloning=True)
 CATALOG = ModelCatalog([PIPER, COSY])
 
 
-def _wav(seconds: float = 2.0, rate: int = 22_050) -> bytes:
+def _wav(seconds: float = 2.0, rate: int = 22_050, pitch: float = 200.0) -> bytes:
     t = np.arange(int(seconds * rate)) / rate
     buffer = io.BytesIO()
-    sf.write(buffer, 0.3 * np.sin(2 * np.pi * 200 * t), rate, format="WAV")
+    sf.write(buffer, 0.3 * np.sin(2 * np.pi * pitch * t), rate, format="WAV")
     return buffer.getvalue()
+
+
+def _loaded(voices: Path, aliases: Mapping[str, str] | None = None) -> VoiceRegistry:
+    registry = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases=aliases or {})
+    registry.load()
+    return registry
 
 
 def _files(directory: Path) -> list[str]:
@@ -56,9 +67,7 @@ def _files(directory: Path) -> list[str]:
 
 @pytest.fixture()
 def registry(tmp_path: Path) -> VoiceRegistry:
-    reg = VoiceRegistry(REF_AUDIOS, tmp_path / "voices", min_seconds=1.0, max_seconds=30.0, aliases={"alloy": "lumen"})
-    reg.load()
-    return reg
+    return _loaded(tmp_path / "voices", {"alloy": "lumen"})
 
 
 def test_shipped_voices_load_with_transcripts(registry: VoiceRegistry) -> None:
@@ -91,8 +100,7 @@ async def test_upload_is_persisted_and_reloaded(registry: VoiceRegistry, tmp_pat
     meta = json.loads((tmp_path / "voices" / "mine.json").read_text())
     assert meta["transcript"] == "hello there"
 
-    reloaded = VoiceRegistry(REF_AUDIOS, tmp_path / "voices", min_seconds=1.0, max_seconds=30.0, aliases={})
-    reloaded.load()
+    reloaded = _loaded(tmp_path / "voices")
     again = reloaded.get("mine")
     assert again is not None and again.kind == "uploaded"
     # Stored as 16-bit PCM: the same recording to within quantisation.
@@ -131,8 +139,7 @@ def test_half_written_upload_is_ignored_and_cleaned(tmp_path: Path) -> None:
     (voices / ".other.wav.123.tmp").write_bytes(b"partial")
     (voices / "broken.json").write_text("{not json")
     (voices / "listed.json").write_text("[1]")
-    reg = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
-    reg.load()
+    reg = _loaded(voices)
     assert reg.get("half") is None and reg.get("broken") is None
     assert _files(voices) == ["broken.json", "listed.json"]
 
@@ -180,8 +187,7 @@ def test_stored_transcripts_are_cleaned_on_load(tmp_path: Path) -> None:
     for name, transcript in (("old", "from\u0000 before"), ("odd", "\ud800")):
         (voices / f"{name}.wav").write_bytes(_wav())
         (voices / f"{name}.json").write_text(json.dumps({"transcript": transcript, "created_at": 1}))
-    reg = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
-    reg.load()
+    reg = _loaded(voices)
 
     old = reg.get("old")
     assert old is not None and old.transcript == "from  before"
@@ -215,8 +221,7 @@ async def test_deletion_is_durable(registry: VoiceRegistry, tmp_path: Path) -> N
     await registry.add_upload("brief", _wav(), "here for a moment")
     await registry.delete("brief")
 
-    reloaded = VoiceRegistry(REF_AUDIOS, tmp_path / "voices", min_seconds=1.0, max_seconds=30.0, aliases={})
-    reloaded.load()
+    reloaded = _loaded(tmp_path / "voices")
     assert reloaded.get("brief") is None
 
 
@@ -257,7 +262,7 @@ def _run_crashing_upload(tmp_path: Path, crash_before: int) -> subprocess.Comple
         [sys.executable, "-c", _CRASHING_UPLOAD, str(tmp_path / "voices"), str(sample), str(crash_before)],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
         timeout=60,
         check=False,
     )
@@ -275,8 +280,7 @@ def test_crash_at_any_step_leaves_a_whole_voice_or_none(tmp_path: Path, crash_be
     crashed = _run_crashing_upload(tmp_path, crash_before)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
 
-    registry = VoiceRegistry(REF_AUDIOS, tmp_path / "voices", min_seconds=1.0, max_seconds=30.0, aliases={})
-    registry.load()
+    registry = _loaded(tmp_path / "voices")
 
     voice = registry.get("crashy")
     left = _files(tmp_path / "voices")
@@ -288,3 +292,163 @@ def test_crash_at_any_step_leaves_a_whole_voice_or_none(tmp_path: Path, crash_be
     else:
         assert voice is None
         assert left == []
+
+
+# -- several processes sharing one voices directory ---------------------------------------------
+# Two registries on one directory in one process share nothing but the files, as two worker
+# processes do.
+
+
+async def test_changes_through_one_registry_are_seen_by_another(tmp_path: Path) -> None:
+    voices = tmp_path / "voices"
+    writer, reader = _loaded(voices), _loaded(voices)
+    assert reader.get("shared") is None
+
+    await writer.add_upload("shared", _wav(2.0), "first take")
+    first = reader.resolve("shared", COSY, CATALOG).reference
+    assert first is not None and first.transcript == "first take"
+    assert first.audio.duration == pytest.approx(2.0, abs=0.01)
+    assert "shared" in {v.id for v in reader.describe(CATALOG)}
+    with pytest.raises(ConflictError):
+        await reader.add_upload("SHARED", _wav(), None)
+
+    # Deleted and uploaded again, as long and with the same transcript, while the reader does
+    # not look: name, sizes and (likely) inodes come back, the recording is another.
+    await writer.delete("shared")
+    await writer.add_upload("shared", _wav(2.0, pitch=300.0), "first take")
+    second = reader.get("shared")
+    assert second is not None and second.audio.samples.shape == first.audio.samples.shape
+    assert np.abs(second.audio.samples - first.audio.samples).max() > 0.5
+
+    await reader.delete("shared")
+    assert writer.get("shared") is None
+    assert "shared" not in {v.id for v in writer.describe(CATALOG)}
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        writer.resolve("shared", COSY, CATALOG)
+    with pytest.raises(NotFoundError):
+        await writer.delete("shared")
+    assert _files(voices) == []
+
+
+async def test_rescans_keep_unchanged_voices_and_report_a_broken_one_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    voices = tmp_path / "voices"
+    writer, reader = _loaded(voices), _loaded(voices)
+    await writer.add_upload("kept", _wav(), None)
+    kept = reader.get("kept")
+    assert kept is not None
+    (voices / "broken.json").write_text("{not json")  # by hand: noticed at the next change
+
+    with caplog.at_level(logging.WARNING, logger="app.voice_registry"):
+        for name in ("one", "two", "three"):
+            await writer.add_upload(name, _wav(), None)
+            assert reader.get(name) is not None
+
+    assert reader.get("kept") is kept  # not decoded again
+    broken = [r for r in caplog.records if "broken.json" in r.getMessage()]
+    assert len(broken) == 2  # once in each registry, not at every rescan
+    assert reader.get("broken") is None
+
+
+async def test_a_directory_without_a_generation_file_works(tmp_path: Path) -> None:
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    # As an older version stored it: no token, no revision in the metadata.
+    (voices / "old.wav").write_bytes(_wav())
+    (voices / "old.json").write_text(json.dumps({"name": "old", "transcript": "from before", "created_at": 1}))
+    never_loaded = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
+    old = never_loaded.get("old")
+    assert old is not None and old.transcript == "from before"
+    assert not (voices / GENERATION_FILE).exists()
+
+    writer, reader = _loaded(voices), _loaded(voices)
+    (voices / GENERATION_FILE).unlink()
+    assert reader.get("old") is not None
+    await writer.add_upload("new", _wav(), None)
+    assert reader.get("new") is not None and never_loaded.get("new") is not None
+
+
+def test_a_starting_registry_leaves_an_upload_in_flight_alone(tmp_path: Path) -> None:
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    # Another process's upload, between its audio and its commit marker, holding the lock.
+    lock = os.open(voices / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    (voices / "inflight.wav").write_bytes(_wav())
+    pending = voices / ".inflight.json.0123.tmp"
+    pending.write_text(json.dumps({"name": "inflight", "transcript": "made it", "created_at": 1}))
+
+    starting = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
+    loader = threading.Thread(target=starting.load)
+    loader.start()
+    loader.join(timeout=1.0)
+    assert loader.is_alive()  # waits for the lock rather than cleaning up under the writer
+    assert _files(voices) == [pending.name, "inflight.wav"]
+
+    os.replace(pending, voices / "inflight.json")
+    os.close(lock)  # releases the lock
+    loader.join(timeout=30)
+    assert not loader.is_alive()
+    voice = starting.get("inflight")
+    assert voice is not None and voice.transcript == "made it"
+    assert _files(voices) == ["inflight.json", "inflight.wav"]
+
+
+_RACING_UPLOAD = """
+import asyncio, sys, time
+from pathlib import Path
+
+from app.errors import ConflictError
+from app.voice_registry import VoiceRegistry
+
+voices, go, name, seconds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+sample = Path(sys.argv[5]).read_bytes()
+registry = VoiceRegistry(voices / "none", voices, min_seconds=1.0, max_seconds=30.0, aliases={})
+registry.load()
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.001)
+try:
+    asyncio.run(registry.add_upload(name, sample, f"{seconds}"))
+except ConflictError:
+    print("conflict")
+else:
+    print("won")
+"""
+
+
+_RACERS = 6
+
+
+def test_processes_racing_for_one_name_have_one_winner(tmp_path: Path) -> None:
+    voices, go = tmp_path / "voices", tmp_path / "go"
+    racers = []
+    for i in range(_RACERS):
+        # Each its own length, so the stored files show whose they are; half spell the name in capitals.
+        seconds = 1.5 + 0.25 * i
+        sample = tmp_path / f"take{i}.wav"
+        sample.write_bytes(_wav(seconds))
+        name = "race" if i % 2 else "RACE"
+        args = [sys.executable, "-c", _RACING_UPLOAD, str(voices), str(go), name, str(seconds), str(sample)]
+        racers.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    try:
+        for racer in racers:
+            assert racer.stdout is not None and racer.stdout.readline() == "ready\n"
+        go.touch()
+        outcomes = [racer.communicate(timeout=60) for racer in racers]
+    finally:
+        for racer in racers:
+            racer.kill()
+            racer.wait()
+
+    assert all(racer.returncode == 0 for racer in racers), [err for _, err in outcomes]
+    results = [out.strip() for out, _ in outcomes]
+    assert sorted(results) == ["conflict"] * (_RACERS - 1) + ["won"], results
+    winner = results.index("won")
+    name, seconds = ("race" if winner % 2 else "RACE"), 1.5 + 0.25 * winner
+    assert _files(voices) == [f"{name}.json", f"{name}.wav"]
+    assert json.loads((voices / f"{name}.json").read_text())["transcript"] == f"{seconds}"
+    assert sf.info(voices / f"{name}.wav").duration == pytest.approx(seconds, abs=0.01)
+    stored = _loaded(voices).get(name)
+    assert stored is not None and stored.audio.duration == pytest.approx(seconds, abs=0.01)
