@@ -14,6 +14,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from app.admission import AdmissionControl
+from app.allocator import keep_audio_buffers_in_heap
 from app.auth import ApiKeyMiddleware
 from app.backend import SpeechBackend
 from app.dependencies import Services
@@ -68,6 +69,7 @@ def start_embedded_triton(settings: Settings, stack: ExitStack | AsyncExitStack)
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    keep_audio_buffers_in_heap()
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -80,6 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
         )
         async with AsyncExitStack() as stack:
+            # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
+            stack.callback(metrics.close)
             url = settings.triton_url
             if url is None:
                 # Started on the event loop's (main) thread on purpose: the server is tied to the

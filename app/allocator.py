@@ -1,0 +1,38 @@
+"""glibc ``malloc`` thresholds for a process whose every request moves audio-sized buffers.
+
+A 5 s response passes through a ~0.5 MB float32 array and ~0.25 MB of bytes several times. By default
+glibc serves blocks above its mmap threshold (128 KiB at start, raised as such blocks are freed) with
+fresh ``mmap`` calls, and returns the top of the heap to the kernel once more than twice that is free
+there. Each request then faulted its buffers in anew, page by page: on the 2-core benchmark machine
+encoding 5 s of wav took ~0.75 ms in the gateway against ~0.25 ms with the thresholds below, and the
+whole response ~1 ms longer (``benchmarks/bench.py``, concurrency 1). Fixed thresholds keep such
+blocks in the heap; memory freed at the top of it is returned once 32 MiB have gathered there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Final
+
+logger = logging.getLogger(__name__)
+
+# mallopt(3) parameters, from glibc's <malloc.h>.
+_M_TRIM_THRESHOLD: Final = -1
+_M_MMAP_THRESHOLD: Final = -3
+MMAP_THRESHOLD: Final = 4 * 1024 * 1024
+TRIM_THRESHOLD: Final = 32 * 1024 * 1024
+
+
+def keep_audio_buffers_in_heap() -> bool:
+    """Set the thresholds for this process; ``False`` where the C library has no glibc ``mallopt``."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not applied:
+        logger.debug("mallopt refused the heap thresholds; the allocator keeps its defaults")
+    return applied
