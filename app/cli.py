@@ -16,10 +16,8 @@ from typing import Any, NoReturn
 import uvicorn
 
 from app.app_factory import create_app, start_embedded_triton
+from app.metrics import MULTIPROC_DIR_ENV
 from app.settings import Settings
-
-# prometheus_client's multiprocess mode: each worker writes its samples under this directory.
-_METRICS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +67,7 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
             server = start_embedded_triton(settings, stack)
             stack.callback(server.stop)
             environment["TTS_TRITON_URL"] = server.grpc_url
-        environment[_METRICS_DIR_VARIABLE] = stack.enter_context(tempfile.TemporaryDirectory(prefix="tts-metrics-"))
+        environment[MULTIPROC_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="tts-metrics-"))
         os.environ.update(environment)
         uvicorn.run(
             "app.app_factory:create_app",

@@ -110,6 +110,11 @@ class GatewayMetrics:
         """``mode``: how the values of the live workers add up when there are several."""
         return Gauge(name, documentation, registry=self.registry, multiprocess_mode=mode)
 
+    @property
+    def shared(self) -> bool:
+        """Whether the values are summed over several worker processes."""
+        return self._multiprocess_dir is not None
+
     def count_event_loop_tasks(self) -> None:
         """Sets ``tts_event_loop_tasks``; must run on the event loop."""
         self.event_loop_tasks.set(len(asyncio.all_tasks()))
@@ -205,5 +210,6 @@ class HttpMetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", "unmatched")
             self._metrics.http_requests.labels(scope["method"], template, str(status)).inc()
-            # With several workers, an idle one's task count would otherwise date from its last /metrics.
-            self._metrics.count_event_loop_tasks()
+            if self._metrics.shared:
+                # An idle worker's task count would otherwise date from its last /metrics answer.
+                self._metrics.count_event_loop_tasks()

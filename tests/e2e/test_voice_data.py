@@ -22,6 +22,7 @@ import pytest
 import soundfile as sf
 
 from app.embedded_triton import EmbeddedTriton
+from app.voice_registry import GENERATION_FILE, LOCK_FILE
 from tests.e2e.gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.triton
@@ -64,6 +65,11 @@ def _multipart(name: str, transcript: str, audio: bytes) -> bytes:
     return b"".join(parts)
 
 
+def _files(voices: Path) -> list[str]:
+    """The voices directory's entries, less the registry's own lock and generation files."""
+    return sorted(p.name for p in voices.iterdir() if p.name not in (LOCK_FILE, GENERATION_FILE))
+
+
 def _listed(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
     return {v["id"]: v for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
 
@@ -76,7 +82,7 @@ def _kill_and_restart(gateway: GatewayProcess) -> None:
 
 def _assert_whole_or_absent(gateway: GatewayProcess, voices: Path, name: str, seconds: float) -> bool:
     """The voice is complete (listed, both files, its own audio) or entirely gone; nothing else is left."""
-    files = sorted(p.name for p in voices.iterdir())
+    files = _files(voices)
     voice = _listed(gateway).get(name)
     if voice is None:
         assert files == [], files
@@ -115,7 +121,7 @@ def test_parallel_uploads_of_one_name_have_exactly_one_winner(gateway: GatewayPr
     winner = next(r.json() for r in responses if r.status_code == 201)
     take = int(winner["transcript"].removeprefix("take "))
     assert winner["duration"] == pytest.approx(1.5 + 0.25 * take, abs=0.01)
-    assert sorted(p.name for p in voices.iterdir()) == [f"{winner['id']}.json", f"{winner['id']}.wav"]
+    assert _files(voices) == [f"{winner['id']}.json", f"{winner['id']}.wav"]
     assert json.loads((voices / f"{winner['id']}.json").read_text())["transcript"] == winner["transcript"]
     assert sf.info(voices / f"{winner['id']}.wav").duration == pytest.approx(winner["duration"], abs=0.001)
 
@@ -200,7 +206,7 @@ def test_deletion_is_immediate_and_survives_a_crash(gateway: GatewayProcess, voi
     after = httpx.post(f"{gateway.url}/v1/audio/speech", json=speech)
     assert after.status_code == 400 and after.json()["error"]["code"] == "voice_not_found"
     assert httpx.delete(f"{gateway.url}/v1/audio/voices/short-lived").status_code == 404
-    assert list(voices.iterdir()) == []
+    assert _files(voices) == []
 
     _kill_and_restart(gateway)
     assert "short-lived" not in _listed(gateway)

@@ -113,7 +113,7 @@ def test_a_voice_uploaded_through_one_worker_is_known_to_all(gateway: GatewayPro
     assert created.status_code == 201, created.text
 
     def listed() -> None:
-        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["data"]
+        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["voices"]
         assert "shared-voice" in {v["id"] for v in voices}
 
     def taken() -> None:
@@ -131,7 +131,7 @@ def test_a_voice_uploaded_through_one_worker_is_known_to_all(gateway: GatewayPro
     assert httpx.delete(f"{gateway.url}/v1/audio/voices/shared-voice", timeout=10).status_code == 200
 
     def gone() -> None:
-        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["data"]
+        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["voices"]
         assert "shared-voice" not in {v["id"] for v in voices}
 
     _on_every_worker(gateway, "GET", "/v1/audio/voices", gone)

@@ -380,14 +380,15 @@ def test_a_starting_registry_leaves_an_upload_in_flight_alone(tmp_path: Path) ->
     pending.write_text(json.dumps({"name": "inflight", "transcript": "made it", "created_at": 1}))
 
     starting = VoiceRegistry(REF_AUDIOS, voices, min_seconds=1.0, max_seconds=30.0, aliases={})
-    loader = threading.Thread(target=starting.load)
-    loader.start()
-    loader.join(timeout=1.0)
-    assert loader.is_alive()  # waits for the lock rather than cleaning up under the writer
-    assert _files(voices) == [pending.name, "inflight.wav"]
-
-    os.replace(pending, voices / "inflight.json")
-    os.close(lock)  # releases the lock
+    loader = threading.Thread(target=starting.load, daemon=True)
+    try:
+        loader.start()
+        loader.join(timeout=1.0)
+        assert loader.is_alive()  # waits for the lock rather than cleaning up under the writer
+        assert _files(voices) == [pending.name, "inflight.wav"]
+        os.replace(pending, voices / "inflight.json")
+    finally:
+        os.close(lock)  # releases the lock (also when an assertion failed: no thread left waiting)
     loader.join(timeout=30)
     assert not loader.is_alive()
     voice = starting.get("inflight")
