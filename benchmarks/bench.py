@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import bench_report
-import cpu_default
-import encoding_cost
 from bench_load import (
     ClientProcesses,
     DirectSpec,
@@ -129,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     stack = parser.add_argument_group("stack (default: started here)")
     stack.add_argument("--profile", default="bench", help="profile of the embedded Triton (default: bench)")
     stack.add_argument("--set", dest="overrides", action="append", default=[], metavar="MODEL.KEY=VALUE")
+    stack.add_argument("--deploy", type=_csv, help="deploy only these Triton models of the profile (default: all)")
     stack.add_argument("--repository", type=Path, help="serve this rendered repository instead of a profile")
     stack.add_argument("--triton-url", help="use this Triton (gRPC host:port) instead of starting one")
     stack.add_argument("--gateway-url", help="use this gateway instead of starting them (needs --triton-url)")
@@ -292,6 +291,7 @@ def _sweeps(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
                     overrides=args.overrides,
                     repository=args.repository,
                     cores=args.triton_cores or everywhere,
+                    only=args.deploy,
                 )
             )
             triton_url = server.grpc_url
@@ -323,8 +323,13 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
         if "sweep" in args.parts:
             report["sweeps"], report["stack"] = _sweeps(args, workdir)
         if "encoding" in args.parts:
+            # Imported here: these parts need Piper installed, the sweep of other models does not.
+            import encoding_cost
+
             report["encoding"] = encoding_cost.measure(args.encoding_seconds)
         if "cpu-default" in args.parts:
+            import cpu_default
+
             report["cpu_default"] = cpu_default.measure(workdir / "cpu-default", args.cores, args.cpu_rounds)
     report["targets"] = bench_report.targets_json(bench_report.check_targets(report, args.overhead_model))
     return report

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -84,14 +84,16 @@ def embedded_triton(
     overrides: list[str],
     repository: Path | None = None,
     cores: set[int] | None = None,
+    only: Collection[str] | None = None,
 ) -> Iterator[EmbeddedTriton]:
     """Triton serving ``repository``, or ``profile`` of triton_repo/ rendered with ``MODEL.KEY=VALUE`` overrides.
 
-    ``cores`` pins the server; the Python backend stubs it starts inherit them.
+    ``cores`` pins the server; the Python backend stubs it starts inherit them. ``only`` deploys
+    just those models of the profile, e.g. to leave out one whose packages this machine lacks.
     """
     if repository is None:
         repository = workdir / "repository"
-        render_repository(ROOT / "triton_repo", profile, repository, parse_overrides(overrides))
+        render_repository(ROOT / "triton_repo", profile, repository, parse_overrides(overrides), only)
     server = EmbeddedTriton(repository, workdir=workdir, startup_timeout=300.0)
     with pinned(cores):
         server.start()

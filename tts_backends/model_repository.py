@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import string
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,26 +108,31 @@ def render_repository(
     profile_name: str,
     dest: Path,
     overrides: Mapping[str, Mapping[str, str]] | None = None,
+    only: Collection[str] | None = None,
 ) -> list[str]:
     """Render ``profile_name`` from ``source_root`` into ``dest``; return the model names.
 
     ``dest`` is replaced wholesale, so a rendered repository never mixes profiles.
     ``overrides`` maps a deployed model name to values that replace the profile's.
+    ``only`` deploys just those of the profile's models (all when ``None``).
     """
     profiles = load_profiles(source_root)
     if profile_name not in profiles:
         raise TemplateError(f"unknown profile {profile_name!r}; known: {sorted(profiles)}")
     profile = profiles[profile_name]
     overrides = dict(overrides or {})
-    unknown_models = sorted(set(overrides) - {m.name for m in profile.models})
-    if unknown_models:
-        raise TemplateError(f"overrides name models not in profile {profile_name!r}: {unknown_models}")
+    names = {m.name for m in profile.models}
+    for what, given in (("overrides", overrides), ("only", only or ())):
+        unknown_models = sorted(set(given) - names)
+        if unknown_models:
+            raise TemplateError(f"{what} name models not in profile {profile_name!r}: {unknown_models}")
+    models = [m for m in profile.models if only is None or m.name in only]
 
     staging = dest.with_name(dest.name + ".rendering")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        for model in profile.models:
+        for model in models:
             src = source_root / model.source
             template = (src / TEMPLATE_NAME).read_text(encoding="utf-8")
             values = {**model.values, **overrides.get(model.name, {})}
@@ -143,4 +148,4 @@ def render_repository(
         raise
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
-    return [m.name for m in profile.models]
+    return [m.name for m in models]

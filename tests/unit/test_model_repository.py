@@ -62,6 +62,15 @@ def test_render_rejects_unknown_override_and_keeps_old_repository(tmp_path: Path
     assert not (tmp_path / "repo.rendering").exists()
 
 
+def test_render_deploys_only_the_models_asked_for(tmp_path: Path) -> None:
+    dest = tmp_path / "repo"
+    names = render_repository(REPO, "bench", dest, only={"bench_fixture", "bench_fixture_stream"})
+    assert names == ["bench_fixture", "bench_fixture_stream"]
+    assert sorted(p.name for p in dest.iterdir()) == names
+    with pytest.raises(TemplateError, match=r"only name models not in profile 'bench': \['kokoro'\]"):
+        render_repository(REPO, "bench", dest, only={"piper", "kokoro"})
+
+
 def test_benchmark_fixture_is_deployed_by_the_bench_profile_only() -> None:
     for name, profile in load_profiles(REPO).items():
         fixtures = sorted(m.name for m in profile.models if m.source == "bench_fixture")
