@@ -285,6 +285,11 @@ class VoiceRegistry:
         self._view = view
         return view
 
+    def _reread(self) -> _View:
+        """The directory as it is now, for a change about to be made; under the lock only."""
+        self._view = self._scan(_read_generation(self._generation_file))
+        return self._view
+
     def _scan(self, generation: bytes | None) -> _View:
         """Read the uploaded voices, reusing those whose files did not change since the last scan."""
         previous = self._view.uploads
@@ -429,7 +434,7 @@ class VoiceRegistry:
         self, name: str, audio: ReferenceAudio, transcript: str | None, taken: tuple[str, ...]
     ) -> ReferenceVoice:
         with self._exclusive():
-            view = self._view = self._scan(_read_generation(self._generation_file))
+            view = self._reread()
             # Case-insensitively: NAME.wav must not collide on case-insensitive file systems.
             if name.casefold() in {n.casefold() for n in (*view.voices, *taken)}:
                 raise ConflictError(f"a voice named {name!r} already exists", param="name", code="voice_exists")
@@ -465,7 +470,7 @@ class VoiceRegistry:
 
     def _commit_delete(self, voice_id: str) -> None:
         with self._exclusive():
-            view = self._view = self._scan(_read_generation(self._generation_file))
+            view = self._reread()
             voice = view.voices.get(voice_id)
             if voice is None:
                 raise NotFoundError(f"voice {voice_id!r} does not exist", param="voice_id", code="voice_not_found")
