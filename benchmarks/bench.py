@@ -297,8 +297,8 @@ def _sweeps(args: argparse.Namespace, workdir: Path) -> tuple[list[dict[str, Any
             triton_url = server.grpc_url
             cpus["triton"] = cpus_of(server.pid) if server.pid is not None else None
         sweeps = []
+        gateway_cores = args.gateway_cores or everywhere
         for mode in modes:
-            gateway_cores = args.gateway_cores or everywhere
             with _gateway(args, Stack(triton_url, workdir), mode, gateway_cores) as (url, pid):
                 if pid is not None:
                     cpus["gateway"] = cpus_of(pid)

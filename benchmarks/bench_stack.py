@@ -135,14 +135,14 @@ class GatewayServer:
             "TTS_EMBEDDED_WORKDIR": str(self.workdir / "embedded"),
             **self._env,
         }
-        with (self.workdir / "gateway.log").open("ab") as log:
+        with (self.workdir / "gateway.log").open("ab") as log, pinned(self._cores):
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
                 env=env,
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=functools.partial(_child_setup, os.getpid(), self._cores),
+                preexec_fn=functools.partial(_child_setup, os.getpid()),
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -180,10 +180,8 @@ class GatewayServer:
         self.stop()
 
 
-def _child_setup(parent: int, cores: set[int] | None) -> None:
-    """Runs in the gateway process before exec: pin it, and have it killed when the benchmark dies."""
-    if cores:
-        os.sched_setaffinity(0, cores)
+def _child_setup(parent: int) -> None:
+    """Runs in the gateway process before exec: have it killed when the benchmark dies."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
