@@ -1,10 +1,10 @@
 """The LLM stage on PyTorch: speech-token generation from a CosyVoice2 HF directory.
 
 It serves the same contract as the TensorRT-LLM engine (input ids, output length, end ids,
-sampling parameters) where no engine is available, on CPU and in tests. Generation is
-incremental over the KV cache and yields one id at a time. Sampling is restricted to the speech
-tokens and the stop ids, so every id produced is a valid speech token; stop ids end the
-generation and are not yielded.
+sampling parameters) where no engine is available: on the GPU with continuous batching and CUDA
+graphs (:mod:`~tts_backends.cosyvoice2.llm_engine`), on the CPU with the same code run eagerly.
+Sampling is restricted to the speech tokens and the stop ids, so every id produced is a valid
+speech token; stop ids end the generation and are not yielded.
 
 Upstream's HF conversion (``pretrained_to_huggingface.py``) gives ``lm_head`` a bias (its
 ``llm_decoder`` bias, -inf on the text rows) that ``Qwen2ForCausalLM`` does not have; when the
@@ -24,11 +24,22 @@ from safetensors import safe_open
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from . import vocab
+from .llm_decoder import SlotDecoder
+from .llm_engine import (
+    COLUMN_IDS,
+    DEFAULT_BUCKETS,
+    BatchingEngine,
+    Generation,
+    GenerationHandle,
+    TokenSink,
+    generate,
+)
 
 _DTYPES: Final = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHTS_FILE: Final = "model.safetensors"
 _WEIGHTS_INDEX: Final = "model.safetensors.index.json"
 _HEAD_BIAS: Final = "lm_head.bias"
+_STOP_CANDIDATES: Final = frozenset(range(vocab.EOS1_ID, vocab.TOKENIZER_SIZE))
 
 
 @dataclass(frozen=True)
@@ -57,33 +68,57 @@ class SamplingParams:
 
 
 class TorchSpeechLLM:
-    """A CosyVoice2 LLM (Qwen2 with the extended vocabulary) on one torch device."""
+    """A CosyVoice2 LLM (Qwen2 with the extended vocabulary) on one torch device, batching its requests.
 
-    def __init__(self, hf_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
+    Requests run through a :class:`~tts_backends.cosyvoice2.llm_engine.BatchingEngine`: ``max_slots``
+    requests decode together over a static KV cache of ``max_seq_len`` positions each, with CUDA
+    graphs on a CUDA device unless ``cuda_graphs`` says otherwise. :meth:`submit` streams tokens to a
+    sink (the Triton model); :meth:`generate` is the same as a blocking iterator.
+    """
+
+    def __init__(
+        self,
+        hf_dir: Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        *,
+        max_slots: int = 8,
+        max_seq_len: int = 2048,
+        cuda_graphs: bool | None = None,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+    ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if max_slots < 1 or max_seq_len < 2:
+            raise ValueError("max_slots must be at least 1 and max_seq_len at least 2")
         config = Qwen2Config.from_pretrained(hf_dir)
         if config.vocab_size < vocab.TOKENIZER_SIZE:
             raise ValueError(f"{hf_dir}: vocab_size {config.vocab_size} lacks the speech tokens")
         model_class = _Qwen2WithHeadBias if _has_head_bias(hf_dir) else Qwen2ForCausalLM
         model = model_class.from_pretrained(hf_dir, config=config, dtype=_DTYPES[dtype])
         self._device = torch.device(device)
-        self._model = model.to(self._device).eval()
+        model = model.to(self._device).eval()
         self.vocab_size: int = config.vocab_size
-        self._speech_ids = torch.arange(
-            vocab.SPEECH_TOKEN_OFFSET, vocab.SPEECH_TOKEN_OFFSET + vocab.SPEECH_TOKEN_SIZE, device=self._device
+        decoder = SlotDecoder(
+            model, slots=max_slots, max_len=max_seq_len, columns=torch.tensor(COLUMN_IDS, dtype=torch.long)
         )
+        graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.engine = BatchingEngine(decoder, cuda_graphs=graphs, buckets=buckets)
 
-    def generate(
+    def close(self) -> None:
+        """Stop the engine; requests still in flight end with an error."""
+        self.engine.stop()
+
+    def request(
         self,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         params: SamplingParams,
         *,
         max_new_tokens: int,
         min_new_tokens: int = 0,
         stop_ids: Sequence[int],
-    ) -> Iterator[int]:
-        """Yield generated speech-token ids one at a time; a stop id (not yielded) ends the stream.
+    ) -> Generation:
+        """A validated :class:`Generation`; raises ValueError for ids, lengths or stops it cannot serve.
 
         Stop ids cannot be drawn before ``min_new_tokens`` ids were produced; at most
         ``max_new_tokens`` ids are produced.
@@ -94,56 +129,41 @@ class TorchSpeechLLM:
             raise ValueError(f"input ids must lie in [0, {self.vocab_size})")
         if not 0 <= min_new_tokens <= max_new_tokens:
             raise ValueError("need 0 <= min_new_tokens <= max_new_tokens")
-        stops = sorted(set(stop_ids))
-        if any(not 0 <= stop < self.vocab_size or vocab.id_to_speech_token(stop) is not None for stop in stops):
-            raise ValueError(f"stop ids must be non-speech ids below {self.vocab_size}: {stops}")
-        generator = torch.Generator(device=self._device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
-        return self._generate(input_ids, params, max_new_tokens, min_new_tokens, stops, generator)
+        stops = frozenset(stop_ids)
+        if not stops <= _STOP_CANDIDATES:
+            raise ValueError(f"stop ids must be among the non-speech ids {sorted(_STOP_CANDIDATES)}: {sorted(stops)}")
+        return Generation(
+            input_ids=tuple(int(i) for i in input_ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            stop_ids=stops,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            repetition_penalty=params.repetition_penalty,
+            seed=params.seed,
+        )
 
-    def _generate(
+    def submit(self, request: Generation, sink: TokenSink) -> GenerationHandle:
+        """Start ``request``; its tokens go to ``sink`` from the engine's thread."""
+        return self.engine.submit(request, sink)
+
+    def generate(
         self,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         params: SamplingParams,
+        *,
         max_new_tokens: int,
-        min_new_tokens: int,
-        stops: list[int],
-        generator: torch.Generator,
+        min_new_tokens: int = 0,
+        stop_ids: Sequence[int],
     ) -> Iterator[int]:
+        """Yield generated speech-token ids one at a time; a stop id (not yielded) ends the stream."""
+        request = self.request(
+            input_ids, params, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, stop_ids=stop_ids
+        )
         if max_new_tokens == 0:
-            return
-        with_stops = torch.cat([self._speech_ids, torch.tensor(stops, dtype=torch.long, device=self._device)])
-        seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self._device)
-        seen[torch.tensor(input_ids, device=self._device)] = True
-        stop_set = frozenset(stops)
-        logits, cache = self._forward(input_ids, None)
-        for produced in range(max_new_tokens):
-            candidates = self._speech_ids if produced < min_new_tokens else with_stops
-            token = _sample(logits, candidates, seen, params, generator)
-            if token in stop_set:
-                return
-            yield token
-            if produced + 1 == max_new_tokens:
-                return
-            seen[token] = True
-            logits, cache = self._forward([token], cache)
-
-    def _forward(self, ids: list[int], cache: object | None) -> tuple[torch.Tensor, object]:
-        """Logits (float32, vocab) after ``ids``, and the extended KV cache.
-
-        Inference mode is entered per call, not around the generator, so that it never leaks
-        into the consumer's code between two yields.
-        """
-        with torch.inference_mode():
-            output = self._model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=self._device),
-                past_key_values=cache,
-                use_cache=True,
-            )
-        return output.logits[0, -1].float(), output.past_key_values
+            return iter(())
+        return generate(self.engine, request)
 
 
 class _Qwen2WithHeadBias(Qwen2ForCausalLM):
@@ -152,34 +172,6 @@ class _Qwen2WithHeadBias(Qwen2ForCausalLM):
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__(config)
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
-
-
-def _sample(
-    logits: torch.Tensor,
-    candidates: torch.Tensor,
-    seen: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-) -> int:
-    """Draw one id among ``candidates``: repetition penalty, temperature, top-k, then top-p."""
-    scores = logits[candidates]
-    if params.repetition_penalty != 1.0:
-        penalised = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-        scores = torch.where(seen[candidates], penalised, scores)
-    if params.temperature == 0.0:
-        return int(candidates[torch.argmax(scores)])
-    scores = scores / params.temperature
-    if 0 < params.top_k < scores.numel():
-        kth_best = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth_best, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(ordered, dim=-1)
-        # Drop a token once the tokens ranked above it already hold top_p of the mass.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    choice = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
-    return int(candidates[choice])
 
 
 def _has_head_bias(hf_dir: Path) -> bool:

@@ -1,16 +1,16 @@
 """Triton adapter for the CosyVoice2 speech LLM on PyTorch, speaking the TensorRT-LLM backend's tensors.
 
 Decoupled: with ``streaming`` one response per generated id, otherwise one response with
-all of them; then the final flag. Each request generates on its own thread, so requests
-overlap; a cancelled request stops at its next token.
+all of them; then the final flag. Requests are decoded together by the continuous-batching
+engine (``tts_backends/cosyvoice2/llm_engine.py``); ``execute`` only parses and submits.
+Responses leave through an outbox thread and cancellations are noticed by a watcher, so the
+engine's thread never waits on the server. A cancelled request stops at the engine's next step.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,73 +18,130 @@ import triton_python_backend_utils as pb_utils
 
 from tts_backends.cosyvoice2 import tensors, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
+from tts_backends.cosyvoice2.llm_engine import GenerationHandle
+from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox
+from tts_backends.stage_trace import StageTrace
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
-        self._name = args["model_name"]
-        self._llm = TorchSpeechLLM(Path(params["llm_dir"]), device=params["device"], dtype=params["dtype"])
-        self._stopping = threading.Event()
-        workers = int(params["max_concurrency"])
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self._name)
+        self.name = args["model_name"]
+        graphs = params["cuda_graphs"].lower()
+        self._llm = TorchSpeechLLM(
+            Path(params["llm_dir"]),
+            device=params["device"],
+            dtype=params["dtype"],
+            max_slots=int(params["max_slots"]),
+            max_seq_len=int(params["max_seq_len"]),
+            cuda_graphs=None if graphs == "auto" else graphs == "true",
+        )
+        self.outbox = Outbox(self.name)
+        self.watch = CancellationWatch(self.name)
+        self.trace = StageTrace.from_env("llm")
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            self._pool.submit(self._generate, request, request.get_response_sender())
+            sender = request.get_response_sender()
+            try:
+                generation = self._generation(request)
+            except ValueError as exc:
+                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                self.outbox.put(lambda s=sender, e=error: _fail(s, e))
+                continue
+            sink = _Sink(self, sender, request.request_id(), streaming=self._streaming(request))
+            sink.handle = self._llm.submit(generation, sink)
+            self.watch.watch(sink.handle, request.is_cancelled)
 
     def finalize(self) -> None:
-        self._stopping.set()
-        self._pool.shutdown(wait=True)
+        self._llm.close()
+        self.watch.close()
+        self.outbox.close()
 
-    def _generate(self, request: Any, sender: Any) -> None:
-        try:
-            arrays = {}
-            for name in tensors.LLM_INPUT_DTYPES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    arrays[name] = tensor.as_numpy()
-            call = tensors.parse_llm_inputs(arrays)
-            sampling = SamplingParams(
-                temperature=call.temperature,
-                top_p=call.top_p,
-                top_k=call.top_k,
-                repetition_penalty=call.repetition_penalty,
-                seed=call.seed,
+    def _generation(self, request: Any) -> Any:
+        call = tensors.parse_llm_inputs(_arrays(request))
+        stops = set(vocab.STOP_IDS)
+        if call.end_id is not None and vocab.id_to_speech_token(call.end_id) is None:
+            stops.add(call.end_id)
+        sampling = SamplingParams(
+            temperature=call.temperature,
+            top_p=call.top_p,
+            top_k=call.top_k,
+            repetition_penalty=call.repetition_penalty,
+            seed=call.seed,
+        )
+        return self._llm.request(
+            call.input_ids,
+            sampling,
+            max_new_tokens=call.max_new_tokens,
+            min_new_tokens=call.min_new_tokens,
+            stop_ids=sorted(stops),
+        )
+
+    @staticmethod
+    def _streaming(request: Any) -> bool:
+        tensor = pb_utils.get_input_tensor_by_name(request, "streaming")
+        return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
+
+
+class _Sink:
+    """Turns the engine's tokens into responses: one per token when streaming, else one at the end."""
+
+    def __init__(self, model: TritonPythonModel, sender: Any, request_id: str, *, streaming: bool) -> None:
+        self._model = model
+        self._sender = sender
+        self._request_id = request_id
+        self._streaming = streaming
+        self._tokens: list[int] = []
+        self.handle: GenerationHandle | None = None
+
+    def token(self, token_id: int) -> None:
+        if self._streaming:
+            self._model.outbox.put(lambda: self._sender.send(_response([token_id])))
+        else:
+            self._tokens.append(token_id)
+
+    def finished(self, error: BaseException | None) -> None:
+        model = self._model
+        handle = self.handle
+        if handle is not None:
+            model.watch.forget(handle)
+            model.trace.record(
+                self._request_id,
+                submitted=handle.submitted,
+                admitted=handle.admitted,
+                first_token=handle.first_token,
+                tokens=handle.produced,
             )
-            stops = set(vocab.STOP_IDS)
-            if call.end_id is not None and vocab.id_to_speech_token(call.end_id) is None:
-                stops.add(call.end_id)
-            ids = self._llm.generate(
-                call.input_ids,
-                sampling,
-                max_new_tokens=call.max_new_tokens,
-                min_new_tokens=call.min_new_tokens,
-                stop_ids=sorted(stops),
+        if error is not None:
+            pb_utils.Logger.log_error(f"{model.name}: generation failed\n{''.join(traceback.format_exception(error))}")
+            failure = pb_utils.TritonError(
+                f"model {model.name} failed; see the server log", pb_utils.TritonError.INTERNAL
             )
-            produced = []
-            for token in ids:
-                if self._stopping.is_set() or sender.is_cancelled():
-                    return
-                if call.streaming:
-                    sender.send(_response([token]))
-                else:
-                    produced.append(token)
-            if not call.streaming:
-                sender.send(_response(produced))
-        except ValueError as exc:
-            sender.send(
-                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
-            )
-        except Exception:
-            pb_utils.Logger.log_error(f"{self._name}: generation failed\n{traceback.format_exc()}")
-            error = pb_utils.TritonError(
-                f"model {self._name} failed; see the server log", pb_utils.TritonError.INTERNAL
-            )
-            sender.send(pb_utils.InferenceResponse(error=error))
-        finally:
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            model.outbox.put(lambda: _fail(self._sender, failure))
+            return
+        produced = self._tokens
+
+        def send() -> None:
+            if not self._streaming and not (handle is not None and handle.cancelled):
+                self._sender.send(_response(produced))
+            self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        model.outbox.put(send)
+
+
+def _arrays(request: Any) -> dict[str, Any]:
+    arrays = {}
+    for name in tensors.LLM_INPUT_DTYPES:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def _fail(sender: Any, error: Any) -> None:
+    sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _response(ids: list[int]) -> Any:

@@ -1,0 +1,386 @@
+"""Continuous batching of speech-token generation: every request in flight advances in one step.
+
+One scheduler thread owns the model. Callers :meth:`BatchingEngine.submit` a request with a
+:class:`TokenSink`; between two steps the thread admits waiting requests (one padded, batched
+prefill), then runs one decode step for all live requests together and hands each its new token.
+Requests join and leave between steps: a finished or cancelled one frees its cache slot at once,
+and the last live slot moves into the hole so that live requests always fill slots ``0..n-1``.
+
+On CUDA every decode step (forward pass, sampling and the bookkeeping that prepares the next
+step) is replayed from a CUDA graph, one per batch-size bucket, all captured when the engine
+starts; a step costs one graph launch and one host synchronisation (reading the drawn ids). On
+the CPU the same step runs eagerly at the exact batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.llm_decoder import SlotDecoder
+from tts_backends.cosyvoice2.llm_sampling import SamplingRows, sample, seed_keys
+
+_log = logging.getLogger(__name__)
+
+# The columns a request can draw: every speech token, then <|eos1|> <|eos2|> <|eos3|> <|sos|> <|task_id|>.
+COLUMN_IDS: tuple[int, ...] = (
+    *range(vocab.SPEECH_TOKEN_OFFSET, vocab.SPEECH_TOKEN_OFFSET + vocab.SPEECH_TOKEN_SIZE),
+    *range(vocab.EOS1_ID, vocab.TOKENIZER_SIZE),
+)
+_COLUMN_OF = {token_id: column for column, token_id in enumerate(COLUMN_IDS)}
+_SPEECH_COLUMNS = vocab.SPEECH_TOKEN_SIZE
+_SEED_LIMIT = 1 << 64
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+class TokenSink(Protocol):
+    """Where a request's tokens go; both methods are called from the engine's thread."""
+
+    def token(self, token_id: int) -> None:
+        """One generated speech-token id (stop ids are never passed on)."""
+        ...
+
+    def finished(self, error: BaseException | None) -> None:
+        """The request ended: normally, by a stop id, its length limit or cancellation, or by ``error``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One validated request. ``seed`` is an unsigned 64-bit value; None draws one."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    min_new_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class GenerationHandle:
+    """A submitted request; :meth:`cancel` stops it at the engine's next step."""
+
+    request: Generation
+    sink: TokenSink
+    submitted: float = field(default_factory=time.monotonic)
+    admitted: float = 0.0
+    first_token: float = 0.0
+    produced: int = 0
+    _cancelled: bool = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+
+class _Rows:
+    """The per-slot tensors of the sampler and the decode inputs, each ``[slots]`` or ``[slots, columns]``."""
+
+    def __init__(self, slots: int, columns: int, device: torch.device) -> None:
+        def vector(dtype: torch.dtype) -> Tensor:
+            return torch.zeros(slots, device=device, dtype=dtype)
+
+        def matrix() -> Tensor:
+            return torch.zeros(slots, columns, device=device, dtype=torch.bool)
+
+        self.tokens = vector(torch.int64)
+        self.positions = vector(torch.int64)
+        self.drawn = vector(torch.int64)
+        self.sampling = SamplingRows(
+            temperature=vector(torch.float32),
+            top_k=vector(torch.int64),
+            top_p=vector(torch.float32),
+            penalty=vector(torch.float32),
+            keys=vector(torch.int64),
+            steps=vector(torch.int64),
+            min_new=vector(torch.int64),
+            allowed=matrix(),
+            stops=matrix(),
+            seen=matrix(),
+        )
+
+    def all(self) -> list[Tensor]:
+        s = self.sampling
+        return [
+            self.tokens,
+            self.positions,
+            self.drawn,
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            s.penalty,
+            s.keys,
+            s.steps,
+            s.min_new,
+            s.allowed,
+            s.stops,
+            s.seen,
+        ]
+
+    def window(self, start: int, stop: int) -> SamplingRows:
+        s = self.sampling
+        return SamplingRows(*(getattr(s, name)[start:stop] for name in SamplingRows.__dataclass_fields__))
+
+
+class BatchingEngine:
+    """Continuous-batching speech-token generation over a :class:`SlotDecoder`."""
+
+    def __init__(
+        self,
+        decoder: SlotDecoder,
+        *,
+        cuda_graphs: bool,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_prefill_rows: int = 8,
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self._decoder = decoder
+        self._device = decoder.device
+        self.slots = decoder.slots
+        self._buckets = sorted({b for b in buckets if b <= self.slots} | {self.slots})
+        self._max_prefill_rows = max_prefill_rows
+        self._on_step = on_step
+        self._columns = torch.tensor(COLUMN_IDS, device=self._device)
+        self._rows = _Rows(self.slots, len(COLUMN_IDS), self._device)
+        self._live: list[GenerationHandle] = []
+        self._waiting: deque[GenerationHandle] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cuda_graphs:
+            self._capture()
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def graph_buckets(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def submit(self, request: Generation, sink: TokenSink) -> GenerationHandle:
+        """Queue ``request``; raises ValueError (before anything runs) when it cannot be served."""
+        if len(request.input_ids) + request.max_new_tokens > self._decoder.max_len:
+            raise ValueError(
+                f"{len(request.input_ids)} prompt ids + {request.max_new_tokens} new tokens exceed the "
+                f"engine's {self._decoder.max_len} positions (max_seq_len)"
+            )
+        handle = GenerationHandle(request, sink)
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the engine is stopped")
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._live:
+                    self._wake.wait()
+                if self._stopping:
+                    pending = [*self._waiting, *self._live]
+                    self._waiting.clear()
+                    self._live.clear()
+                    break
+                admitted = [
+                    self._waiting.popleft()
+                    for _ in range(min(len(self._waiting), self._max_prefill_rows, self.slots - len(self._live)))
+                ]
+            try:
+                if admitted:
+                    self._prefill(admitted)
+                if self._live:
+                    self._step()
+            except Exception as exc:
+                _log.exception("LLM engine step failed; failing the requests in flight")
+                failed = [*admitted, *self._live]
+                self._live.clear()
+                for handle in dict.fromkeys(failed):
+                    handle.sink.finished(exc)
+        for handle in pending:
+            handle.sink.finished(RuntimeError("the engine stopped"))
+
+    def _prefill(self, handles: list[GenerationHandle]) -> None:
+        first = len(self._live)
+        now = time.monotonic()
+        lengths = [len(h.request.input_ids) for h in handles]
+        ids = torch.zeros(len(handles), max(lengths), dtype=torch.int64)
+        for row, handle in enumerate(handles):
+            ids[row, : lengths[row]] = torch.tensor(handle.request.input_ids)
+            handle.admitted = now
+            self._load_row(first + row, handle.request)
+        logits = self._decoder.prefill(
+            ids.to(self._device), torch.tensor(lengths, device=self._device), first_slot=first
+        )
+        r = self._rows
+        r.positions[first : first + len(handles)] = torch.tensor(lengths, device=self._device)
+        self._advance(logits, first, first + len(handles))
+        self._live.extend(handles)
+        self._deliver(r.drawn[first : first + len(handles)].tolist(), first)
+
+    def _load_row(self, row: int, request: Generation) -> None:
+        s = self._rows.sampling
+        s.temperature[row] = request.temperature
+        s.top_k[row] = request.top_k
+        s.top_p[row] = request.top_p
+        s.penalty[row] = request.repetition_penalty
+        seed = secrets.randbits(63) if request.seed is None else request.seed % _SEED_LIMIT
+        signed = seed - _SEED_LIMIT if seed >= _SEED_LIMIT // 2 else seed
+        s.keys[row] = seed_keys(torch.tensor(signed, dtype=torch.int64))
+        s.steps[row] = 0
+        s.min_new[row] = request.min_new_tokens
+        stop_columns = torch.tensor([_COLUMN_OF[i] for i in request.stop_ids], dtype=torch.int64)
+        allowed = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        allowed[:_SPEECH_COLUMNS] = True
+        allowed[stop_columns] = True
+        stops = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        stops[stop_columns] = True
+        seen = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        prompt_columns = [_COLUMN_OF[i] for i in request.input_ids if i in _COLUMN_OF]
+        seen[prompt_columns] = True
+        s.allowed[row] = allowed.to(self._device)
+        s.stops[row] = stops.to(self._device)
+        s.seen[row] = seen.to(self._device)
+
+    def _advance(self, logits: Tensor, start: int, stop: int) -> None:
+        """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
+        r = self._rows
+        window = r.window(start, stop)
+        chosen = sample(logits, window)
+        drawn = self._columns[chosen]
+        r.drawn[start:stop] = drawn
+        r.tokens[start:stop] = drawn
+        window.seen.scatter_(1, chosen.unsqueeze(1), True)
+        window.steps.add_(1)
+
+    def _decode(self, rows: int) -> None:
+        r = self._rows
+        logits = self._decoder.decode(r.tokens[:rows], r.positions[:rows])
+        r.positions[:rows].add_(1)
+        self._advance(logits, 0, rows)
+
+    def _step(self) -> None:
+        live = len(self._live)
+        started = time.monotonic()
+        bucket = next((b for b in self._buckets if b >= live), self.slots)
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode(live)
+        drawn = self._rows.drawn[:live].tolist()
+        if self._on_step is not None:
+            self._on_step(live, time.monotonic() - started)
+        self._deliver(drawn, 0)
+
+    def _deliver(self, drawn: list[int], first_row: int) -> None:
+        """Hand each row its id, then release the rows that ended (highest first, so moves stay valid)."""
+        ended: list[int] = []
+        now = time.monotonic()
+        for offset, token_id in enumerate(drawn):
+            row = first_row + offset
+            handle = self._live[row]
+            request = handle.request
+            if handle.cancelled or token_id in request.stop_ids:
+                ended.append(row)
+                continue
+            handle.produced += 1
+            if handle.produced == 1:
+                handle.first_token = now
+            handle.sink.token(token_id)
+            if handle.produced >= request.max_new_tokens or handle.cancelled:
+                ended.append(row)
+        for row in sorted(ended, reverse=True):
+            self._release(row)
+
+    def _release(self, row: int) -> None:
+        handle = self._live[row]
+        last = len(self._live) - 1
+        if row != last:
+            self._decoder.move_slot(last, row)
+            for tensor in self._rows.all():
+                tensor[row] = tensor[last]
+            self._live[row] = self._live[last]
+        self._live.pop()
+        handle.sink.finished(None)
+
+    def _capture(self) -> None:
+        """Record one decode step per bucket, largest first, sharing one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        saved = [tensor.clone() for tensor in self._rows.all()]
+        with torch.cuda.stream(stream):
+            for bucket in sorted(self._buckets, reverse=True):
+                for _ in range(2):
+                    self._decode(bucket)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._decode(bucket)
+                self._graphs[bucket] = graph
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        for tensor, value in zip(self._rows.all(), saved, strict=True):
+            tensor.copy_(value)
+        torch.cuda.synchronize(self._device)
+
+
+class _QueueSink:
+    """A sink that a consuming thread reads as an iterator (the blocking :func:`generate` API)."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def token(self, token_id: int) -> None:
+        self._queue.put(token_id)
+
+    def finished(self, error: BaseException | None) -> None:
+        self._queue.put(error if error is not None else self._END)
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, int)
+            yield item
+
+
+def generate(engine: BatchingEngine, request: Generation) -> Iterator[int]:
+    """Submit ``request`` and yield its tokens as they come; closing the iterator cancels it."""
+    sink = _QueueSink()
+    handle = engine.submit(request, sink)
+
+    def tokens() -> Iterator[int]:
+        try:
+            yield from sink
+        finally:
+            handle.cancel()
+
+    return tokens()

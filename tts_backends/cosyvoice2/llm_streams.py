@@ -1,0 +1,80 @@
+"""What the LLM's Triton model needs around the engine: sending responses and noticing cancellations.
+
+The engine's thread must not wait on Triton: every response a Python-backend model sends and every
+``is_cancelled()`` it asks is a round trip to the server process. :class:`Outbox` sends from a
+thread of its own, in order; :class:`CancellationWatch` asks each request in flight every
+``interval_s`` and cancels its engine handle when Triton says so, so that the engine drops the
+request at its next step without asking anything itself. Both take plain callables, so they run
+(and are tested) without Triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from tts_backends.cosyvoice2.llm_engine import GenerationHandle
+
+_log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Runs queued send calls on one thread, in the order they were queued."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, send: Callable[[], None]) -> None:
+        self._queue.put(send)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (send := self._queue.get()) is not None:
+            try:
+                send()
+            except Exception:
+                _log.exception("sending a response failed")
+
+
+class CancellationWatch:
+    """Cancels engine handles whose Triton request was cancelled, checking every ``interval_s``."""
+
+    def __init__(self, name: str, interval_s: float = 0.02) -> None:
+        self._interval_s = interval_s
+        self._watched: dict[GenerationHandle, Callable[[], bool]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-cancel", daemon=True)
+        self._thread.start()
+
+    def watch(self, handle: GenerationHandle, is_cancelled: Callable[[], bool]) -> None:
+        with self._lock:
+            self._watched[handle] = is_cancelled
+
+    def forget(self, handle: GenerationHandle) -> None:
+        with self._lock:
+            self._watched.pop(handle, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            with self._lock:
+                watched = list(self._watched.items())
+            for handle, is_cancelled in watched:
+                try:
+                    if is_cancelled():
+                        handle.cancel()
+                        self.forget(handle)
+                except Exception:
+                    _log.exception("asking whether a request was cancelled failed")
