@@ -13,6 +13,8 @@ frames of a prefix computed again come out the same, which is what lets chunks b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +24,25 @@ from torch.nn import functional as F
 from tts_backends.cosyvoice2.config import FlowConfig
 from tts_backends.cosyvoice2.flow_decoder import CausalConditionalCFM
 from tts_backends.cosyvoice2.flow_encoder import UpsampleConformerEncoder
+
+MelSolver = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor | None]
+"""``(mu, mask, speaker, cond, streaming) -> mel | None``: a replacement for the eager solve."""
+
+
+@dataclass(frozen=True, eq=False)
+class FlowItem:
+    """One utterance of a batched flow call: tensors of one row, without a batch dimension."""
+
+    token: Tensor
+    """``[T]`` target speech tokens so far (the last ``pre_lookahead_len`` are look-ahead unless ``finalize``)."""
+    prompt_token: Tensor
+    """``[Tp]`` voice prompt tokens."""
+    prompt_feat: Tensor
+    """``[ratio*Tp, 80]`` voice prompt mel frames."""
+    embedding: Tensor
+    """``[192]`` speaker embedding."""
+    streaming: bool
+    finalize: bool
 
 
 class CausalFlow(nn.Module):
@@ -70,6 +91,12 @@ class CausalFlow(nn.Module):
         if not finalize and token.size(1) < cfg.pre_lookahead_len:
             raise ValueError(f"a non-final chunk needs at least {cfg.pre_lookahead_len} target tokens (look-ahead)")
 
+    def check_item(self, item: FlowItem) -> None:
+        """Raise ValueError unless ``item``'s shapes fit this flow (what :meth:`inference_batch` assumes)."""
+        self._check_inputs(
+            item.token[None], item.prompt_token[None], item.prompt_feat[None], item.embedding[None], item.finalize
+        )
+
     @torch.inference_mode()
     def inference(
         self,
@@ -90,21 +117,49 @@ class CausalFlow(nn.Module):
         ``finalize=False`` treats the last ``pre_lookahead_len`` tokens as look-ahead only.
         """
         self._check_inputs(token, prompt_token, prompt_feat, embedding, finalize)
-        weight = self.input_embedding.weight
-        speaker = self.spk_embed_affine_layer(F.normalize(embedding.to(weight.device, weight.dtype), dim=1))
+        item = FlowItem(token[0], prompt_token[0], prompt_feat[0], embedding[0], streaming, finalize)
+        return self.inference_batch([item], n_timesteps=n_timesteps)[0].unsqueeze(0)
 
-        tokens = torch.cat([prompt_token, token], dim=1).to(weight.device)
-        x = self.input_embedding(tokens.clamp(min=0))
-        context = None
-        if not finalize:
-            lookahead = self.cfg.pre_lookahead_len
-            x, context = x[:, :-lookahead], x[:, -lookahead:]
-        h = self.encoder(x, context, streaming)
+    @torch.inference_mode()
+    def inference_batch(
+        self, items: Sequence[FlowItem], *, n_timesteps: int = 10, solver: MelSolver | None = None
+    ) -> list[Tensor]:
+        """Mel ``[80, frames_i]`` (float32) of each item's target tokens, computed as one batch.
+
+        Rows are right-padded to the longest; the encoder and the estimator mask the padding, so
+        each row gets what it would get alone (up to floating-point reordering). ``solver`` (for
+        example CUDA-graph replays, :mod:`tts_backends.cosyvoice2.flow_graphs`) replaces the eager
+        flow-matching solve where it has a shape that fits.
+        """
+        weight = self.input_embedding.weight
+        device, dtype = weight.device, weight.dtype
+        lookahead = self.cfg.pre_lookahead_len
+        ratio = self.cfg.token_mel_ratio
+        voiced = [
+            item.prompt_token.numel() + item.token.numel() - (0 if item.finalize else lookahead) for item in items
+        ]
+        rows = len(items)
+        width = max(voiced) + lookahead
+        tokens = torch.zeros(rows, width, dtype=torch.long)
+        for row, item in enumerate(items):
+            sequence = torch.cat([item.prompt_token.reshape(-1), item.token.reshape(-1)]).cpu()
+            tokens[row, : sequence.numel()] = sequence
+        lengths = torch.tensor(voiced, device=device)
+        has_context = torch.tensor([not item.finalize for item in items], device=device)
+        streaming = torch.tensor([item.streaming for item in items], device=device)
+        x = self.input_embedding(tokens.to(device).clamp(min=0))
+        h = self.encoder(x, lengths, has_context, streaming)
         mu = self.encoder_proj(h).transpose(1, 2).contiguous()
 
-        frames, prompt_frames = mu.size(2), prompt_feat.size(1)
+        frames = mu.size(2)
+        embeddings = torch.stack([item.embedding.reshape(-1) for item in items]).to(device, dtype)
+        speaker = self.spk_embed_affine_layer(F.normalize(embeddings, dim=1))
         cond = torch.zeros_like(mu)
-        cond[:, :, :prompt_frames] = prompt_feat.transpose(1, 2).to(weight.device, weight.dtype)
-        mask = torch.ones([1, 1, frames], device=weight.device, dtype=weight.dtype)
-        mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming)
-        return mel[:, :, prompt_frames:]
+        for row, item in enumerate(items):
+            cond[row, :, : item.prompt_feat.size(0)] = item.prompt_feat.transpose(0, 1).to(device, dtype)
+        steps = torch.arange(frames, device=device)
+        mask = (steps.unsqueeze(0) < ratio * lengths.unsqueeze(1)).unsqueeze(1).to(dtype)
+        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming)
+        if mel is None:
+            mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming)
+        return [mel[row, :, item.prompt_feat.size(0) : ratio * voiced[row]] for row, item in enumerate(items)]

@@ -220,20 +220,20 @@ class CausalConditionalDecoder(nn.Module):
         self.final_block = CausalBlock1D(widths[-1], widths[-1])
         self.final_proj = nn.Conv1d(widths[-1], cfg.out_channels, 1)
 
-    def _attention_bias(self, mask: Tensor, streaming: bool, dtype: torch.dtype) -> Tensor:
-        """``[B, T, T]`` additive bias from the padding mask ``[B, 1, T]`` (and the chunk mask when streaming)."""
-        visible = mask.bool()
-        length = visible.size(-1)
-        if streaming and self.chunk_size > 0:
-            visible = visible & chunk_mask(length, self.chunk_size, mask.device).unsqueeze(0)
-        else:
-            visible = visible.expand(-1, length, -1)
+    def _attention_bias(self, mask: Tensor, streaming: Tensor, dtype: torch.dtype) -> Tensor:
+        """``[B, T, T]`` additive bias from the padding mask ``[B, 1, T]``; chunked where ``streaming`` ``[B]``."""
+        length = mask.size(-1)
+        visible = mask.bool().expand(-1, length, -1)
+        if self.chunk_size > 0:
+            chunks = chunk_mask(length, self.chunk_size, mask.device).unsqueeze(0)
+            visible = visible & (chunks | ~streaming.view(-1, 1, 1))
         return (1.0 - visible.to(dtype)) * _MASK_BIAS
 
     def forward(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: bool
+        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor
     ) -> Tensor:
-        """x, mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; t ``[B]``; spks ``[B, 80]`` -> velocity ``[B, 80, T]``."""
+        """x, mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; t ``[B]``; spks ``[B, 80]``; streaming ``[B]`` bool
+        -> velocity ``[B, 80, T]``."""
         time = self.time_mlp(_sinusoidal_time(t, self.in_channels).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
 
@@ -281,32 +281,32 @@ class CausalConditionalCFM(nn.Module):
         return 1 - torch.cos(t * 0.5 * torch.pi) if self.cosine_schedule else t
 
     def forward(
-        self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int, streaming: bool
+        self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int, streaming: Tensor
     ) -> Tensor:
-        """mu, cond ``[1, 80, T]``; mask ``[1, 1, T]``; spks ``[1, 80]`` -> mel ``[1, 80, T]`` (float32)."""
-        frames = mu.size(2)
+        """mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; spks ``[B, 80]``; streaming ``[B]`` bool
+        -> mel ``[B, 80, T]`` (float32).
+
+        Pure tensor code on the inputs' device, so one solve can be recorded as a CUDA graph.
+        """
+        rows, _, frames = mu.shape
         if frames > self.rand_noise.size(2):
             raise ValueError(f"{frames} mel frames exceed the {self.rand_noise.size(2)} frames of pre-drawn noise")
-        x = self.rand_noise[:, :, :frames].to(mu.device, mu.dtype)
+        x = self.rand_noise[:, :, :frames].to(mu.device, mu.dtype).expand(rows, -1, -1)
         t_span = self.time_steps(n_timesteps, mu.device, mu.dtype)
 
-        # Row 0 is conditioned, row 1 unconditioned (zeros): classifier-free guidance in one batch.
-        x_in = torch.zeros([2, *x.shape[1:]], device=x.device, dtype=x.dtype)
-        mask_in = mask.expand(2, -1, -1).contiguous()
-        mu_in = torch.zeros_like(x_in)
-        mu_in[0] = mu[0]
-        spks_in = torch.zeros([2, spks.size(1)], device=x.device, dtype=x.dtype)
-        spks_in[0] = spks[0]
-        cond_in = torch.zeros_like(x_in)
-        cond_in[0] = cond[0]
-        t_in = torch.zeros([2], device=x.device, dtype=x.dtype)
+        # Rows 0..B-1 are conditioned, rows B..2B-1 unconditioned (zeros): classifier-free guidance in one batch.
+        mask_in = torch.cat([mask, mask])
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        streaming_in = torch.cat([streaming, streaming])
 
         t, dt = t_span[0:1], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            x_in[:] = x
-            t_in[:] = t
-            velocity = self.estimator(x_in, mask_in, mu_in, t_in, spks_in, cond_in, streaming)
-            guided, unconditioned = velocity[:1], velocity[1:]
+            velocity = self.estimator(
+                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * rows), spks_in, cond_in, streaming_in
+            )
+            guided, unconditioned = velocity[:rows], velocity[rows:]
             x = x + dt * ((1.0 + self.cfg_rate) * guided - self.cfg_rate * unconditioned)
             t = t + dt
             if step < len(t_span) - 1:

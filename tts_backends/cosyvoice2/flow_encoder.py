@@ -129,11 +129,10 @@ class PreLookaheadLayer(nn.Module):
         self.conv1 = nn.Conv1d(channels, channels, kernel_size=lookahead + 1)
         self.conv2 = nn.Conv1d(channels, channels, kernel_size=3)
 
-    def forward(self, x: Tensor, context: Tensor | None) -> Tensor:
-        """x ``[B, T, C]``; context ``[B, lookahead, C]``: the tokens after x, or None at the end (zeros)."""
-        y = x.transpose(1, 2)
-        ahead = F.pad(y, (0, self.lookahead)) if context is None else torch.cat([y, context.transpose(1, 2)], dim=2)
-        y = F.leaky_relu(self.conv1(ahead))
+    def forward(self, x: Tensor, padded: Tensor) -> Tensor:
+        """x ``[B, T, C]``; ``padded`` ``[B, T + lookahead, C]``: x's rows, each followed by what its
+        tokens may look ahead to (the next tokens, or zeros at the end of an utterance)."""
+        y = F.leaky_relu(self.conv1(padded.transpose(1, 2)))
         y = self.conv2(F.pad(y, (self.conv2.kernel_size[0] - 1, 0)))
         return y.transpose(1, 2) + x
 
@@ -171,24 +170,36 @@ class UpsampleConformerEncoder(nn.Module):
         )
         self.after_norm = nn.LayerNorm(size, eps=1e-5)
 
-    def _stack(self, blocks: nn.ModuleList, x: Tensor, chunk: int) -> Tensor:
+    def _stack(self, blocks: nn.ModuleList, x: Tensor, chunk: int, lengths: Tensor, streaming: Tensor) -> Tensor:
         length = x.size(1)
         positions = relative_positions(length, self.size, x.device, x.dtype)
-        mask = chunk_mask(length, chunk, x.device).unsqueeze(0) if chunk > 0 else None
+        steps = torch.arange(length, device=x.device)
+        # [B, T, T]: real keys only (rows are right-padded), and within the chunk mask where streaming.
+        mask = (steps.unsqueeze(0) < lengths.unsqueeze(1)).unsqueeze(1).expand(-1, length, -1)
+        if chunk > 0:
+            mask = mask & (chunk_mask(length, chunk, x.device).unsqueeze(0) | ~streaming.view(-1, 1, 1))
         for block in blocks:
             x = block(x, positions, mask)
         return x
 
-    def forward(self, x: Tensor, context: Tensor | None, streaming: bool) -> Tensor:
-        """Token embeddings ``[B, T, input_size]`` (+ look-ahead ``context``) -> ``[B, stride*T, size]``.
+    def forward(self, x: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor:
+        """Token embeddings ``[B, T + lookahead, input_size]`` -> ``[B, stride*T, size]``.
 
-        When ``streaming``, attention is restricted to chunks of ``static_chunk_size`` tokens (and
-        ``stride`` times as many frames after the upsample), as during streaming training.
+        Row ``i`` holds ``lengths[i]`` tokens followed, where ``has_context[i]``, by the
+        ``lookahead`` tokens after them (look-ahead only, no output of their own), then padding.
+        Rows without context see zeros ahead of their last tokens, as at the end of an utterance.
+        Where ``streaming[i]``, attention is restricted to chunks of ``static_chunk_size`` tokens
+        (and ``stride`` times as many frames after the upsample), as during streaming training.
+        Padded rows compute exactly what they would alone: padding is masked out of attention,
+        and every convolution that looks ahead sees zeros there.
         """
-        chunk = self.chunk_size if streaming else 0
-        x = self.embed(x)
-        x = self.pre_lookahead_layer(x, None if context is None else self.embed(context))
-        x = self._stack(self.encoders, x, chunk)
+        chunk = self.chunk_size
+        lookahead = self.pre_lookahead_layer.lookahead
+        steps = torch.arange(x.size(1), device=x.device).unsqueeze(0)
+        reach = lengths + has_context.long() * lookahead
+        x = self.embed(x) * (steps < reach.unsqueeze(1)).unsqueeze(2).to(x.dtype)
+        x = self.pre_lookahead_layer(x[:, :-lookahead], x)
+        x = self._stack(self.encoders, x, chunk, lengths, streaming)
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
-        x = self._stack(self.up_encoders, self.up_embed(x), chunk * self.stride)
+        x = self._stack(self.up_encoders, self.up_embed(x), chunk * self.stride, lengths * self.stride, streaming)
         return self.after_norm(x)

@@ -20,7 +20,7 @@ written with the legacy ``weight_g``/``weight_v`` names load too (torch converts
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,8 +33,19 @@ from torch.nn.utils.parametrizations import weight_norm
 if TYPE_CHECKING:
     from tts_backends.cosyvoice2.config import HiftConfig
 
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
 _SNAKE_EPS = 1e-9
 _MAX_MAGNITUDE = 1e2
+
+
+def _draw(generator: Generators, rows: int, draw: Callable[[int, torch.Generator | None], Tensor]) -> Tensor:
+    """``draw(rows, generator)`` with one generator, or row by row with one generator per row."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return draw(rows, generator)
+    if len(generator) != rows:
+        raise ValueError(f"{len(generator)} generators for {rows} rows")
+    return torch.cat([draw(1, row_generator) for row_generator in generator])
 
 
 def _same_padding(kernel_size: int, dilation: int) -> int:
@@ -127,16 +138,23 @@ class HarmonicSource(nn.Module):
         self.voiced_threshold = voiced_threshold
         self.l_linear = nn.Linear(nb_harmonics + 1, 1)
 
-    def forward(self, f0: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """``f0`` [B, T] in Hz -> excitation [B, 1, T * upsample_scale]."""
+    def forward(self, f0: Tensor, generator: Generators = None) -> Tensor:
+        """``f0`` [B, T] in Hz -> excitation [B, 1, T * upsample_scale].
+
+        ``generator`` is one generator for the whole batch or one per row (each row then draws
+        exactly what it would draw alone).
+        """
         scale = float(self.upsample_scale)
         f0 = F.interpolate(f0.float()[:, None], scale_factor=scale, mode="nearest")
         orders = torch.arange(1, self.nb_harmonics + 2, dtype=torch.float32, device=f0.device)[None, :, None]
         # [B, harmonics, samples]; the per-sample phase increment in cycles.
         increments = (f0 * orders / self.sampling_rate) % 1
 
-        initial_phase = torch.rand(
-            f0.shape[0], self.nb_harmonics + 1, generator=generator, device=f0.device, dtype=torch.float32
+        harmonics = self.nb_harmonics + 1
+        initial_phase = _draw(
+            generator,
+            f0.shape[0],
+            lambda rows, g: torch.rand(rows, harmonics, generator=g, device=f0.device, dtype=torch.float32),
         )
         initial_phase[:, 0] = 0
         increments[:, :, 0] = increments[:, :, 0] + initial_phase
@@ -150,10 +168,20 @@ class HarmonicSource(nn.Module):
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
         # Upstream fills this noise through a [B, samples, harmonics] view of [B, harmonics, samples]
         # memory, and torch's normal_ orders its draws differently for such strided views.
-        gaussian = torch.empty_like(sines).transpose(1, 2).normal_(generator=generator).transpose(1, 2)
+        samples = sines.shape[2]
+        gaussian = _draw(
+            generator,
+            f0.shape[0],
+            lambda rows, g: (
+                torch.empty(rows, harmonics, samples, device=f0.device, dtype=sines.dtype)
+                .transpose(1, 2)
+                .normal_(generator=g)
+                .transpose(1, 2)
+            ),
+        )
         noise = noise_amp * gaussian
-        harmonics = (sines * voiced + noise).transpose(1, 2)
-        merged = torch.tanh(self.l_linear(harmonics.to(self.l_linear.weight.dtype)))
+        excitation = (sines * voiced + noise).transpose(1, 2)
+        merged = torch.tanh(self.l_linear(excitation.to(self.l_linear.weight.dtype)))
         return merged.transpose(1, 2)
 
 
@@ -288,13 +316,14 @@ class HiFTGenerator(nn.Module):
         return wav.clamp(-self.audio_limit, self.audio_limit)
 
     def inference(
-        self, mel: Tensor, cache_source: Tensor | None = None, *, generator: torch.Generator | None = None
+        self, mel: Tensor, cache_source: Tensor | None = None, *, generator: Generators = None
     ) -> tuple[Tensor, Tensor]:
-        """Vocode ``mel`` [1, 80, T] -> (waveform [1, T * 480], excitation [1, 1, T * 480]).
+        """Vocode ``mel`` [B, 80, T] -> (waveform [B, T * 480], excitation [B, 1, T * 480]).
 
         ``cache_source`` (the excitation under the first frames, kept from the previous chunk of a
         stream) replaces the start of the new excitation so the harmonic phase stays continuous.
-        ``generator`` seeds the excitation's random phase and noise; ``None`` uses torch's global RNG.
+        ``generator`` seeds the excitation's random phase and noise (one for the batch, or one per
+        row); ``None`` uses torch's global RNG.
         """
         reference = self.conv_pre.bias
         with torch.inference_mode():

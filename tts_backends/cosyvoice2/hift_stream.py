@@ -74,15 +74,27 @@ class HiftStreamState:
 
     def step(self, mel: Tensor, vocoder: Vocoder, *, final: bool) -> Tensor:
         """Vocode the new frames ``mel`` [1, 80, frames] of one chunk; returns the audio to emit [N]."""
+        full, cache_source = self.prepare(mel)
+        if full.shape[2] == 0:
+            return self.finish(full, torch.zeros(0), torch.zeros(1, 1, 0), final=final)
+        speech, source = vocoder(full, cache_source)
+        return self.finish(full, speech[0], source, final=final)
+
+    def prepare(self, mel: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The mel to vocode for new frames ``mel`` [1, 80, frames] (the cached frames first) and the
+        excitation to continue from; vocode them, then pass the result to :meth:`finish`."""
         if self.finished:
             raise RuntimeError("this stream was already finalised")
         if self._mel is not None:
             mel = torch.cat([self._mel.to(mel.dtype), mel], dim=2)
+        return mel, self._source
+
+    def finish(self, mel: Tensor, speech: Tensor, source: Tensor, *, final: bool) -> Tensor:
+        """Audio to emit [N] from the vocoded ``speech`` [N] and ``source`` [1, 1, N] of :meth:`prepare`'s ``mel``."""
         if mel.shape[2] == 0:
             self.finished = final
             return torch.zeros(0)
-        speech, source = vocoder(mel, self._source)
-        speech = speech[0].float()
+        speech = speech.float()
         if self._tail is not None:
             speech = self._crossfade(speech, self._tail)
         if final:

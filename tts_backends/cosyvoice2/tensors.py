@@ -134,18 +134,19 @@ def parse_llm_outputs(output_ids: NDArray[Any], sequence_length: NDArray[Any]) -
 
 
 def token2wav_inputs(request: Token2WavRequest) -> dict[str, NDArray[Any]]:
+    """token2wav's inputs for ``request``, each with the leading batch dimension of one its dynamic batching needs."""
     prompt = request.prompt
     tensors: dict[str, NDArray[Any]] = {
-        "session_id": np.array([request.session_id.encode()], dtype=np.object_),
-        "target_speech_tokens": np.asarray(request.speech_tokens, dtype=np.int32).reshape(-1),
-        "prompt_speech_tokens": np.asarray(prompt.speech_tokens, dtype=np.int32).reshape(-1),
-        "prompt_speech_feat": np.asarray(prompt.feats, dtype=np.float32).reshape(-1, 80),
-        "prompt_spk_embedding": np.asarray(prompt.embedding, dtype=np.float32).reshape(-1),
-        "speed": np.array([request.speed], dtype=np.float32),
+        "session_id": np.array([[request.session_id.encode()]], dtype=np.object_),
+        "target_speech_tokens": np.asarray(request.speech_tokens, dtype=np.int32).reshape(1, -1),
+        "prompt_speech_tokens": np.asarray(prompt.speech_tokens, dtype=np.int32).reshape(1, -1),
+        "prompt_speech_feat": np.asarray(prompt.feats, dtype=np.float32).reshape(1, -1, 80),
+        "prompt_spk_embedding": np.asarray(prompt.embedding, dtype=np.float32).reshape(1, -1),
+        "speed": np.array([[request.speed]], dtype=np.float32),
     }
     if request.token_offset is not None:
-        tensors["token_offset"] = np.array([request.token_offset], dtype=np.int32)
-        tensors["finalize"] = np.array([request.finalize], dtype=np.bool_)
+        tensors["token_offset"] = np.array([[request.token_offset]], dtype=np.int32)
+        tensors["finalize"] = np.array([[request.finalize]], dtype=np.bool_)
     return tensors
 
 
@@ -180,6 +181,8 @@ def parse_token2wav_inputs(tensors: Mapping[str, NDArray[Any]]) -> Token2WavCall
     if speed is not None and speed <= 0.0:
         raise TensorError(f"'speed' must be positive, got {speed}")
     feat = _required(tensors, "prompt_speech_feat").astype(np.float32)
+    if feat.ndim == 3 and feat.shape[0] == 1:
+        feat = feat[0]
     if feat.ndim != 2 or feat.shape[1] != 80:
         raise TensorError(f"'prompt_speech_feat' must have shape [frames, 80], got {feat.shape}")
     return Token2WavCall(

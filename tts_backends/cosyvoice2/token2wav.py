@@ -30,7 +30,8 @@ from numpy.typing import NDArray
 from torch import Tensor
 
 from tts_backends.cosyvoice2.config import load_config
-from tts_backends.cosyvoice2.flow import CausalFlow
+from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem, MelSolver
+from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
@@ -56,6 +57,18 @@ class SpeechPrompt(Protocol):
     def embedding(self) -> NDArray[np.float32]:
         """(192,) speaker embedding."""
         ...
+
+
+@dataclass(frozen=True, eq=False)
+class Conversion:
+    """One call of a batch: offline when ``token_offset`` is None, else one chunk of stream ``session_id``."""
+
+    session_id: str
+    tokens: SpeechTokens
+    prompt: SpeechPrompt
+    token_offset: int | None = None
+    finalize: bool = True
+    speed: float = 1.0
 
 
 class StreamStateError(ValueError):
@@ -88,6 +101,7 @@ class Token2Wav:
         state_ttl_s: float = DEFAULT_STATE_TTL_S,
         vocoder_seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        solver: MelSolver | None = None,
     ) -> None:
         if state_ttl_s <= 0:
             raise ValueError("state_ttl_s must be positive")
@@ -103,6 +117,9 @@ class Token2Wav:
         self._device = hift.conv_post.bias.device
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
+        self.solver = solver
+        self.sync_timing = False
+        self.last_timing: dict[str, float] = {}
 
     @classmethod
     def from_model_dir(
@@ -115,17 +132,36 @@ class Token2Wav:
         n_timesteps: int = 10,
         state_ttl_s: float = DEFAULT_STATE_TTL_S,
         vocoder_seed: int = 0,
+        graph_rows: int = 0,
+        graph_frames: int = 1536,
+        graph_frame_step: int = 128,
     ) -> Token2Wav:
         """Load ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt`` from ``model_dir``.
 
         ``dtype`` applies to the flow; HiFT stays in ``hift_dtype`` (float32 by default, as upstream
         keeps it even when the flow runs in fp16: it is cheap and its exp/iSTFT head is sensitive).
+        ``graph_rows`` > 0 on a CUDA device records the flow-matching solve as CUDA graphs for
+        batches of up to that many calls and ``graph_frames`` mel frames (:class:`FlowSolverGraphs`).
         """
         device = torch.device(device)
         cfg = load_config(model_dir / "cosyvoice2.yaml")
         flow = CausalFlow.from_checkpoint(cfg.flow, model_dir / "flow.pt", device, dtype)
         hift = HiFTGenerator.from_checkpoint(cfg.hift, model_dir / "hift.pt", device, hift_dtype)
-        return cls(flow, hift, n_timesteps=n_timesteps, state_ttl_s=state_ttl_s, vocoder_seed=vocoder_seed)
+        solver = None
+        if graph_rows > 0 and device.type == "cuda":
+            solver = FlowSolverGraphs(
+                flow.decoder,
+                n_timesteps=n_timesteps,
+                mel_bins=cfg.flow.output_size,
+                max_rows=graph_rows,
+                max_frames=graph_frames,
+                frame_step=graph_frame_step,
+                device=device,
+                dtype=dtype,
+            )
+        return cls(
+            flow, hift, n_timesteps=n_timesteps, state_ttl_s=state_ttl_s, vocoder_seed=vocoder_seed, solver=solver
+        )
 
     @property
     def sample_rate(self) -> int:
@@ -145,18 +181,7 @@ class Token2Wav:
         while HiFT's F0 prediction keeps the pitch. Only offline synthesis supports it (upstream
         too): in a stream, the cached frames and cross-fades assume an unstretched mel.
         """
-        if not (math.isfinite(speed) and speed > 0):
-            raise ValueError(f"speed must be a positive number, got {speed}")
-        target = self._token_tensor(tokens)
-        if target.shape[1] == 0:
-            raise ValueError("no speech tokens to convert")
-        with torch.inference_mode():
-            mel = self._mel(target, prompt, streaming=False, finalize=True)
-            if speed != 1.0:
-                mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
-            generator = torch.Generator(device=self._device).manual_seed(self.vocoder_seed)
-            wav, _ = self.hift.inference(mel, generator=generator)
-        return self._to_numpy(wav[0])
+        return _unwrap(self.convert([Conversion("offline", tokens, prompt, speed=speed)])[0])
 
     def stream_chunk(
         self,
@@ -175,27 +200,135 @@ class Token2Wav:
         As in upstream's streaming loop, non-final chunks run the flow with chunked (streaming)
         attention and the final chunk with full attention.
         """
-        if not request_id:
-            raise ValueError("request_id must be a non-empty id unique to the request")
-        target = self._token_tensor(tokens)
-        converted = target.shape[1] if finalize else target.shape[1] - self._pre_lookahead
-        if converted < token_offset:
-            raise ValueError(
-                f"{target.shape[1]} tokens do not reach past token_offset {token_offset}"
-                + ("" if finalize else f" plus the {self._pre_lookahead}-token look-ahead")
-            )
-        stream = self._checkout(request_id, token_offset)
+        return _unwrap(self.convert([Conversion(request_id, tokens, prompt, token_offset, finalize)])[0])
+
+    def convert(self, calls: Sequence[Conversion]) -> list[NDArray[np.float32] | Exception]:
+        """Every call's audio, or the error that call gets, converting the calls as one batch.
+
+        The flow runs once for all calls (rows padded and masked); HiFT once per group of calls
+        with equally long mel. A call's own mistake (bad tokens, a stream out of step) fails that
+        call alone; a failure of the batch fails every call in it, and drops their streams.
+        """
+        results: list[NDArray[np.float32] | Exception] = [ValueError("not converted")] * len(calls)
+        ready: list[tuple[int, Conversion, FlowItem, _Stream | None]] = []
+        for index, call in enumerate(calls):
+            try:
+                item = self._flow_item(call, self._check(call))
+                stream = None if call.token_offset is None else self._checkout(call.session_id, call.token_offset)
+            except ValueError as exc:
+                results[index] = exc
+                continue
+            try:
+                self.flow.check_item(item)
+            except ValueError as exc:
+                # As any failed chunk: the stream cannot go on, so its state goes.
+                if stream is not None:
+                    self._checkin(call.session_id, stream, drop=True)
+                results[index] = exc
+                continue
+            ready.append((index, call, item, stream))
+        if not ready:
+            return results
         failed = True
         try:
             with torch.inference_mode():
-                mel = self._mel(target, prompt, streaming=not finalize, finalize=finalize)
-                mel = mel[:, :, token_offset * self._token_mel_ratio :]
-                audio = stream.hift.step(mel, self._vocoder(stream.generator), final=finalize)
-            stream.consumed_tokens = converted
+                audio = self._convert_ready(ready)
+            for (index, *_), wav in zip(ready, audio, strict=True):
+                results[index] = wav
             failed = False
         finally:
-            self._checkin(request_id, stream, drop=finalize or failed)
-        return self._to_numpy(audio)
+            for _, call, item, stream in ready:
+                if stream is not None:
+                    if not failed:
+                        tokens = item.token.shape[0]
+                        stream.consumed_tokens = tokens if call.finalize else tokens - self._pre_lookahead
+                    self._checkin(call.session_id, stream, drop=call.finalize or failed)
+        return results
+
+    def _check(self, call: Conversion) -> Tensor:
+        """The call's tokens as a tensor, after checking what can be checked before converting."""
+        target = self._token_tensor(call.tokens)[0]
+        if call.token_offset is None:
+            if not (math.isfinite(call.speed) and call.speed > 0):
+                raise ValueError(f"speed must be a positive number, got {call.speed}")
+            if target.shape[0] == 0:
+                raise ValueError("no speech tokens to convert")
+            return target
+        if not call.session_id:
+            raise ValueError("request_id must be a non-empty id unique to the request")
+        converted = target.shape[0] if call.finalize else target.shape[0] - self._pre_lookahead
+        if converted < call.token_offset:
+            raise ValueError(
+                f"{target.shape[0]} tokens do not reach past token_offset {call.token_offset}"
+                + ("" if call.finalize else f" plus the {self._pre_lookahead}-token look-ahead")
+            )
+        return target
+
+    def _convert_ready(
+        self, ready: list[tuple[int, Conversion, FlowItem, _Stream | None]]
+    ) -> list[NDArray[np.float32]]:
+        started = time.monotonic()
+        items = [item for _, _, item, _ in ready]
+        mels = self.flow.inference_batch(items, n_timesteps=self.n_timesteps, solver=self.solver)
+        if self.sync_timing and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        flowed = time.monotonic()
+        # Per call: the mel to vocode, the excitation to continue from, and its generator.
+        vocode: list[tuple[Tensor, Tensor | None, torch.Generator]] = []
+        for (_, call, _, stream), mel in zip(ready, mels, strict=True):
+            mel = mel.unsqueeze(0)
+            if stream is None:
+                if call.speed != 1.0:
+                    mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / call.speed)), mode="linear")
+                generator = torch.Generator(device=self._device).manual_seed(self.vocoder_seed)
+                vocode.append((mel, None, generator))
+            else:
+                full, cache_source = stream.hift.prepare(mel[:, :, call.token_offset * self._token_mel_ratio :])
+                vocode.append((full, cache_source, stream.generator))
+        waves = self._vocode(vocode)
+        audio = []
+        for (_, call, _, stream), (mel, _, _), (wav, source) in zip(ready, vocode, waves, strict=True):
+            if stream is None:
+                audio.append(self._to_numpy(wav))
+            else:
+                audio.append(self._to_numpy(stream.hift.finish(mel, wav, source, final=call.finalize)))
+        self.last_timing = {
+            "rows": float(len(ready)),
+            "flow_s": flowed - started,
+            "hift_s": time.monotonic() - flowed,
+        }
+        return audio
+
+    def _vocode(self, calls: list[tuple[Tensor, Tensor | None, torch.Generator]]) -> list[tuple[Tensor, Tensor]]:
+        """HiFT over calls grouped by equal mel and excitation lengths: one batched call per group."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, (mel, cache_source, _) in enumerate(calls):
+            cached = 0 if cache_source is None else cache_source.shape[2]
+            groups.setdefault((mel.shape[2], cached), []).append(index)
+        out: list[tuple[Tensor, Tensor]] = [(torch.zeros(0), torch.zeros(1, 1, 0))] * len(calls)
+        for (frames, cached), members in groups.items():
+            if frames == 0:
+                continue
+            mel = torch.cat([calls[i][0] for i in members])
+            sources = [calls[i][1] for i in members]
+            cache = None if cached == 0 else torch.cat([s for s in sources if s is not None])
+            wav, source = self.hift.inference(mel, cache, generator=[calls[i][2] for i in members])
+            for row, index in enumerate(members):
+                out[index] = (wav[row], source[row : row + 1])
+        return out
+
+    def _flow_item(self, call: Conversion, target: Tensor) -> FlowItem:
+        # Copies: prompts are shared, read-only arrays (a voice cache hands the same one to many requests).
+        prompt = call.prompt
+        streaming = call.token_offset is not None and not call.finalize
+        return FlowItem(
+            token=target,
+            prompt_token=torch.from_numpy(np.array(prompt.speech_tokens, dtype=np.int64)),
+            prompt_feat=torch.from_numpy(np.array(prompt.feats, dtype=np.float32)),
+            embedding=torch.from_numpy(np.array(prompt.embedding, dtype=np.float32)),
+            streaming=streaming,
+            finalize=call.finalize or call.token_offset is None,
+        )
 
     def release(self, request_id: str) -> None:
         """Forget the streaming state of ``request_id`` (a cancelled request); unknown ids are ignored."""
@@ -253,27 +386,6 @@ class Token2Wav:
             if drop and self._streams.get(request_id) is stream:
                 del self._streams[request_id]
 
-    def _vocoder(self, generator: torch.Generator) -> Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor]]:
-        def vocode(mel: Tensor, cache_source: Tensor | None) -> tuple[Tensor, Tensor]:
-            return self.hift.inference(mel, cache_source, generator=generator)
-
-        return vocode
-
-    def _mel(self, target: Tensor, prompt: SpeechPrompt, *, streaming: bool, finalize: bool) -> Tensor:
-        # Copies: prompts are shared, read-only arrays (a voice cache hands the same one to many requests).
-        prompt_tokens = torch.from_numpy(np.array(prompt.speech_tokens, dtype=np.int64))[None]
-        prompt_feat = torch.from_numpy(np.array(prompt.feats, dtype=np.float32))[None]
-        embedding = torch.from_numpy(np.array(prompt.embedding, dtype=np.float32))[None]
-        return self.flow.inference(
-            target,
-            prompt_tokens,
-            prompt_feat,
-            embedding,
-            streaming=streaming,
-            finalize=finalize,
-            n_timesteps=self.n_timesteps,
-        )
-
     @staticmethod
     def _token_tensor(tokens: SpeechTokens) -> Tensor:
         array = np.asarray(tokens)
@@ -284,3 +396,9 @@ class Token2Wav:
     @staticmethod
     def _to_numpy(wav: Tensor) -> NDArray[np.float32]:
         return np.ascontiguousarray(wav.detach().float().cpu().numpy(), dtype=np.float32)
+
+
+def _unwrap(result: NDArray[np.float32] | Exception) -> NDArray[np.float32]:
+    if isinstance(result, Exception):
+        raise result
+    return result

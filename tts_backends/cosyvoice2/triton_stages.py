@@ -53,6 +53,7 @@ class TritonStages:
             model_name=self._models.llm,
             inputs=_tensors(tensors.llm_inputs(request)),
             requested_output_names=list(tensors.LLM_OUTPUT_DTYPES),
+            request_id=request.request_id,
         )
         responses = inference.exec(decoupled=True)
         try:
@@ -78,15 +79,15 @@ class TritonStages:
 
     def release(self, session_id: str) -> None:
         """A finalising call without tokens: token2wav drops the session's state."""
-        empty = np.zeros(0, dtype=np.int32)
+        empty = np.zeros((1, 0), dtype=np.int32)
         inputs = {
-            "session_id": np.array([session_id.encode()], dtype=np.object_),
+            "session_id": np.array([[session_id.encode()]], dtype=np.object_),
             "target_speech_tokens": empty,
             "prompt_speech_tokens": empty,
-            "prompt_speech_feat": np.zeros((0, 80), dtype=np.float32),
-            "prompt_spk_embedding": np.zeros(0, dtype=np.float32),
-            "token_offset": np.zeros(1, dtype=np.int32),
-            "finalize": np.ones(1, dtype=np.bool_),
+            "prompt_speech_feat": np.zeros((1, 0, 80), dtype=np.float32),
+            "prompt_spk_embedding": np.zeros((1, 0), dtype=np.float32),
+            "token_offset": np.zeros((1, 1), dtype=np.int32),
+            "finalize": np.ones((1, 1), dtype=np.bool_),
         }
         self._call(self._models.token2wav, inputs, tensors.WAVEFORM_OUTPUT)
 

@@ -1,17 +1,19 @@
-"""Triton adapter for token2wav (flow + HiFT): speech tokens of one request -> 24 kHz audio.
+"""Triton adapter for token2wav (flow + HiFT): speech tokens -> 24 kHz audio, batched across requests.
 
 Offline calls omit ``token_offset``/``finalize``. Streaming calls carry them and keep the
 request's vocoder state under ``session_id``; a finalising call without tokens abandons
 the session (its stream was cancelled).
 
-Streaming state lives in this process, so every profile deploys exactly one instance:
-with two, Triton would send a session's chunks to either process. Without batching
-Triton hands an instance one request per ``execute``, so requests run one at a time here.
+Triton's dynamic batcher hands ``execute`` every call that queued while the previous batch
+ran; :meth:`Token2Wav.convert` converts them together. Streaming state lives in this process,
+so every profile deploys exactly one instance: with two, Triton would send a session's chunks
+to either process.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,8 @@ import triton_python_backend_utils as pb_utils
 
 from tts_backends.cosyvoice2 import tensors
 from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.token2wav import Token2Wav
+from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+from tts_backends.stage_trace import StageTrace
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,38 +43,83 @@ class TritonPythonModel:
             device=device,
             dtype=_DTYPES[params["dtype"]],
             n_timesteps=int(params["n_timesteps"]),
+            graph_rows=int(params["graph_rows"]),
+            graph_frames=int(params["graph_frames"]),
         )
+        self._trace = StageTrace.from_env("token2wav")
+        self._token2wav.sync_timing = self._trace.enabled
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        return [self._answer(request) for request in requests]
-
-    def _answer(self, request: Any) -> Any:
-        try:
-            arrays = {}
-            for name in tensors.TOKEN2WAV_INPUT_DTYPES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    arrays[name] = tensor.as_numpy()
-            waveform = self._convert(tensors.parse_token2wav_inputs(arrays))
-        except tensors.TensorError as exc:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
-        except Exception:
-            pb_utils.Logger.log_error(f"{self._name}: conversion failed\n{traceback.format_exc()}")
-            error = pb_utils.TritonError(
-                f"model {self._name} failed; see the server log", pb_utils.TritonError.INTERNAL
+        started = time.monotonic()
+        responses: list[Any] = [None] * len(requests)
+        calls: list[tuple[int, Conversion]] = []
+        for index, request in enumerate(requests):
+            try:
+                call = tensors.parse_token2wav_inputs(_arrays(request))
+                if call.token_offset is not None and call.speed != 1.0:
+                    raise tensors.TensorError("speed is applied offline only; stream at speed 1.0")
+            except tensors.TensorError as exc:
+                responses[index] = _error(str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
+            if call.token_offset is not None and call.finalize and call.speech_tokens.size == 0:
+                self._token2wav.release(call.session_id)
+                responses[index] = _waveform(np.zeros(0, dtype=np.float32))
+                continue
+            prompt = VoicePrompt(
+                speech_tokens=call.prompt_speech_tokens, feats=call.prompt_feat, embedding=call.embedding
             )
-            return pb_utils.InferenceResponse(error=error)
-        return pb_utils.InferenceResponse([pb_utils.Tensor(tensors.WAVEFORM_OUTPUT, waveform)])
+            conversion = Conversion(
+                call.session_id, call.speech_tokens, prompt, call.token_offset, call.finalize, call.speed
+            )
+            calls.append((index, conversion))
+        if calls:
+            try:
+                results = self._token2wav.convert([call for _, call in calls])
+            except Exception:
+                pb_utils.Logger.log_error(f"{self._name}: conversion failed\n{traceback.format_exc()}")
+                failure = f"model {self._name} failed; see the server log"
+                for index, _ in calls:
+                    responses[index] = _error(failure, pb_utils.TritonError.INTERNAL)
+            else:
+                for (index, _), result in zip(calls, results, strict=True):
+                    if isinstance(result, ValueError):
+                        responses[index] = _error(str(result), pb_utils.TritonError.INVALID_ARG)
+                    elif isinstance(result, Exception):
+                        responses[index] = _error(f"model {self._name} failed: {result}", pb_utils.TritonError.INTERNAL)
+                    else:
+                        responses[index] = _waveform(result)
+            self._record(calls, started)
+        return responses
 
-    def _convert(self, call: tensors.Token2WavCall) -> np.ndarray:
-        if call.token_offset is not None and call.finalize and call.speech_tokens.size == 0:
-            self._token2wav.release(call.session_id)
-            return np.zeros(0, dtype=np.float32)
-        prompt = VoicePrompt(speech_tokens=call.prompt_speech_tokens, feats=call.prompt_feat, embedding=call.embedding)
-        if call.token_offset is None:
-            return self._token2wav.offline(call.speech_tokens, prompt, speed=call.speed)
-        if call.speed != 1.0:
-            raise tensors.TensorError("speed is applied offline only; stream at speed 1.0")
-        return self._token2wav.stream_chunk(
-            call.session_id, call.speech_tokens, prompt, call.token_offset, call.finalize
-        )
+    def _record(self, calls: list[tuple[int, Conversion]], started: float) -> None:
+        if not self._trace.enabled:
+            return
+        timing = self._token2wav.last_timing
+        ended = time.monotonic()
+        for _, call in calls:
+            self._trace.record(
+                call.session_id,
+                offset=-1 if call.token_offset is None else call.token_offset,
+                started=started,
+                ended=ended,
+                rows=len(calls),
+                flow_s=timing.get("flow_s", 0.0),
+                hift_s=timing.get("hift_s", 0.0),
+            )
+
+
+def _arrays(request: Any) -> dict[str, Any]:
+    arrays = {}
+    for name in tensors.TOKEN2WAV_INPUT_DTYPES:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def _waveform(samples: np.ndarray) -> Any:
+    return pb_utils.InferenceResponse([pb_utils.Tensor(tensors.WAVEFORM_OUTPUT, samples.reshape(1, -1))])
+
+
+def _error(message: str, code: Any) -> Any:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
