@@ -49,6 +49,8 @@ class SpeechRequest:
     """One of the model's ``builtin_voices``; checking which is the model's job."""
     instructions: str | None = None
     """How to speak, for models that take instructions; blank means none."""
+    request_id: str = ""
+    """The server's id of the request (not a tensor: Triton's request id), for logs and traces."""
 
 
 def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:

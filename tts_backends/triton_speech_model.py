@@ -16,6 +16,7 @@ same way for every backend:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import traceback
@@ -104,7 +105,8 @@ class SpeechContractModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 tensors[name] = tensor.as_numpy()
-        for chunk in self.synthesize(parse_speech_request(tensors), cancelled):
+        speech = dataclasses.replace(parse_speech_request(tensors), request_id=request.request_id())
+        for chunk in self.synthesize(speech, cancelled):
             if cancelled():
                 return
             yield chunk

@@ -28,6 +28,7 @@ from tts_backends.cosyvoice2 import vocab
 from tts_backends.cosyvoice2.prompt_cache import PromptCache, voice_key
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
 from tts_backends.request_parsing import ContractError, SpeechRequest
+from tts_backends.stage_trace import StageTrace
 
 if TYPE_CHECKING:
     from tts_backends.cosyvoice2.frontend import VoicePrompt
@@ -57,6 +58,8 @@ class LLMRequest:
     repetition_penalty: float
     seed: int | None
     streaming: bool
+    request_id: str = ""
+    """Names the request in the LLM server's logs and traces (the token2wav session id)."""
 
 
 @dataclass(frozen=True)
@@ -160,10 +163,17 @@ class PipelineSettings:
 class CosyVoice2Pipeline:
     """Contract request -> waveform chunks, against any :class:`Stages`."""
 
-    def __init__(self, stages: Stages, tokenizer: vocab.TextTokenizer, settings: PipelineSettings) -> None:
+    def __init__(
+        self,
+        stages: Stages,
+        tokenizer: vocab.TextTokenizer,
+        settings: PipelineSettings,
+        trace: StageTrace | None = None,
+    ) -> None:
         self._stages = stages
         self._tokenizer = tokenizer
         self._settings = settings
+        self._trace = trace or StageTrace("orchestrator", None)
         self._voices: PromptCache[VoicePrompt] = PromptCache(settings.voice_cache_size)
 
     def synthesize(
@@ -184,17 +194,25 @@ class CosyVoice2Pipeline:
             raise ContractError(
                 "CosyVoice2 has no built-in voices: send 'reference_wav' (and ideally 'reference_text')"
             )
+        times = _Times(time.monotonic())
         wav = request.reference_wav
         # The prompt depends on the recording alone, not on its transcript.
         prompt = self._voices.get_or_compute(voice_key(wav, ""), lambda: self._stages.voice_prompt(wav))
+        times.prompt_ready = time.monotonic()
         # Tempo changes stretch the whole mel at once (token2wav's offline path); a stream
         # with speed != 1 therefore arrives as a single chunk.
         streaming = streaming and request.speed == 1.0
         llm_request = self._llm_request(request, prompt, streaming=streaming)
         if streaming:
-            yield from self._stream(request, prompt, llm_request, is_cancelled)
+            chunks = self._stream(request, prompt, llm_request, _ThrottledCheck(is_cancelled), times)
         else:
-            yield from self._offline(request, prompt, llm_request, is_cancelled)
+            chunks = self._offline(request, prompt, llm_request, _ThrottledCheck(is_cancelled), times)
+        for chunk in chunks:
+            if not times.first_chunk:
+                times.first_chunk = time.monotonic()
+            yield chunk
+        if self._trace.enabled:
+            self._trace.record(llm_request.request_id, request=request.request_id, **vars(times))
 
     def _llm_request(self, request: SpeechRequest, prompt: VoicePrompt, *, streaming: bool) -> LLMRequest:
         if request.instructions is not None:
@@ -226,13 +244,16 @@ class CosyVoice2Pipeline:
             repetition_penalty=sampling.repetition_penalty,
             seed=secrets.randbits(_SEED_BITS) if request.seed is None else request.seed,
             streaming=streaming,
+            request_id=_new_session_id(),
         )
 
-    def _speech_tokens(self, llm_request: LLMRequest, is_cancelled: Callable[[], bool]) -> Iterator[int]:
+    def _speech_tokens(self, llm_request: LLMRequest, is_cancelled: _ThrottledCheck, times: _Times) -> Iterator[int]:
         """Speech tokens (not LLM ids) as generated; ends at the first non-speech id or on cancel."""
-        pieces = self._stages.generate(llm_request, is_cancelled)
+        pieces = self._stages.generate(llm_request, is_cancelled.always)
         try:
             for piece in pieces:
+                if not times.first_token:
+                    times.first_token = time.monotonic()
                 if is_cancelled():
                     return
                 for llm_id in piece:
@@ -248,16 +269,18 @@ class CosyVoice2Pipeline:
         request: SpeechRequest,
         prompt: VoicePrompt,
         llm_request: LLMRequest,
-        is_cancelled: Callable[[], bool],
+        is_cancelled: _ThrottledCheck,
+        times: _Times,
     ) -> Iterator[NDArray[np.float32]]:
-        tokens = list(self._speech_tokens(llm_request, is_cancelled))
-        if is_cancelled():
+        tokens = list(self._speech_tokens(llm_request, is_cancelled, times))
+        times.first_hop = time.monotonic()
+        if is_cancelled.always():
             return
         if not tokens:
             raise SynthesisError("the LLM produced no speech tokens")
         yield self._stages.token2wav(
             Token2WavRequest(
-                session_id=_new_session_id(),
+                session_id=llm_request.request_id,
                 speech_tokens=np.asarray(tokens, dtype=np.int32),
                 prompt=prompt,
                 token_offset=None,
@@ -271,10 +294,11 @@ class CosyVoice2Pipeline:
         request: SpeechRequest,
         prompt: VoicePrompt,
         llm_request: LLMRequest,
-        is_cancelled: Callable[[], bool],
+        is_cancelled: _ThrottledCheck,
+        times: _Times,
     ) -> Iterator[NDArray[np.float32]]:
         schedule = self._settings.hop_schedule
-        session_id = _new_session_id()
+        session_id = llm_request.request_id
         tokens: list[int] = []
         offset = 0
         chunk_index = 0
@@ -294,12 +318,14 @@ class CosyVoice2Pipeline:
                 )
             )
 
-        speech = self._speech_tokens(llm_request, is_cancelled)
+        speech = self._speech_tokens(llm_request, is_cancelled, times)
         try:
             for token in speech:
                 tokens.append(token)
                 if not schedule.can_emit(len(tokens), offset, hop):
                     continue
+                if not times.first_hop:
+                    times.first_hop = time.monotonic()
                 chunk = convert(offset + hop + schedule.pre_lookahead, finalize=False)
                 session_open = True
                 yield chunk
@@ -311,9 +337,9 @@ class CosyVoice2Pipeline:
                     pending_tokens=len(tokens) - offset,
                     elapsed_s=time.monotonic() - started,
                 )
-                if is_cancelled():
+                if is_cancelled.always():
                     return
-            if is_cancelled():
+            if is_cancelled.always():
                 return
             if not tokens:
                 raise SynthesisError("the LLM produced no speech tokens")
@@ -324,6 +350,37 @@ class CosyVoice2Pipeline:
             speech.close()
             if session_open:
                 self._stages.release(session_id)
+
+
+@dataclass
+class _Times:
+    """When a request reached each stage (``time.monotonic()``; 0 for a stage not reached)."""
+
+    started: float
+    prompt_ready: float = 0.0
+    first_token: float = 0.0
+    first_hop: float = 0.0
+    first_chunk: float = 0.0
+
+
+class _ThrottledCheck:
+    """A cancellation check asked per generated token at most every ``interval_s``.
+
+    Each ``is_cancelled()`` of a Triton request is a round trip to the server; asked for every
+    token of every stream it would cost more than the tokens themselves. :meth:`always` asks.
+    """
+
+    def __init__(self, check: Callable[[], bool], interval_s: float = 0.05) -> None:
+        self.always = check
+        self._interval_s = interval_s
+        self._next = 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._interval_s
+        return self.always()
 
 
 def _new_session_id() -> str:

@@ -19,6 +19,7 @@ from tts_backends.cosyvoice2 import vocab
 from tts_backends.cosyvoice2.pipeline import CosyVoice2Pipeline, PipelineSettings
 from tts_backends.cosyvoice2.triton_stages import StageModels, TritonStages
 from tts_backends.request_parsing import SpeechRequest
+from tts_backends.stage_trace import StageTrace
 from tts_backends.triton_speech_model import Cancelled, SpeechContractModel
 
 SAMPLE_RATE = 24_000
@@ -38,7 +39,9 @@ class TritonPythonModel(SpeechContractModel):
                 token2wav=params["token2wav_model"],
             )
         )
-        self._pipeline = CosyVoice2Pipeline(stages, tokenizer, PipelineSettings.from_parameters(params))
+        self._pipeline = CosyVoice2Pipeline(
+            stages, tokenizer, PipelineSettings.from_parameters(params), StageTrace.from_env("orchestrator")
+        )
 
     def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         # Stream workers only wait on the stage models, which do the heavy work in their own processes.

@@ -1,0 +1,53 @@
+"""Per-request stage timestamps for the benchmarks: where a first chunk's time goes.
+
+Off unless ``TTS_STAGE_TRACE_DIR`` names a directory in the server's environment; then every
+process that records appends JSON lines to ``<dir>/<stage>-<pid>.jsonl``: one object per event
+with the stage, a key (the Triton request id or a token2wav session id) and ``time.monotonic()``
+timestamps, which are comparable across the processes of one machine. The benchmark joins them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import IO, Final
+
+ENV_VAR: Final = "TTS_STAGE_TRACE_DIR"
+
+
+class StageTrace:
+    """Appends one JSON line per :meth:`record`; does nothing when disabled."""
+
+    def __init__(self, stage: str, directory: Path | None) -> None:
+        self.stage = stage
+        self._file: IO[str] | None = None
+        self._lock = threading.Lock()
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._file = (directory / f"{stage}-{os.getpid()}.jsonl").open("a", encoding="utf-8", buffering=1)
+
+    @classmethod
+    def from_env(cls, stage: str) -> StageTrace:
+        directory = os.environ.get(ENV_VAR)
+        return cls(stage, Path(directory) if directory else None)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def record(self, key: str, **fields: float | int | str) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({"stage": self.stage, "key": key, **fields})
+        with self._lock:
+            self._file.write(line + "\n")
+
+
+def read_traces(directory: Path) -> list[dict[str, object]]:
+    """Every event recorded under ``directory``."""
+    events: list[dict[str, object]] = []
+    for path in sorted(directory.glob("*.jsonl")):
+        events.extend(json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line)
+    return events
