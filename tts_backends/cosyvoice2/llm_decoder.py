@@ -51,7 +51,9 @@ class SlotDecoder:
         self._head_weight = weight.detach()[columns].contiguous()
         bias = model.lm_head.bias
         self._head_bias = None if bias is None else bias.detach()[columns].contiguous()
-        shape = (len(self._layers), slots, self.kv_heads, max_len, self.head_dim)
+        # One slot more than requests: the staging slot that recorded prefills write into.
+        self.staging_slot = slots
+        shape = (len(self._layers), slots + 1, self.kv_heads, max_len, self.head_dim)
         self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self._key_positions = torch.arange(max_len, device=self.device)
@@ -109,10 +111,11 @@ class SlotDecoder:
             hidden = self._finish_layer(layer, hidden, out.reshape(rows, self.heads, 1, self.head_dim))
         return self._logits(hidden[:, 0])
 
-    def move_slot(self, source: int, target: int) -> None:
-        """Copy one slot's cache over another (the engine compacts live requests to the front)."""
-        self.keys[:, target] = self.keys[:, source]
-        self.values[:, target] = self.values[:, source]
+    def move_slot(self, source: int, target: int, length: int | None = None) -> None:
+        """Copy one slot's cache (its first ``length`` positions, default all) over another's."""
+        end = self.max_len if length is None else length
+        self.keys[:, target, :, :end] = self.keys[:, source, :, :end]
+        self.values[:, target, :, :end] = self.values[:, source, :, :end]
 
     def _project(self, attention: Any, hidden: Tensor, rotary: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         rows, length, _ = hidden.shape

@@ -42,6 +42,8 @@ _COLUMN_OF = {token_id: column for column, token_id in enumerate(COLUMN_IDS)}
 _SPEECH_COLUMNS = vocab.SPEECH_TOKEN_SIZE
 _SEED_LIMIT = 1 << 64
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Prompt lengths whose prefill (one request) is recorded as a CUDA graph; longer prompts run eagerly.
+PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
 
 
 class TokenSink(Protocol):
@@ -165,6 +167,11 @@ class BatchingEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        prefill_width = min(max(PREFILL_BUCKETS), decoder.max_len)
+        self._prefill_ids = torch.zeros(1, prefill_width, dtype=torch.int64, device=self._device)
+        self._prefill_length = torch.ones(1, dtype=torch.int64, device=self._device)
+        self._prefill_logits = torch.zeros(1, len(COLUMN_IDS), device=self._device)
         if cuda_graphs:
             self._capture()
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -227,19 +234,39 @@ class BatchingEngine:
         first = len(self._live)
         now = time.monotonic()
         lengths = [len(h.request.input_ids) for h in handles]
-        ids = torch.zeros(len(handles), max(lengths), dtype=torch.int64)
         for row, handle in enumerate(handles):
-            ids[row, : lengths[row]] = torch.tensor(handle.request.input_ids)
             handle.admitted = now
             self._load_row(first + row, handle.request)
-        logits = self._decoder.prefill(
-            ids.to(self._device), torch.tensor(lengths, device=self._device), first_slot=first
-        )
+        if self._prefill_graphs:
+            logits = torch.cat(
+                [self._replay_prefill(first + row, h.request.input_ids) for row, h in enumerate(handles)]
+            )
+        else:
+            ids = torch.zeros(len(handles), max(lengths), dtype=torch.int64)
+            for row, handle in enumerate(handles):
+                ids[row, : lengths[row]] = torch.tensor(handle.request.input_ids)
+            logits = self._decoder.prefill(
+                ids.to(self._device), torch.tensor(lengths, device=self._device), first_slot=first
+            )
         r = self._rows
         r.positions[first : first + len(handles)] = torch.tensor(lengths, device=self._device)
         self._advance(logits, first, first + len(handles))
         self._live.extend(handles)
         self._deliver(r.drawn[first : first + len(handles)].tolist(), first)
+
+    def _replay_prefill(self, row: int, input_ids: tuple[int, ...]) -> Tensor:
+        """One prompt's prefill from its recorded graph (staging slot, then copied to ``row``), else eagerly."""
+        length = len(input_ids)
+        bucket = next((b for b in sorted(self._prefill_graphs) if b >= length), None)
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        if bucket is None:
+            lengths = torch.tensor([length], device=self._device)
+            return self._decoder.prefill(ids.to(self._device)[None], lengths, first_slot=row)
+        self._prefill_ids[0, :length] = ids.to(self._device)
+        self._prefill_length.fill_(length)
+        self._prefill_graphs[bucket].replay()
+        self._decoder.move_slot(self._decoder.staging_slot, row, length)
+        return self._prefill_logits.clone()
 
     def _load_row(self, row: int, request: Generation) -> None:
         s = self._rows.sampling
@@ -328,11 +355,12 @@ class BatchingEngine:
         handle.sink.finished(None)
 
     def _capture(self) -> None:
-        """Record one decode step per bucket, largest first, sharing one memory pool."""
+        """Record one decode step per bucket and one prefill per prompt-length bucket, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         saved = [tensor.clone() for tensor in self._rows.all()]
+        staging = self._decoder.staging_slot
         with torch.cuda.stream(stream):
             for bucket in sorted(self._buckets, reverse=True):
                 for _ in range(2):
@@ -341,6 +369,13 @@ class BatchingEngine:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._decode(bucket)
                 self._graphs[bucket] = graph
+            for width in sorted((b for b in PREFILL_BUCKETS if b <= self._prefill_ids.shape[1]), reverse=True):
+                ids = self._prefill_ids[:, :width]
+                self._decoder.prefill(ids, self._prefill_length, first_slot=staging)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._prefill_logits.copy_(self._decoder.prefill(ids, self._prefill_length, first_slot=staging))
+                self._prefill_graphs[width] = graph
         torch.cuda.current_stream(self._device).wait_stream(stream)
         for tensor, value in zip(self._rows.all(), saved, strict=True):
             tensor.copy_(value)
