@@ -36,6 +36,8 @@ from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
 DEFAULT_STATE_TTL_S = 300.0
+# Calls whose prompt + tokens differ by less than this share one flow pass (one padded batch).
+_GROUP_TOKENS = 128
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
 
@@ -269,7 +271,13 @@ class Token2Wav:
     ) -> list[NDArray[np.float32]]:
         started = time.monotonic()
         items = [item for _, _, item, _ in ready]
-        mels = self.flow.inference_batch(items, n_timesteps=self.n_timesteps, solver=self.solver)
+        mels: list[Tensor] = [torch.zeros(0)] * len(items)
+        for group in self._length_groups(items):
+            grouped = self.flow.inference_batch(
+                [items[i] for i in group], n_timesteps=self.n_timesteps, solver=self.solver
+            )
+            for index, mel in zip(group, grouped, strict=True):
+                mels[index] = mel
         if self.sync_timing and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         flowed = time.monotonic()
@@ -298,6 +306,19 @@ class Token2Wav:
             "hift_s": time.monotonic() - flowed,
         }
         return audio
+
+    def _length_groups(self, items: list[FlowItem]) -> list[list[int]]:
+        """Indices of ``items`` grouped by length, shortest first: each group is padded only to its own
+        longest row, so a first chunk is not padded to the length of another stream's later chunk."""
+
+        def frames(index: int) -> int:
+            item = items[index]
+            return item.prompt_token.numel() + item.token.numel()
+
+        groups: dict[int, list[int]] = {}
+        for index in sorted(range(len(items)), key=frames):
+            groups.setdefault(frames(index) // _GROUP_TOKENS, []).append(index)
+        return list(groups.values())
 
     def _vocode(self, calls: list[tuple[Tensor, Tensor | None, torch.Generator]]) -> list[tuple[Tensor, Tensor]]:
         """HiFT over calls grouped by equal mel and excitation lengths: one batched call per group."""

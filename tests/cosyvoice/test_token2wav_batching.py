@@ -1,0 +1,99 @@
+"""Token2Wav.convert: calls converted together give what each gives alone, and fail one by one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numpy.typing import NDArray
+
+from tts_backends.cosyvoice2.config import tiny_config, write_config
+from tts_backends.cosyvoice2.flow import CausalFlow
+from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.hift import HiFTGenerator
+from tts_backends.cosyvoice2.token2wav import Conversion, StreamStateError, Token2Wav
+
+pytestmark = pytest.mark.cosyvoice
+
+LOOKAHEAD = 3
+
+
+@pytest.fixture(scope="module")
+def t2w(tmp_path_factory: pytest.TempPathFactory) -> Token2Wav:
+    directory: Path = tmp_path_factory.mktemp("cosyvoice2")
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    write_config(cfg, directory / "cosyvoice2.yaml")
+    torch.save(CausalFlow(cfg.flow).state_dict(), directory / "flow.pt")
+    torch.save(HiFTGenerator(cfg.hift).state_dict(), directory / "hift.pt")
+    return Token2Wav.from_model_dir(directory, device="cpu", dtype=torch.float32)
+
+
+def voice(seed: int, tokens: int) -> VoicePrompt:
+    rng = np.random.default_rng(seed)
+    return VoicePrompt(
+        speech_tokens=rng.integers(0, 6561, tokens),
+        feats=rng.standard_normal((2 * tokens, 80)).astype(np.float32),
+        embedding=rng.standard_normal(192).astype(np.float32),
+    )
+
+
+def tokens(count: int, seed: int) -> NDArray[np.int64]:
+    return np.random.default_rng(100 + seed).integers(0, 6561, count)
+
+
+def calls(tag: str) -> list[Conversion]:
+    """A mix as a busy server sees it: first chunks, a later chunk, a final chunk, offline calls, two voices."""
+    a, b = voice(1, 10), voice(2, 17)
+    return [
+        Conversion(f"{tag}-first-a", tokens(18, 1), a, 0, False),
+        Conversion(f"{tag}-first-b", tokens(21, 2), b, 0, False),
+        Conversion(f"{tag}-final", tokens(9, 3), a, 0, True),
+        Conversion(f"{tag}-offline", tokens(40, 4), b),
+        Conversion(f"{tag}-offline-slow", tokens(25, 5), a, speed=0.8),
+        Conversion(f"{tag}-first-c", tokens(18, 6), b, 0, False),
+    ]
+
+
+def test_a_batch_converts_each_call_as_it_would_be_converted_alone(t2w: Token2Wav) -> None:
+    alone = [t2w.convert([call])[0] for call in calls("alone")]
+    together = t2w.convert(calls("together"))
+    for single, batched in zip(alone, together, strict=True):
+        assert isinstance(single, np.ndarray) and isinstance(batched, np.ndarray)
+        assert single.shape == batched.shape
+        np.testing.assert_allclose(batched, single, atol=2e-4)
+    # Later chunks of the streams opened together continue as they would alone.
+    follow = [
+        Conversion("alone-first-a", tokens(43, 1), voice(1, 10), 15, True),
+        Conversion("together-first-a", tokens(43, 1), voice(1, 10), 15, True),
+    ]
+    single, batched = t2w.convert(follow)
+    assert isinstance(single, np.ndarray) and isinstance(batched, np.ndarray)
+    np.testing.assert_allclose(batched, single, atol=2e-4)
+    for tag in ("alone", "together"):
+        t2w.release(f"{tag}-first-b")
+        t2w.release(f"{tag}-first-c")
+    assert t2w.active_streams == 0
+
+
+def test_a_bad_call_fails_alone(t2w: Token2Wav) -> None:
+    good = Conversion("good", tokens(18, 1), voice(1, 10), 0, False)
+    unknown = Conversion("unknown", tokens(30, 2), voice(1, 10), 12, False)
+    short = Conversion("short", tokens(4, 3), voice(1, 10), 2, False)
+    a = voice(1, 10)
+    wrong_voice = Conversion(
+        "wrong-voice",
+        tokens(18, 4),
+        VoicePrompt(speech_tokens=a.speech_tokens, feats=a.feats, embedding=np.zeros(64, dtype=np.float32)),
+        0,
+        False,
+    )
+    results = t2w.convert([good, unknown, short, wrong_voice])
+    assert isinstance(results[0], np.ndarray) and results[0].size > 0
+    assert isinstance(results[1], StreamStateError)
+    assert isinstance(results[2], ValueError) and "look-ahead" in str(results[2])
+    assert isinstance(results[3], ValueError) and "embedding" in str(results[3])
+    t2w.release("good")
+    assert t2w.active_streams == 0
