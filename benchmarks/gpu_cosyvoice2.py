@@ -2,20 +2,25 @@
 
 Writes (or reuses) the full-size random checkpoint (flow and HiFT at CosyVoice2-0.5B's
 hyper-parameters, the LLM at Qwen2-0.5B's shape; see ``tts_backends/cosyvoice2/random_checkpoint.py``),
-renders the profile over it, starts the embedded tritonserver and warms it up. Then, for each
-concurrency level, it sends a fixed set of prompts (English and Chinese, two reference voices)
-over gRPC (one channel, as the gateway does), streamed to ``cosyvoice2_stream`` and offline to
-``cosyvoice2``. It reports first-chunk latency (avg/p50/p90), total latency, RTF (wall time of the
-level / seconds of audio produced: upstream's definition, a throughput figure) and GPU memory, next
-to upstream's L20 figures, in ``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md`` under ``--out``
-(rewritten after every pass, so an interrupted run keeps what it measured), with the server's log.
+renders the profile over it, starts the embedded tritonserver (its start-up, graph capture
+included, is reported) and warms it up. Then, for each concurrency level, it sends the prompts
+(English and Chinese, two reference voices; repeated so that every level gets at least twice
+as many requests as streams) to each target: ``direct`` over gRPC (one channel, as the gateway
+does), streamed to ``cosyvoice2_stream`` and offline to ``cosyvoice2``, and ``gateway`` through
+the real gateway process over HTTP (first audio byte at the client; one gateway per mode). It
+reports first-chunk latency (avg/p50/p90), total latency, RTF (wall time of the level / seconds
+of audio produced: upstream's definition, a throughput figure) and GPU memory, next to upstream's
+L20 figures, and for direct streaming where each first chunk's time went (queueing, voice prompt,
+LLM prefill, LLM tokens up to the first hop, flow, HiFT, transport; ``gpu_stages.py``), in
+``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md`` under ``--out`` (rewritten after every pass, so
+an interrupted run keeps what it measured), with the server's log.
 
 Random weights cost what real ones cost per token; only the output length has to be imposed: the
 checkpoint's LLM stops as soon as the profile's ``min_token_text_ratio`` allows, so every request
 yields a known number of speech tokens (checked) and the audio seconds are the same in every pass.
 
-    python benchmarks/gpu_cosyvoice2.py --out /tmp/report          # GPU: 6 to 8 minutes
-    python benchmarks/gpu_cosyvoice2.py --cpu --levels 1 --prompts 2  # rehearsal without a GPU
+    python benchmarks/gpu_cosyvoice2.py --out /tmp/report          # GPU: about 8 minutes
+    python benchmarks/gpu_cosyvoice2.py --cpu --levels 1,2 --prompts 2  # rehearsal without a GPU
 
 Passes that would overrun ``--budget-s`` (counted from the start) are skipped and reported as
 such; run them again with ``--levels``. The checkpoint lives under ``--workdir`` and is reused.
@@ -28,28 +33,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import gpu_sanity
+import gpu_stages
 import grpc
 import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio_grpcclient
+from bench_stack import GatewayServer
 from gpu_sanity import ROOT, Voice, cosyvoice_models
 from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
-from tts_backends import contract
+from tts_backends import contract, stage_trace
 from tts_backends.cosyvoice2 import vocab
 from tts_backends.cosyvoice2.random_checkpoint import ensure_checkpoint, full_size
 
@@ -59,6 +68,7 @@ SAMPLE_RATE: Final = 24_000
 SAMPLES_PER_TOKEN: Final = 960
 VOICES: Final = ("harbor", "lumen")
 MODES: Final = ("stream", "offline")
+TARGETS: Final = ("direct", "gateway")
 # Short (36 speech tokens: one stream chunk and the final one): warms CUDA and the voice caches.
 WARMUP_TEXT: Final = "Warming up the models."
 # --cpu rehearses the harness, it measures nothing: every model on the CPU in one instance, the
@@ -119,9 +129,12 @@ L20_STREAM_NO_CACHE: Final = "streaming without the voice cache: 220 / 477 / 110
 
 @dataclass(frozen=True)
 class Client:
-    """One gRPC channel for every request of a run, and the time limit of one request."""
+    """One gRPC channel and one HTTP session for every request of a run, the gateways by mode,
+    and the time limit of one request."""
 
     grpc: aio_grpcclient.InferenceServerClient
+    http: aiohttp.ClientSession
+    gateways: dict[str, str]
     timeout_s: float
 
 
@@ -142,10 +155,14 @@ class RequestResult:
     total_ms: float
     chunks: int
     error: str | None = None
+    request_id: str = ""
+    sent: float = 0.0
+    first_at: float = 0.0
 
 
 @dataclass
 class PassResult:
+    target: str
     mode: str
     concurrency: int
     wall_s: float
@@ -156,6 +173,7 @@ class PassResult:
         ok = [r for r in self.requests if r.error is None]
         audio = sum(r.audio_s for r in ok)
         return {
+            "target": self.target,
             "mode": self.mode,
             "concurrency": self.concurrency,
             "requests": len(self.requests),
@@ -165,6 +183,8 @@ class PassResult:
             "rtf": round(self.wall_s / audio, 4) if audio else None,
             "first_chunk_ms": _stats([r.first_chunk_ms for r in ok]),
             "latency_ms": _stats([r.total_ms for r in ok]),
+            # A stream falls behind its playback when the rest of its audio takes longer than it lasts.
+            "behind_real_time": sum(1 for r in ok if (r.total_ms - r.first_chunk_ms) / 1000 > r.audio_s),
             "gpu_peak_mib": self.gpu_peak_mib,
         }
 
@@ -216,14 +236,19 @@ def request_inputs(job: Job) -> list[grpcclient.InferInput]:
     return inputs
 
 
-async def synthesize(client: Client, mode: str, job: Job, request_id: str) -> RequestResult:
+async def synthesize(client: Client, target: str, mode: str, job: Job, request_id: str) -> RequestResult:
     """One request; a stream's first-chunk time is taken when its first audio arrives."""
     chunks: list[NDArray[np.float32]] = []
     first = 0.0
     error: str | None = None
+    sent = time.monotonic()
     started = time.perf_counter()
     try:
-        if mode == "offline":
+        if target == "gateway":
+            async for chunk in _gateway_audio(client, mode, job):
+                first = first or time.perf_counter() - started
+                chunks.append(chunk)
+        elif mode == "offline":
             result = await client.grpc.infer(
                 MODEL, request_inputs(job), request_id=request_id, client_timeout=client.timeout_s
             )
@@ -245,11 +270,12 @@ async def synthesize(client: Client, mode: str, job: Job, request_id: str) -> Re
                 if chunk is not None and chunk.size:
                     first = first or time.perf_counter() - started
                     chunks.append(chunk)
-    except (InferenceServerException, grpc.RpcError) as exc:
+    except (InferenceServerException, grpc.RpcError, aiohttp.ClientError, TimeoutError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     total = time.perf_counter() - started
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    error = error or audio_problem(audio, job.expected_tokens)
+    # The gateway's pcm carries whole samples but not the model's token grid: check it is speech-long.
+    error = error or audio_problem(audio, None if target == "gateway" else job.expected_tokens)
     return RequestResult(
         prompt=job.prompt,
         voice=job.voice.name,
@@ -258,12 +284,35 @@ async def synthesize(client: Client, mode: str, job: Job, request_id: str) -> Re
         total_ms=round(1000 * total, 1),
         chunks=len(chunks),
         error=error,
+        request_id=request_id,
+        sent=sent,
+        first_at=sent + (first or total),
     )
 
 
-def audio_problem(audio: NDArray[np.float32], expected_tokens: int) -> str | None:
+async def _gateway_audio(client: Client, mode: str, job: Job) -> AsyncIterator[NDArray[np.float32]]:
+    """The request through the gateway for ``mode``: OpenAI's speech API, 24 kHz pcm, read as it arrives."""
+    body = {"model": "tts-1", "voice": job.voice.name, "input": job.text, "response_format": "pcm", "seed": job.prompt}
+    timeout = aiohttp.ClientTimeout(total=client.timeout_s)
+    async with client.http.post(f"{client.gateways[mode]}/v1/audio/speech", json=body, timeout=timeout) as response:
+        if response.status != 200:
+            raise aiohttp.ClientResponseError(
+                response.request_info, (), status=response.status, message=(await response.text())[:200]
+            )
+        pending = b""
+        async for data in response.content.iter_any():
+            pending += data
+            whole = len(pending) // 2 * 2
+            if whole:
+                yield np.frombuffer(pending[:whole], dtype="<i2").astype(np.float32) / 32768.0
+                pending = pending[whole:]
+
+
+def audio_problem(audio: NDArray[np.float32], expected_tokens: int | None) -> str | None:
     """Why ``audio`` is not the expected speech (float32, finite, not constant, whole expected tokens)."""
-    if audio.size != expected_tokens * SAMPLES_PER_TOKEN:
+    if audio.size == 0:
+        return "no audio"
+    if expected_tokens is not None and audio.size != expected_tokens * SAMPLES_PER_TOKEN:
         return f"{audio.size} samples, expected {expected_tokens} tokens of {SAMPLES_PER_TOKEN}"
     if not np.isfinite(audio).all():
         return "waveform holds NaN or inf"
@@ -272,19 +321,21 @@ def audio_problem(audio: NDArray[np.float32], expected_tokens: int) -> str | Non
     return None
 
 
-async def run_pass(client: Client, mode: str, concurrency: int, jobs: list[Job], *, gpu: bool) -> PassResult:
+async def run_pass(
+    client: Client, target: str, mode: str, concurrency: int, jobs: list[Job], *, gpu: bool, label: str = "pass"
+) -> PassResult:
     """Send every job with ``concurrency`` requests in flight; each worker takes the next job when done."""
     pending = iter(jobs)
     results: list[RequestResult] = []
-    label = f"{mode} c={concurrency}"
+    name = f"{target} {mode} c={concurrency}"
 
     async def worker() -> None:
         for job in pending:
-            result = await synthesize(client, mode, job, f"{mode}-{concurrency}-{job.prompt}")
+            result = await synthesize(client, target, mode, job, f"{label}-{target}-{mode}-{concurrency}-{job.prompt}")
             results.append(result)
             state = f"FAILED {result.error}" if result.error else f"first {result.first_chunk_ms:.0f} ms"
             log(
-                f"  [{label}] {len(results)}/{len(jobs)} p{job.prompt:02d} {job.voice.name} "
+                f"  [{name}] {len(results)}/{len(jobs)} p{job.prompt:02d} {job.voice.name} "
                 f"{result.audio_s:.1f} s audio, total {result.total_ms / 1000:.2f} s, {state}"
             )
 
@@ -293,7 +344,7 @@ async def run_pass(client: Client, mode: str, concurrency: int, jobs: list[Job],
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
     results.sort(key=lambda r: r.prompt)
-    return PassResult(mode, concurrency, wall, peak.peak_mib, results)
+    return PassResult(target, mode, concurrency, wall, peak.peak_mib, results)
 
 
 def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dict[str, str]) -> list[Job]:
@@ -316,51 +367,78 @@ def markdown(report: dict[str, Any]) -> str:
         f"## CosyVoice2 behind Triton, profile `{setup['profile']}`, {setup['device']}",
         "",
         "**Random weights at full size** (flow and HiFT at CosyVoice2-0.5B's hyper-parameters, the LLM at "
-        "Qwen2-0.5B's shape, bf16) on the **PyTorch LLM** path (Hugging Face eager, one request per thread, "
-        "no batching), not TensorRT-LLM. The L20 columns are upstream's figures (runtime/triton_trtllm: real "
+        "Qwen2-0.5B's shape, bf16) on the **PyTorch LLM** path (continuous batching over a static KV cache, "
+        "decode steps replayed as CUDA graphs; token2wav batching concurrent calls, the flow solve replayed as "
+        "CUDA graphs), not TensorRT-LLM. The L20 columns are upstream's figures (runtime/triton_trtllm: real "
         "weights, TensorRT-LLM, 26 prompts, ~170 s of audio) on a **different GPU**: a point of reference, "
         "not a like-for-like comparison.",
         "",
         f"{setup['prompts']} prompts ({setup['english']} English, {setup['chinese']} Chinese), voices "
-        f"{', '.join(setup['voices'])}, {setup['audio_s_per_pass']:.1f} s of audio per pass (per request "
-        f"{setup['audio_s_min']:.1f} / {setup['audio_s_avg']:.1f} / {setup['audio_s_max']:.1f} s min / avg / "
-        f"max: the random LLM stops at the profile's minimum length, {setup['min_token_text_ratio']:g} speech "
-        "tokens per text token of the stand-in tokenizer, about 3 English words or 4.5 Chinese characters a "
-        "second). "
-        "RTF = wall time of the pass / seconds of audio (upstream's definition). Offline latency is the "
-        "whole response. Voice prompts are cached per orchestrator instance and the warm-up primes most of "
-        "them (the speech tokenizer and CAM++ are tiny stand-ins: a miss costs little).",
+        f"{', '.join(setup['voices'])}, each level sending at least twice as many requests as streams (prompts "
+        f"repeated with new seeds); per request {setup['audio_s_min']:.1f} / {setup['audio_s_avg']:.1f} / "
+        f"{setup['audio_s_max']:.1f} s of audio min / avg / max: the random LLM stops at the profile's minimum "
+        f"length, {setup['min_token_text_ratio']:g} speech tokens per text token of the stand-in tokenizer. "
+        "RTF = wall time of the pass / seconds of audio (upstream's definition). `direct` is gRPC straight to "
+        "Triton, first chunk = first audio; `gateway` is the gateway process over HTTP (OpenAI's speech API, "
+        "pcm), first chunk = first audio byte at the client. Offline latency is the whole response. A stream "
+        "is behind real time when the audio after its first chunk took longer to arrive than it lasts. Voice "
+        "prompts are cached after the warm-up.",
         "",
-        "| mode | concurrency | first chunk ms avg / p50 / p90 | latency ms avg / p50 / p90 | RTF | "
-        "L20 first chunk / latency avg ms | L20 RTF | GPU memory peak MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target | mode | streams | requests | first audio ms avg / p50 / p90 | latency ms avg / p50 / p90 | RTF | "
+        "streams behind real time | L20 first chunk / latency avg ms | L20 RTF | GPU memory peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in report["passes"]:
         key = (item["mode"], item["concurrency"])
         reference = L20_REFERENCE.get(key)
         if item.get("skipped"):
-            lines.append(f"| {item['mode']} | {item['concurrency']} | skipped: {item['skipped']} | | | | | |")
+            lines.append(
+                f"| {item['target']} | {item['mode']} | {item['concurrency']} | skipped: {item['skipped']} "
+                "| | | | | | | |"
+            )
             continue
         first = _triple(item["first_chunk_ms"]) if item["mode"] == "stream" else "-"
         rtf = "-" if item["rtf"] is None else f"{item['rtf']:.3f}"
         failed = f" ({item['failed']} failed)" if item["failed"] else ""
         lines.append(
-            f"| {item['mode']}{failed} | {item['concurrency']} | {first} | {_triple(item['latency_ms'])} | {rtf} | "
+            f"| {item['target']} | {item['mode']}{failed} | {item['concurrency']} | {item['requests']} | {first} | "
+            f"{_triple(item['latency_ms'])} | {rtf} | "
+            f"{item['behind_real_time'] if item['mode'] == 'stream' else '-'} | "
             f"{'-' if reference is None else f'{reference[0]:.0f}'} | "
             f"{'-' if reference is None else f'{reference[1]:.3f}'} | {item['gpu_peak_mib'] or '-'} |"
         )
+    staged = [item for item in report["passes"] if item.get("stages")]
+    if staged:
+        lines += [
+            "",
+            "### Where the first chunk's time goes (direct, streaming; p50 ms, p90 in brackets)",
+            "",
+            "| stage | " + " | ".join(f"{item['concurrency']} streams" for item in staged) + " |",
+            "|---|" + "---|" * len(staged),
+        ]
+        for name, meaning in gpu_stages.STAGES:
+            cells = []
+            for item in staged:
+                value = item["stages"].get(name)
+                cells.append("-" if value is None else f"{value['p50']:.0f} ({value['p90']:.0f})")
+            lines.append(f"| {meaning} | " + " | ".join(cells) + " |")
+        batches = " / ".join(
+            f"{item['token2wav_batch'].get('mean', '-')} (max {item['token2wav_batch'].get('max', '-')})"
+            for item in staged
+        )
+        lines += ["", f"token2wav calls per batch, mean (max), same columns: {batches}."]
     lines += [
         "",
         f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "
         f"streaming {setup['stream_slots']} (instances x stream_workers), LLM {setup['llm_slots']} "
-        "(instances x max_concurrency, one thread each); token2wav converts one call at a time.",
+        "(KV-cache slots of the batching engine); token2wav converts up to its max_batch_size calls at once.",
     ]
     memory = report.get("cuda_memory_by_process_mib")
     if memory:
         lines.append(f"CUDA memory by process at the end (MiB): {memory}.")
     lines.append(
         f"Setup: instances {setup['instances']}; torch {setup['torch']} (CUDA {setup['torch_cuda']}); checkpoint "
-        f"{setup['checkpoint_s']:.0f} s, tritonserver start {setup['startup_s']:.0f} s, "
+        f"{setup['checkpoint_s']:.0f} s, tritonserver start (load and CUDA-graph capture) {setup['startup_s']:.0f} s, "
         f"warm-up {setup['warmup_s']:.0f} s; overrides: {', '.join(setup['overrides']) or 'none'}."
     )
     return "\n".join(lines) + "\n"
@@ -400,6 +478,11 @@ def instance_counts(repository: Path) -> dict[str, int]:
     return counts
 
 
+def level_jobs(jobs: list[Job], level: int) -> list[Job]:
+    """At least ``2 * level`` requests: the prompts again with new seeds (the prompt number is the seed)."""
+    return [replace(jobs[i % len(jobs)], prompt=i) for i in range(max(len(jobs), 2 * level))]
+
+
 async def measure(
     url: str,
     report: dict[str, Any],
@@ -407,47 +490,75 @@ async def measure(
     warmup: list[Job],
     levels: list[int],
     *,
+    targets: list[str],
+    gateways: dict[str, str],
     gpu: bool,
     deadline: float,
     timeout_s: float,
     out: Path,
+    trace_dir: Path,
 ) -> bool:
-    """Warm up, then run every level in both modes; returns whether every request succeeded."""
-    client = Client(aio_grpcclient.InferenceServerClient(url), timeout_s)
+    """Warm up, then run every level for each target in both modes; returns whether every request succeeded."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s)
+        try:
+            return await _measure(client, report, jobs, warmup, levels, targets, gpu, deadline, out, trace_dir)
+        finally:
+            await client.grpc.close()
+
+
+async def _measure(
+    client: Client,
+    report: dict[str, Any],
+    jobs: list[Job],
+    warmup: list[Job],
+    levels: list[int],
+    targets: list[str],
+    gpu: bool,
+    deadline: float,
+    out: Path,
+    trace_dir: Path,
+) -> bool:
     all_ok = True
-    try:
-        warm = time.perf_counter()
+    warm = time.perf_counter()
+    for target in targets:
         for mode in MODES:
-            log(f"warm-up: {len(warmup)} {mode} requests, {max(levels)} at a time")
-            result = await run_pass(client, mode, max(levels), warmup, gpu=False)
+            log(f"warm-up: {len(warmup)} {target} {mode} requests, {max(levels)} at a time")
+            result = await run_pass(client, target, mode, max(levels), warmup, gpu=False, label="warm-up")
             failed = [r.error for r in result.requests if r.error]
             if failed:
                 raise RuntimeError(f"{len(failed)} warm-up requests failed, e.g. {failed[0]}")
-        report["setup"]["warmup_s"] = round(time.perf_counter() - warm, 1)
-        last_wall: dict[str, float] = {}
-        for level in levels:
+    report["setup"]["warmup_s"] = round(time.perf_counter() - warm, 1)
+    last_wall: dict[tuple[str, str], float] = {}
+    for level in levels:
+        for target in targets:
             for mode in MODES:
                 remaining = deadline - time.perf_counter()
-                if mode in last_wall and last_wall[mode] > remaining:
-                    reason = f"~{last_wall[mode]:.0f} s expected, {max(0.0, remaining):.0f} s of budget left"
-                    log(f"{mode} c={level}: skipped ({reason})")
-                    report["passes"].append({"mode": mode, "concurrency": level, "skipped": reason})
+                previous = last_wall.get((target, mode))
+                if previous is not None and previous * 2 > remaining:
+                    reason = f"~{previous * 2:.0f} s expected, {max(0.0, remaining):.0f} s of budget left"
+                    log(f"{target} {mode} c={level}: skipped ({reason})")
+                    report["passes"].append({"target": target, "mode": mode, "concurrency": level, "skipped": reason})
                     continue
-                log(f"{mode} c={level}: {len(jobs)} requests")
-                result = await run_pass(client, mode, level, jobs, gpu=gpu)
+                batch = level_jobs(jobs, level)
+                log(f"{target} {mode} c={level}: {len(batch)} requests")
+                result = await run_pass(client, target, mode, level, batch, gpu=gpu)
                 summary = result.summary()
+                if target == "direct" and mode == "stream":
+                    sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
+                    summary["stages"] = gpu_stages.first_chunk_stages(trace_dir, sent)
+                    summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir)
                 all_ok = all_ok and summary["failed"] == 0
-                last_wall[mode] = result.wall_s
+                last_wall[target, mode] = result.wall_s
                 report["passes"].append(summary | {"per_request": [asdict(r) for r in result.requests]})
                 write_report(out, report)
                 first = summary["first_chunk_ms"]
                 log(
-                    f"{mode} c={level}: wall {result.wall_s:.1f} s for {summary['audio_s']:.1f} s audio, "
-                    f"RTF {summary['rtf']}, first chunk avg {first['avg'] if first else '-'} ms, "
+                    f"{target} {mode} c={level}: wall {result.wall_s:.1f} s for {summary['audio_s']:.1f} s audio, "
+                    f"RTF {summary['rtf']}, first chunk p50 {first['p50'] if first else '-'} ms, "
                     f"GPU peak {summary['gpu_peak_mib']} MiB, {summary['failed']} failed"
                 )
-    finally:
-        await client.grpc.close()
     return all_ok
 
 
@@ -469,9 +580,13 @@ def run(args: argparse.Namespace) -> bool:
     if gpu:
         device = ", ".join(gpu_sanity.nvidia_smi("gpu=name,driver_version,memory.total")[0]) + " MiB"
     idle_mib = gpu_sanity.gpu_memory_used() if gpu else None
+    trace_dir = workdir / "stage_trace"
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    os.environ[stage_trace.ENV_VAR] = str(trace_dir)
     triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout)
     loading = time.perf_counter()
     triton.start()
+    gateways: list[GatewayServer] = []
     try:
         startup_s = time.perf_counter() - loading
         instances = instance_counts(repository)
@@ -489,7 +604,7 @@ def run(args: argparse.Namespace) -> bool:
                 "instances": instances,
                 "offline_slots": instances[MODEL],
                 "stream_slots": instances[contract.stream_model_name(MODEL)] * int(params["stream_workers"]),
-                "llm_slots": instances[params["llm_model"]] * int(llm_params["max_concurrency"]),
+                "llm_slots": instances[params["llm_model"]] * int(llm_params["max_slots"]),
                 "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *args.set],
                 "prompts": len(jobs),
                 "english": sum(text.isascii() for text in texts),
@@ -508,6 +623,15 @@ def run(args: argparse.Namespace) -> bool:
         }
         log(f"{len(jobs)} prompts, {sum(audio):.1f} s of audio per pass; levels {args.levels}")
         warmup = make_jobs([WARMUP_TEXT] * 2 * max(args.levels), voices, tokenizer, params)
+        urls: dict[str, str] = {}
+        if "gateway" in args.targets:
+            for mode in MODES:
+                gateway = GatewayServer(
+                    workdir / f"gateway-{mode}", gateway_env(triton.grpc_url, mode, args.levels, args.timeout_s)
+                )
+                gateway.start()
+                gateways.append(gateway)
+                urls[mode] = gateway.url
         ok = asyncio.run(
             measure(
                 triton.grpc_url,
@@ -515,10 +639,13 @@ def run(args: argparse.Namespace) -> bool:
                 jobs,
                 warmup,
                 args.levels,
+                targets=args.targets,
+                gateways=urls,
                 gpu=gpu,
                 deadline=deadline,
                 timeout_s=args.timeout_s,
                 out=args.out,
+                trace_dir=trace_dir,
             )
         )
         if gpu:
@@ -527,6 +654,8 @@ def run(args: argparse.Namespace) -> bool:
             log(f"  {line}")
         write_report(args.out, report)
     finally:
+        for gateway in gateways:
+            gateway.stop()
         triton.stop()
         args.out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(triton.log_path, args.out / "tritonserver.log")
@@ -535,6 +664,21 @@ def run(args: argparse.Namespace) -> bool:
     log(markdown(report))
     log(f"report: {args.out / 'gpu_cosyvoice2.md'} and .json; {time.perf_counter() - started:.0f} s in all")
     return ok
+
+
+def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float) -> dict[str, str]:
+    """A gateway on the benchmark's Triton: every stream admitted, each prompt sent whole, in ``mode``."""
+    return {
+        "TTS_BACKEND_TIMEOUT": str(timeout_s),
+        "TTS_BACKEND_CHUNK_TIMEOUT": str(timeout_s),
+        "TTS_REQUEST_TIMEOUT": str(timeout_s),
+        "TTS_TRITON_URL": triton_url,
+        "TTS_BACKEND_MODE": mode,
+        "TTS_MAX_CONCURRENT_SPEECH": str(2 * max(levels)),
+        "TTS_SENTENCE_MAX_CHARS": "400",
+        "TTS_FIRST_SENTENCE_MAX_CHARS": "400",
+        "TTS_SYNTHESIS_PARALLELISM": "1",
+    }
 
 
 def model_parameters(url: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -556,7 +700,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU: one instance per model")
     parser.add_argument(
-        "--levels", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4, 8], help="e.g. 1,2,4,8"
+        "--levels",
+        type=lambda text: [int(v) for v in text.split(",")],
+        default=[1, 4, 16, 32, 64],
+        help="concurrent streams, e.g. 1,4,16,32,64",
+    )
+    parser.add_argument(
+        "--targets",
+        type=lambda text: text.split(","),
+        default=list(TARGETS),
+        help="direct (gRPC to Triton) and/or gateway (HTTP through the gateway)",
     )
     parser.add_argument("--prompts", type=int, default=16, help=f"the first N of {len(PROMPTS)} prompts")
     parser.add_argument("--out", type=Path, default=None, help="report folder; default WORKDIR/report")
@@ -566,6 +719,8 @@ def main() -> int:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="profile overrides")
     args = parser.parse_args()
+    if not set(args.targets) <= set(TARGETS):
+        parser.error(f"--targets takes {', '.join(TARGETS)}")
     if not 1 <= args.prompts <= len(PROMPTS) or min(args.levels) < 1:
         parser.error(f"--prompts must lie in [1, {len(PROMPTS)}] and levels must be positive")
     args.out = (args.out or args.workdir / "report").resolve()

@@ -1,0 +1,82 @@
+"""Where a streamed request's first chunk spends its time, from the models' stage traces.
+
+The server runs with ``TTS_STAGE_TRACE_DIR`` set (``tts_backends/stage_trace.py``): the orchestrator
+records when a request started, had its voice prompt, saw its first LLM token, reached its first
+hop and sent its first chunk (keyed by its token2wav session id, with the Triton request id); the
+LLM records when the request was submitted, admitted (prefill starts) and drew its first token
+(keyed by the same session id, which the orchestrator sends as the LLM request id); token2wav
+records each batch a call ran in, with its flow and HiFT time. The client adds when it sent the
+request and when the first audio arrived. All are ``time.monotonic()`` of one machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tts_backends.stage_trace import read_traces
+
+STAGES = (
+    ("to_orchestrator", "client send -> orchestrator starts (gRPC, Triton queue, stream worker)"),
+    ("prompt", "voice prompt (cached after warm-up)"),
+    ("llm_queue", "LLM: waiting for a slot / the next step"),
+    ("llm_prefill", "LLM: prefill and first token"),
+    ("llm_to_hop", "LLM: tokens up to the first hop (+3 look-ahead), into the orchestrator"),
+    ("t2w_queue", "token2wav: waiting for the running batch"),
+    ("flow", "token2wav: flow (encoder + 10-step solve) of its batch"),
+    ("hift", "token2wav: HiFT of its batch"),
+    ("t2w_other", "token2wav: rest (BLS transport, tensors)"),
+    ("to_client", "orchestrator first chunk -> client"),
+)
+
+
+def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """Per stage, p50 and p90 in ms over the streamed requests in ``sent``.
+
+    ``sent`` maps a Triton request id to (client send time, client first-audio time).
+    """
+    events = read_traces(trace_dir)
+    orchestrator = {e["request"]: e for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
+    llm = {e["key"]: e for e in events if e["stage"] == "llm"}
+    first_batches: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event["stage"] == "token2wav" and event["offset"] == 0 and event["key"] not in first_batches:
+            first_batches[str(event["key"])] = event
+    samples: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+    for request_id, (client_sent, client_first) in sent.items():
+        o = orchestrator.get(request_id)
+        if o is None:
+            continue
+        session = str(o["key"])
+        g, t = llm.get(session), first_batches.get(session)
+        if g is None or t is None or not o["first_chunk"]:
+            continue
+        values = {
+            "to_orchestrator": o["started"] - client_sent,
+            "prompt": o["prompt_ready"] - o["started"],
+            "llm_queue": g["admitted"] - g["submitted"],
+            "llm_prefill": g["first_token"] - g["admitted"],
+            "llm_to_hop": o["first_hop"] - g["first_token"],
+            "t2w_queue": t["started"] - o["first_hop"],
+            "flow": t["flow_s"],
+            "hift": t["hift_s"],
+            "t2w_other": o["first_chunk"] - t["started"] - t["flow_s"] - t["hift_s"],
+            "to_client": client_first - o["first_chunk"],
+        }
+        for name, value in values.items():
+            samples[name].append(1000.0 * float(value))
+    return {name: _percentiles(values) for name, values in samples.items() if values}
+
+
+def token2wav_batches(trace_dir: Path) -> dict[str, float]:
+    """How many calls token2wav converted per batch: mean and max over the run."""
+    rows = [float(e["rows"]) for e in read_traces(trace_dir) if e["stage"] == "token2wav"]
+    return {"mean": round(float(np.mean(rows)), 2), "max": max(rows)} if rows else {}
+
+
+def _percentiles(values: Iterable[float]) -> dict[str, float]:
+    p50, p90 = np.percentile(list(values), [50, 90])
+    return {"p50": round(float(p50), 1), "p90": round(float(p90), 1)}
