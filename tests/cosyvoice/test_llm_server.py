@@ -22,6 +22,7 @@ from tests.llm_server_process import LLMServerProcess, established_connections
 
 pytestmark = pytest.mark.cosyvoice
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TRANSCRIPT = "Hello there."
 TEXT = "The quick brown fox."
 PROMPT_TOKENS = [1, 2, 3, 4000, 6560]
@@ -323,3 +324,38 @@ def test_spelt_tokens_are_read_across_piece_boundaries_and_plain_text_ends_speec
     assert text.feed("<|eos1|>") == [vocab.EOS1_ID]
     assert text.feed("Hello") == [NOT_SPEECH]
     assert vocab.id_to_speech_token(NOT_SPEECH) is None
+
+
+# --- the profiles ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["gpu-llm-server", "cosyvoice2-cpu-llm-server"])
+def test_llm_server_profiles_deploy_every_stage_but_the_llm(profile: str, tmp_path: Path) -> None:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from tts_backends.cosyvoice2.llm_server import LLMServerSettings
+    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+    from tts_backends.model_repository import render_repository
+
+    names = render_repository(REPO_ROOT / "triton_repo", profile, tmp_path)
+    assert sorted(names) == ["audio_tokenizer", "cosyvoice2", "cosyvoice2_stream", "speaker_embedding", "token2wav"]
+    for name in ("cosyvoice2", "cosyvoice2_stream"):
+        config = text_format.Parse((tmp_path / name / "config.pbtxt").read_text(), mc.ModelConfig())
+        params = {key: value.string_value for key, value in config.parameters.items()}
+        assert params["llm_model"] == ""
+        settings = LLMServerSettings.from_parameters(params, max_connections=int(params["stream_workers"]))
+        assert settings is not None and settings.urls
+        PipelineSettings.from_parameters(params)
+        for key in ("audio_tokenizer_model", "speaker_embedding_model", "token2wav_model"):
+            assert params[key] in names
+
+
+def test_in_triton_profiles_name_no_llm_server() -> None:
+    from tts_backends.cosyvoice2.llm_server import LLMServerSettings
+    from tts_backends.model_repository import load_profiles
+
+    for profile in ("cosyvoice2-cpu", "gpu-trtllm", "gpu-torch"):
+        for model in load_profiles(REPO_ROOT / "triton_repo")[profile].models:
+            if model.source == "cosyvoice2":
+                assert LLMServerSettings.from_parameters(model.values, max_connections=1) is None
