@@ -32,6 +32,10 @@ class ContractError(ValueError):
     """Bad request input; model.py turns it into a TritonError (INVALID_ARG)."""
 
 
+class BackendUnavailableError(RuntimeError):
+    """A server the model relies on is down or overloaded; model.py turns it into UNAVAILABLE (a 503)."""
+
+
 @dataclass(frozen=True, eq=False)
 class SpeechRequest:
     """One validated speech request; optional inputs the caller left out are ``None``."""

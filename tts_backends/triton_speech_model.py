@@ -9,7 +9,8 @@ same way for every backend:
 - decoupled deployment (``NAME_stream``): each request runs on a bounded worker pool
   so that ``execute`` returns at once, one response per chunk, then the final flag;
 - cancellation (client gone, or the model unloading) is checked between chunks;
-- :class:`ContractError` becomes ``INVALID_ARG``; anything else is logged and
+- :class:`ContractError` becomes ``INVALID_ARG``, :class:`BackendUnavailableError`
+  ``UNAVAILABLE`` (logged as a warning); anything else is logged and
   returned as an internal error without details. The code also leads the message
   (``[INVALID_ARG] ...``): a decoupled model's error reaches gRPC clients as a message only.
 """
@@ -29,7 +30,7 @@ import triton_python_backend_utils as pb_utils
 from numpy.typing import NDArray
 
 from tts_backends import contract
-from tts_backends.request_parsing import ContractError, SpeechRequest, parse_speech_request
+from tts_backends.request_parsing import BackendUnavailableError, ContractError, SpeechRequest, parse_speech_request
 
 Cancelled = Callable[[], bool]
 
@@ -131,5 +132,10 @@ class SpeechContractModel:
     def _error(self, exc: Exception) -> Any:
         if isinstance(exc, ContractError):
             return pb_utils.TritonError(f"[INVALID_ARG] {exc}", pb_utils.TritonError.INVALID_ARG)
+        if isinstance(exc, BackendUnavailableError):
+            pb_utils.Logger.log_warn(f"{self.name}: {exc}")
+            # The details (addresses of internal servers) stay in the log.
+            message = f"[UNAVAILABLE] model {self.name}: a server it relies on is unavailable; see the server log"
+            return pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
         pb_utils.Logger.log_error(f"{self.name}: synthesis failed\n{traceback.format_exc()}")
         return pb_utils.TritonError(f"model {self.name} failed; see the server log", pb_utils.TritonError.INTERNAL)

@@ -1,7 +1,8 @@
 """The pipeline's :class:`~tts_backends.cosyvoice2.pipeline.Stages`, served by other Triton models.
 
 Imported only inside Triton's Python backend (it needs ``triton_python_backend_utils``):
-each stage is a BLS request to the model the orchestrator's config names. The tensors
+each stage is a BLS request to the model the orchestrator's config names, but for the LLM
+when it runs on its own server (:mod:`tts_backends.cosyvoice2.llm_server`). The tensors
 are built and read by :mod:`tts_backends.cosyvoice2.tensors`.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -20,6 +21,10 @@ from tts_backends.cosyvoice2 import tensors
 from tts_backends.cosyvoice2.frontend import VoicePrompt, build_voice_prompt
 from tts_backends.cosyvoice2.pipeline import LLMRequest, Token2WavRequest
 from tts_backends.request_parsing import ContractError
+
+if TYPE_CHECKING:
+    # Only a type here: the light Python 3.12 test environment has no httpx.
+    from tts_backends.cosyvoice2.llm_server import LLMServerClient
 
 
 class StageError(RuntimeError):
@@ -37,8 +42,11 @@ class StageModels:
 
 
 class TritonStages:
-    def __init__(self, models: StageModels) -> None:
+    """Every stage as a BLS request, except the LLM when an :class:`LLMServerClient` is given."""
+
+    def __init__(self, models: StageModels, llm_server: LLMServerClient | None = None) -> None:
         self._models = models
+        self._llm_server = llm_server
         self._streams = _FinishedStreams()
 
     def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
@@ -49,6 +57,13 @@ class TritonStages:
             raise ContractError(f"reference_wav: {exc}") from exc
 
     def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
+        if self._llm_server is not None:
+            return self._llm_server.generate(request, is_cancelled)
+        return self._generate_in_triton(request, is_cancelled)
+
+    def _generate_in_triton(
+        self, request: LLMRequest, is_cancelled: Callable[[], bool]
+    ) -> Generator[Sequence[int], None, None]:
         inference = pb_utils.InferenceRequest(
             model_name=self._models.llm,
             inputs=_tensors(tensors.llm_inputs(request)),

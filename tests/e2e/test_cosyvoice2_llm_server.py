@@ -1,0 +1,169 @@
+"""The gateway in front of CosyVoice2 with its LLM on a separate OpenAI-compatible server.
+
+Triton serves the ``cosyvoice2-cpu-llm-server`` profile (orchestrator, token2wav, speech
+tokenizer, speaker embedding) over the tiny checkpoint; the LLM is a real ``transformers serve``
+process on the checkpoint's HF directory, which the tests start late, kill mid-stream and
+start again. The tests run in file order: each leaves the LLM server up for the next.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from openai import OpenAI
+
+from app.embedded_triton import EmbeddedTriton
+from tests.audio_checks import DecodedAudio, decode
+from tests.e2e.gateway_process import GatewayProcess, cpu_seconds, free_port
+from tests.llm_server_process import LLMServerProcess
+
+pytestmark = [pytest.mark.triton, pytest.mark.cosyvoice]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SAMPLES_PER_TOKEN = 960
+TEXT = "The quick brown fox."
+# One sentence (the gateway splits at sentence ends) whose speech takes the LLM minutes on CPU.
+ENDLESS = "and then " + " ".join(f"word{n}" for n in range(120)) + " went by"
+ORCHESTRATORS = ("cosyvoice2", "cosyvoice2_stream")
+
+
+@dataclass(frozen=True)
+class Stack:
+    llm: LLMServerProcess
+    triton: EmbeddedTriton
+    gateway: GatewayProcess
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import cosyvoice_models
+
+    from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("cosyvoice2_llm_server")
+    tiny = write_tiny_checkpoint(root / "models")
+    # Not started: Triton and the gateway come up before the LLM server does.
+    llm = LLMServerProcess(tiny.llm_dir, free_port(), root / "llm_server.log")
+    overrides = []
+    for name in ORCHESTRATORS:
+        overrides += ["--set", f"{name}.instance_count=1", "--set", f"{name}.llm_urls={llm.url}"]
+        overrides += ["--set", f"{name}.llm_retries=1", "--set", f"{name}.llm_timeout_s=60"]
+    repository = root / "repository"
+    args = ["render", "--profile", "cosyvoice2-cpu-llm-server", "--dest", str(repository)]
+    assert cosyvoice_models.main([*args, "--models-root", str(root / "models"), *overrides]) == 0
+    triton = EmbeddedTriton(repository, workdir=root, startup_timeout=300.0)
+    triton.start()
+    gateway = GatewayProcess(
+        root / "gateway.log", {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(root / "voices")}
+    )
+    try:
+        gateway.start()
+        yield Stack(llm, triton, gateway)
+    finally:
+        gateway.stop()
+        triton.stop(grace=5.0)
+        llm.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.gateway.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _speech(stack: Stack, text: str = TEXT, **extra: object) -> httpx.Response:
+    body = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm", **extra}
+    return httpx.post(f"{stack.gateway.url}/v1/audio/speech", json=body, timeout=300)
+
+
+def _pcm(client: OpenAI, seed: int = 7) -> DecodedAudio:
+    response = client.audio.speech.create(
+        model="tts-1", voice="alloy", input=TEXT, response_format="pcm", extra_body={"seed": seed}
+    )
+    return decode(response.content, "pcm")
+
+
+def test_before_the_llm_server_is_up_speech_is_unavailable_then_served(stack: Stack) -> None:
+    assert not stack.llm.is_running()
+    for stream in (False, True):
+        response = _speech(stack, stream_format="sse" if stream else "audio")
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "backend_unavailable"
+        # No internal address reaches the client.
+        assert stack.llm.url not in response.text
+    stack.llm.start()
+    response = _speech(stack)
+    assert response.status_code == 200, response.text
+    audio = decode(response.content, "pcm")
+    assert audio.samples.size > 0 and audio.samples.size % SAMPLES_PER_TOKEN == 0
+
+
+def test_speech_is_whole_tokens_and_reproducible(stack: Stack, client: OpenAI) -> None:
+    stack.llm.start()
+    first = _pcm(client, seed=7)
+    assert first.samples.size > 0 and first.samples.size % SAMPLES_PER_TOKEN == 0
+    assert first.rms > 0.0
+    assert np.array_equal(first.samples, _pcm(client, seed=7).samples)
+    assert not np.array_equal(first.samples, _pcm(client, seed=8).samples)
+
+
+def test_streaming_arrives_in_pieces_and_matches_offline(stack: Stack, client: OpenAI) -> None:
+    stack.llm.start()
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input=TEXT, response_format="pcm", extra_body={"seed": 7}
+    ) as response:
+        pieces = list(response.iter_bytes())
+    assert len(pieces) > 1
+    assert np.array_equal(decode(b"".join(pieces), "pcm").samples, _pcm(client, seed=7).samples)
+
+
+def test_a_client_that_leaves_stops_the_llm_server(stack: Stack) -> None:
+    stack.llm.start()
+    body = {"model": "tts-1", "voice": "alloy", "input": ENDLESS, "response_format": "pcm"}
+    with httpx.stream("POST", f"{stack.gateway.url}/v1/audio/speech", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        next(response.iter_bytes())
+        # Still generating: the server is busy.
+        assert _cpu_used(stack.llm.pid, 1.0) > 0.2
+    # The gateway cancels the gRPC stream, the orchestrator closes the HTTP stream, the server stops.
+    time.sleep(3.0)
+    assert _cpu_used(stack.llm.pid, 2.0) < 0.2
+    # transformers serve generates one request at a time: the next one is not stuck behind it.
+    assert _speech(stack).status_code == 200
+
+
+def test_the_llm_server_dying_mid_stream_ends_the_stream_with_an_error(stack: Stack) -> None:
+    stack.llm.start()
+    body = {"model": "tts-1", "voice": "alloy", "input": ENDLESS, "response_format": "pcm", "stream_format": "sse"}
+    events = []
+    with httpx.stream("POST", f"{stack.gateway.url}/v1/audio/speech", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line.removeprefix("data: ")))
+            if len(events) == 1:
+                stack.llm.kill()
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error"
+    assert not any(event["type"] == "speech.audio.done" for event in events)
+    response = _speech(stack)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "backend_unavailable"
+    # Triton and the gateway stayed up; speech is back with the server.
+    stack.llm.start()
+    assert _speech(stack).status_code == 200
+
+
+def _cpu_used(pid: int, seconds: float) -> float:
+    before = cpu_seconds([pid])
+    time.sleep(seconds)
+    return cpu_seconds([pid]) - before
