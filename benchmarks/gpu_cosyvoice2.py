@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -64,6 +67,9 @@ from tts_backends.cosyvoice2.random_checkpoint import ensure_checkpoint, full_si
 
 MODEL: Final = "cosyvoice2"
 PROFILE: Final = "gpu-torch"
+# --llm-server: the LLM on `transformers serve` (continuous batching, CUDA graphs) on the same GPU.
+SERVER_PROFILE: Final = "gpu-llm-server"
+SERVER_PORT: Final = 8100
 SAMPLE_RATE: Final = 24_000
 SAMPLES_PER_TOKEN: Final = 960
 VOICES: Final = ("harbor", "lumen")
@@ -364,7 +370,7 @@ def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dic
 def markdown(report: dict[str, Any]) -> str:
     setup = report["setup"]
     lines = [
-        f"## CosyVoice2 behind Triton, profile `{setup['profile']}`, {setup['device']}",
+        f"## CosyVoice2 behind Triton, profile `{setup['profile']}` (LLM: {setup['llm']}), {setup['device']}",
         "",
         "**Random weights at full size** (flow and HiFT at CosyVoice2-0.5B's hyper-parameters, the LLM at "
         "Qwen2-0.5B's shape, bf16) on the **PyTorch LLM** path (continuous batching over a static KV cache, "
@@ -459,11 +465,11 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
         partial.replace(out / name)
 
 
-def render(workdir: Path, cpu: bool, extra: list[str]) -> Path:
+def render(workdir: Path, profile: str, cpu: bool, extra: list[str]) -> Path:
     repository = workdir / "repository"
     shutil.rmtree(repository, ignore_errors=True)
-    sets = [*(CPU_OVERRIDES if cpu else ()), *extra]
-    args = ["render", "--profile", PROFILE, "--dest", str(repository), "--models-root", str(workdir / "models")]
+    sets = [*(CPU_OVERRIDES if cpu and profile == PROFILE else ()), *extra]
+    args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
     if cosyvoice_models.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
         raise RuntimeError("rendering the repository failed")
     return repository
@@ -571,7 +577,10 @@ def run(args: argparse.Namespace) -> bool:
     checkpoint, written = ensure_checkpoint(workdir / "models", full_size())
     checkpoint_s = time.perf_counter() - started
     log(f"  {'written' if written else 'reused'} in {checkpoint_s:.1f} s")
-    repository = render(workdir, args.cpu, args.set)
+    profile = SERVER_PROFILE if args.llm_server else PROFILE
+    server_sets = llm_server_overrides() if args.llm_server else []
+    repository = render(workdir, profile, args.cpu, [*server_sets, *args.set])
+    llm_server = LLMServer(checkpoint.llm_dir, workdir / "llm_server.log", cpu=args.cpu) if args.llm_server else None
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.llm_dir)
     voices = [gpu_sanity.load_voice(name) for name in VOICES]
     texts = list(PROMPTS[: args.prompts])
@@ -585,6 +594,8 @@ def run(args: argparse.Namespace) -> bool:
     os.environ[stage_trace.ENV_VAR] = str(trace_dir)
     triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout)
     loading = time.perf_counter()
+    if llm_server is not None:
+        llm_server.start()
     triton.start()
     gateways: list[GatewayServer] = []
     try:
@@ -596,7 +607,8 @@ def run(args: argparse.Namespace) -> bool:
         audio = [job.expected_tokens / 25 for job in jobs]
         report: dict[str, Any] = {
             "setup": {
-                "profile": PROFILE,
+                "profile": profile,
+                "llm": "transformers serve (continuous batching, CUDA graphs)" if args.llm_server else "llm_torch",
                 "device": device,
                 "gpu_idle_mib": idle_mib,
                 "torch": torch.__version__,
@@ -604,7 +616,7 @@ def run(args: argparse.Namespace) -> bool:
                 "instances": instances,
                 "offline_slots": instances[MODEL],
                 "stream_slots": instances[contract.stream_model_name(MODEL)] * int(params["stream_workers"]),
-                "llm_slots": instances[params["llm_model"]] * int(llm_params["max_slots"]),
+                "llm_slots": instances[params["llm_model"]] * int(llm_params["max_slots"]) if llm_params else "-",
                 "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *args.set],
                 "prompts": len(jobs),
                 "english": sum(text.isascii() for text in texts),
@@ -657,6 +669,8 @@ def run(args: argparse.Namespace) -> bool:
         for gateway in gateways:
             gateway.stop()
         triton.stop()
+        if llm_server is not None:
+            llm_server.stop()
         args.out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(triton.log_path, args.out / "tritonserver.log")
     if not ok:
@@ -691,9 +705,75 @@ def model_parameters(url: str) -> tuple[dict[str, str], dict[str, str]]:
 
     try:
         orchestrator = parameters(MODEL)
-        return orchestrator, parameters(orchestrator["llm_model"])
+        # An LLM on its own server (llm_urls) has no model in Triton.
+        return orchestrator, parameters(orchestrator["llm_model"]) if orchestrator["llm_model"] else {}
     finally:
         client.close()
+
+
+def llm_server_overrides() -> list[str]:
+    """Point both orchestrators at the local ``transformers serve``.
+
+    That server loads the checkpoint as a plain Qwen2 and drops the LLM head's bias, through which
+    the random checkpoint stops at the minimum length; the maximum ratio set to the minimum keeps
+    every request as long as in the in-Triton runs.
+    """
+    values = {
+        "llm_urls": f"http://127.0.0.1:{SERVER_PORT}/v1",
+        "llm_api": "transformers",
+        "llm_served_model": "",
+        "max_token_text_ratio": "2.0",
+    }
+    return [f"{model}.{key}={value}" for model in (MODEL, f"{MODEL}_stream") for key, value in values.items()]
+
+
+class LLMServer:
+    """``transformers serve`` over the checkpoint's LLM directory, on the GPU with continuous batching."""
+
+    def __init__(self, llm_dir: Path, log_path: Path, *, cpu: bool) -> None:
+        device = ["--device", "cpu", "--dtype", "float32"] if cpu else ["--device", "cuda:0", "--dtype", "bfloat16"]
+        batching = [] if cpu else ["--continuous-batching", "--cb-use-cuda-graph"]
+        self._command = [
+            str(Path(sys.executable).with_name("transformers")),
+            "serve",
+            str(llm_dir),
+            *device,
+            *batching,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(SERVER_PORT),
+            "--log-level",
+            "warning",
+        ]
+        self._log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        with self._log_path.open("ab") as log_file:
+            self._process = subprocess.Popen(self._command, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"transformers serve exited with {self._process.returncode}; see {self._log_path}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"http://127.0.0.1:{SERVER_PORT}/health", timeout=2) as response,
+            ):
+                if response.status == 200:
+                    log(f"transformers serve ready ({' '.join(self._command[1:])})")
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"transformers serve not ready within {timeout_s:.0f} s; see {self._log_path}")
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
 
 
 def main() -> int:
@@ -718,6 +798,11 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="limit of one request")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="profile overrides")
+    parser.add_argument(
+        "--llm-server",
+        action="store_true",
+        help=f"profile {SERVER_PROFILE}: the LLM on `transformers serve` (continuous batching) on the same GPU",
+    )
     args = parser.parse_args()
     if not set(args.targets) <= set(TARGETS):
         parser.error(f"--targets takes {', '.join(TARGETS)}")
