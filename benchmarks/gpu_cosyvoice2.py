@@ -373,11 +373,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"## CosyVoice2 behind Triton, profile `{setup['profile']}` (LLM: {setup['llm']}), {setup['device']}",
         "",
         "**Random weights at full size** (flow and HiFT at CosyVoice2-0.5B's hyper-parameters, the LLM at "
-        "Qwen2-0.5B's shape, bf16) on the **PyTorch LLM** path (continuous batching over a static KV cache, "
-        "decode steps replayed as CUDA graphs; token2wav batching concurrent calls, the flow solve replayed as "
-        "CUDA graphs), not TensorRT-LLM. The L20 columns are upstream's figures (runtime/triton_trtllm: real "
-        "weights, TensorRT-LLM, 26 prompts, ~170 s of audio) on a **different GPU**: a point of reference, "
-        "not a like-for-like comparison.",
+        f"Qwen2-0.5B's shape, bf16); LLM: {setup['llm']} (the PyTorch engine batches every request over a "
+        "static KV cache with decode steps replayed as CUDA graphs); token2wav batching concurrent calls, the "
+        "flow solve replayed as CUDA graphs; not TensorRT-LLM. The L20 columns are upstream's figures "
+        "(runtime/triton_trtllm: real weights, TensorRT-LLM, 26 prompts, ~170 s of audio) on a **different "
+        "GPU**: a point of reference, not a like-for-like comparison.",
         "",
         f"{setup['prompts']} prompts ({setup['english']} English, {setup['chinese']} Chinese), voices "
         f"{', '.join(setup['voices'])}, each level sending at least twice as many requests as streams (prompts "
@@ -468,7 +468,9 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
 def render(workdir: Path, profile: str, cpu: bool, extra: list[str]) -> Path:
     repository = workdir / "repository"
     shutil.rmtree(repository, ignore_errors=True)
-    sets = [*(CPU_OVERRIDES if cpu and profile == PROFILE else ()), *extra]
+    # The server profile has no `llm` model in Triton.
+    cpu_sets = [item for item in CPU_OVERRIDES if profile == PROFILE or not item.startswith("llm.")]
+    sets = [*(cpu_sets if cpu else ()), *extra]
     args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
     if cosyvoice_models.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
         raise RuntimeError("rendering the repository failed")
@@ -497,6 +499,7 @@ async def measure(
     levels: list[int],
     *,
     targets: list[str],
+    modes: list[str],
     gateways: dict[str, str],
     gpu: bool,
     deadline: float,
@@ -509,7 +512,7 @@ async def measure(
     async with aiohttp.ClientSession(connector=connector) as http:
         client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s)
         try:
-            return await _measure(client, report, jobs, warmup, levels, targets, gpu, deadline, out, trace_dir)
+            return await _measure(client, report, jobs, warmup, levels, targets, modes, gpu, deadline, out, trace_dir)
         finally:
             await client.grpc.close()
 
@@ -521,6 +524,7 @@ async def _measure(
     warmup: list[Job],
     levels: list[int],
     targets: list[str],
+    modes: list[str],
     gpu: bool,
     deadline: float,
     out: Path,
@@ -529,7 +533,7 @@ async def _measure(
     all_ok = True
     warm = time.perf_counter()
     for target in targets:
-        for mode in MODES:
+        for mode in modes:
             log(f"warm-up: {len(warmup)} {target} {mode} requests, {max(levels)} at a time")
             result = await run_pass(client, target, mode, max(levels), warmup, gpu=False, label="warm-up")
             failed = [r.error for r in result.requests if r.error]
@@ -539,7 +543,7 @@ async def _measure(
     last_wall: dict[tuple[str, str], float] = {}
     for level in levels:
         for target in targets:
-            for mode in MODES:
+            for mode in modes:
                 remaining = deadline - time.perf_counter()
                 previous = last_wall.get((target, mode))
                 if previous is not None and previous * 2 > remaining:
@@ -608,7 +612,9 @@ def run(args: argparse.Namespace) -> bool:
         report: dict[str, Any] = {
             "setup": {
                 "profile": profile,
-                "llm": "transformers serve (continuous batching, CUDA graphs)" if args.llm_server else "llm_torch",
+                "llm": "transformers serve (continuous batching, CUDA graphs)"
+                if args.llm_server
+                else "llm_torch in Triton",
                 "device": device,
                 "gpu_idle_mib": idle_mib,
                 "torch": torch.__version__,
@@ -617,7 +623,7 @@ def run(args: argparse.Namespace) -> bool:
                 "offline_slots": instances[MODEL],
                 "stream_slots": instances[contract.stream_model_name(MODEL)] * int(params["stream_workers"]),
                 "llm_slots": instances[params["llm_model"]] * int(llm_params["max_slots"]) if llm_params else "-",
-                "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *args.set],
+                "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *server_sets, *args.set],
                 "prompts": len(jobs),
                 "english": sum(text.isascii() for text in texts),
                 "chinese": sum(not text.isascii() for text in texts),
@@ -634,10 +640,10 @@ def run(args: argparse.Namespace) -> bool:
             "passes": [],
         }
         log(f"{len(jobs)} prompts, {sum(audio):.1f} s of audio per pass; levels {args.levels}")
-        warmup = make_jobs([WARMUP_TEXT] * 2 * max(args.levels), voices, tokenizer, params)
+        warmup = make_jobs([WARMUP_TEXT] * (args.warmup or 2 * max(args.levels)), voices, tokenizer, params)
         urls: dict[str, str] = {}
         if "gateway" in args.targets:
-            for mode in MODES:
+            for mode in args.modes:
                 gateway = GatewayServer(
                     workdir / f"gateway-{mode}", gateway_env(triton.grpc_url, mode, args.levels, args.timeout_s)
                 )
@@ -652,6 +658,7 @@ def run(args: argparse.Namespace) -> bool:
                 warmup,
                 args.levels,
                 targets=args.targets,
+                modes=args.modes,
                 gateways=urls,
                 gpu=gpu,
                 deadline=deadline,
@@ -798,14 +805,16 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="limit of one request")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")
     parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="profile overrides")
+    parser.add_argument("--modes", type=lambda text: text.split(","), default=list(MODES), help="stream and/or offline")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up requests per target and mode (0: 2 x streams)")
     parser.add_argument(
         "--llm-server",
         action="store_true",
         help=f"profile {SERVER_PROFILE}: the LLM on `transformers serve` (continuous batching) on the same GPU",
     )
     args = parser.parse_args()
-    if not set(args.targets) <= set(TARGETS):
-        parser.error(f"--targets takes {', '.join(TARGETS)}")
+    if not set(args.targets) <= set(TARGETS) or not set(args.modes) <= set(MODES):
+        parser.error(f"--targets takes {', '.join(TARGETS)}; --modes takes {', '.join(MODES)}")
     if not 1 <= args.prompts <= len(PROMPTS) or min(args.levels) < 1:
         parser.error(f"--prompts must lie in [1, {len(PROMPTS)}] and levels must be positive")
     args.out = (args.out or args.workdir / "report").resolve()
