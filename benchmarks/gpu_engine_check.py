@@ -19,6 +19,7 @@ import json
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,6 @@ def main() -> int:
             check()
         except Exception as exc:  # report what ran, then the failure
             report.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
-            import traceback
-
             traceback.print_exc()
     text = json.dumps(report, indent=2)
     print(text)

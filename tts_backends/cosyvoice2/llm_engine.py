@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -139,7 +139,7 @@ class _Rows:
 
     def window(self, start: int, stop: int) -> SamplingRows:
         s = self.sampling
-        return SamplingRows(*(getattr(s, name)[start:stop] for name in SamplingRows.__dataclass_fields__))
+        return SamplingRows(*(getattr(s, column.name)[start:stop] for column in fields(SamplingRows)))
 
 
 class BatchingEngine:
