@@ -27,7 +27,7 @@ from tests.e2e.gateway_process import GatewayProcess, cmdline, processes_under
 pytestmark = pytest.mark.triton
 
 WORKERS = 2
-_ACCESS_LINE = re.compile(r" INFO (\d+) uvicorn\.access: .* \"(\w+) (\S+) HTTP/1\.1\" (\d+)")
+_ACCESS_LINE = re.compile(r" INFO (\d+) uvicorn\.access \[\S+\]: .* \"(\w+) (\S+) HTTP/1\.1\" (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_a_voice_uploaded_through_one_worker_is_known_to_all(gateway: GatewayPro
     assert created.status_code == 201, created.text
 
     def listed() -> None:
-        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["voices"]
+        voices = httpx.get(f"{gateway.url}/v1/audio/voices?all=true", timeout=10).json()["voices"]
         assert "shared-voice" in {v["id"] for v in voices}
 
     def taken() -> None:
@@ -125,16 +125,16 @@ def test_a_voice_uploaded_through_one_worker_is_known_to_all(gateway: GatewayPro
         )
         assert again.status_code == 409, again.text
 
-    _on_every_worker(gateway, "GET", "/v1/audio/voices", listed)
+    _on_every_worker(gateway, "GET", "/v1/audio/voices?all=true", listed)
     _on_every_worker(gateway, "POST", "/v1/audio/voices", taken)
 
     assert httpx.delete(f"{gateway.url}/v1/audio/voices/shared-voice", timeout=10).status_code == 200
 
     def gone() -> None:
-        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["voices"]
+        voices = httpx.get(f"{gateway.url}/v1/audio/voices?all=true", timeout=10).json()["voices"]
         assert "shared-voice" not in {v["id"] for v in voices}
 
-    _on_every_worker(gateway, "GET", "/v1/audio/voices", gone)
+    _on_every_worker(gateway, "GET", "/v1/audio/voices?all=true", gone)
 
 
 def _metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
