@@ -79,16 +79,18 @@ class SpeechBackend:
         for backend in self.pool.ready_backends():
             for config in backend.configs:
                 configs.setdefault(config.name, config)
-        was_ready = self.ready
+        before = list(self._catalog.models) if self._catalog is not None else None
         self._catalog = ModelCatalog.from_triton(
             configs.values(),
             default_model=self._default_model,
             aliases=self._model_aliases,
             openai_names=self._openai_names,
         )
+        if list(self._catalog.models) == before:
+            return
         if self._catalog.models:
             logger.info("speech models ready: %s", ", ".join(self._catalog.models))
-        elif was_ready:
+        elif before:
             logger.warning("no Triton backend serves a speech model")
 
     async def wait_ready(self, within: float) -> bool:
