@@ -13,19 +13,13 @@ import httpx
 import pytest
 
 from tests.audio_checks import assert_speech, decode
-from tests.e2e.gateway_process import GatewayProcess, cmdline, processes_under
+from tests.e2e.gateway_process import GatewayProcess, processes_under, tritonserver_pid
 
 pytestmark = pytest.mark.triton
 
 SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Back on my feet.", "response_format": "wav"}
 # The bound: healthy and speaking again within 30 s of the kill.
 RECOVERY_LIMIT = 30.0
-
-
-def tritonserver_pid(workdir: Path) -> int:
-    servers = [pid for pid in processes_under(workdir) if cmdline(pid).split(b"\0")[0].endswith(b"/tritonserver")]
-    assert len(servers) == 1, servers
-    return servers[0]
 
 
 def restarts(gateway: GatewayProcess) -> float:

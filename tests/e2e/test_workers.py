@@ -22,7 +22,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.audio_checks import assert_speech, decode
-from tests.e2e.gateway_process import GatewayProcess, cmdline, processes_under
+from tests.e2e.gateway_process import GatewayProcess, cmdline, processes_under, tritonserver_pid
 
 pytestmark = pytest.mark.triton
 
@@ -180,6 +180,27 @@ def test_a_killed_worker_is_replaced(gateway: GatewayProcess) -> None:
         )
         assert response.status_code == 200
     assert _metric(gateway, "tts_speech_in_flight") == 0
+
+
+def test_the_parent_restarts_a_killed_triton_for_every_worker(gateway: GatewayProcess, workdir: Path) -> None:
+    workers = _workers(gateway)
+    os.kill(tritonserver_pid(workdir / "embedded"), signal.SIGKILL)
+    gateway.wait_for("/health", 503, within=10)
+    gateway.wait_for("/health", 200, within=30)
+
+    def speaks() -> None:
+        response = httpx.post(
+            f"{gateway.url}/v1/audio/speech",
+            json={"model": "tts-1", "voice": "alloy", "input": "Back again.", "response_format": "wav"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+
+    _on_every_worker(gateway, "POST", "/v1/audio/speech", speaks)
+    assert _workers(gateway) == workers, "the workers were not restarted"
+    # Counted by the parent, reported by whichever worker answers.
+    for _ in range(4):
+        assert _metric(gateway, "tts_embedded_triton_restarts_total") == 1
 
 
 def test_sigterm_ends_workers_triton_and_the_metrics_directory(gateway: GatewayProcess, workdir: Path) -> None:
