@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -102,3 +103,21 @@ def test_a_request_in_flight_at_the_crash_ends_cleanly(embedded: tuple[GatewayPr
     assert 0 < received < whole, "the stream ends where the audio stops, without an error"
     gateway.wait_for("/health", 200, within=RECOVERY_LIMIT)
     assert restarts(gateway) == 1
+
+
+def test_a_server_that_stops_answering_is_replaced(embedded: tuple[GatewayProcess, Path]) -> None:
+    gateway, workdir = embedded
+    hung = tritonserver_pid(workdir)
+    os.kill(hung, signal.SIGSTOP)  # alive, but answers nothing
+    try:
+        gateway.wait_for("/health", 503, within=10)
+        # Given up on after 10 s of silence, then started again like a crashed one.
+        gateway.wait_for("/health", 200, within=RECOVERY_LIMIT + 10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+    assert tritonserver_pid(workdir) != hung
+    assert restarts(gateway) == 1
+    assert "embedded Triton has not answered for 10 s; restarting it" in gateway.log_path.read_text()
+    response = httpx.post(f"{gateway.url}/v1/audio/speech", json=SPEECH, timeout=30)
+    assert response.status_code == 200
