@@ -111,7 +111,7 @@ class TritonSupervisor:
             try:
                 self.server.start()
             except EmbeddedTritonError as exc:
-                logger.error("restarting the embedded Triton failed; next try in %.0f s: %s", delay, exc)
+                logger.error("restarting the embedded Triton failed; next try in %g s: %s", delay, exc)
                 continue
             logger.info("embedded Triton restarted (pid %s)", self.server.pid)
             return delay
