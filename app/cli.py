@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (TTS_PORT)")
     serve.add_argument(
         "--triton-url",
-        help="Triton gRPC host:port, or several comma-separated (TTS_TRITON_URL); without it the embedded server starts",
+        help="Triton gRPC host:port, or several comma-separated (TTS_TRITON_URL); unset: the embedded server starts",
     )
     serve.add_argument("--workers", type=int, help="gateway processes sharing the port (TTS_WORKERS)")
     return parser

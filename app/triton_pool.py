@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from app.errors import GatewayError
 from app.metrics import GatewayMetrics
 from app.triton_client import TritonClient, TritonModelConfig
+from tts_backends import contract
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,9 @@ class TritonPool:
                 logger.warning("Triton backend %s is not ready", backend.address)
             self.mark_down(backend)
             return
-        if not backend.ready or not backend.configs:
+        # Read again while no speech model is known: one that reports ready before loading its
+        # models (model control "explicit") is picked up once they load.
+        if not backend.ready or not any(_is_speech_model(c) for c in backend.configs):
             try:
                 configs = await backend.client.model_configs()
             except GatewayError as exc:
@@ -179,6 +182,10 @@ class TritonPool:
             await backend.client.close()
         self._backends.clear()
         self._retired.clear()
+
+
+def _is_speech_model(config: TritonModelConfig) -> bool:
+    return contract.PARAM_TTS_CONTRACT in config.parameters
 
 
 async def _addresses(entry: str) -> tuple[str, ...]:
