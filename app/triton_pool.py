@@ -31,6 +31,8 @@ from tts_backends import contract
 
 logger = logging.getLogger(__name__)
 
+_RESOLVE_TIMEOUT = 5.0
+
 
 @dataclass(eq=False)
 class TritonBackend:
@@ -98,12 +100,15 @@ class TritonPool:
         return before != {b.address: b.models for b in self.ready_backends()}
 
     async def _resolve(self) -> None:
-        for entry in self.entries:
-            try:
-                self._resolved[entry] = await _addresses(entry)
-            except OSError as exc:
+        results = await asyncio.gather(*(_addresses(entry) for entry in self.entries), return_exceptions=True)
+        for entry, result in zip(self.entries, results, strict=True):
+            if isinstance(result, OSError):  # TimeoutError included
                 # Keep what the name last resolved to: a DNS hiccup must not take servers away.
-                logger.warning("cannot resolve Triton address %s: %s", entry, exc)
+                logger.warning("cannot resolve Triton address %s: %s", entry, result or type(result).__name__)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self._resolved[entry] = result
         wanted = {address: entry for entry, addresses in self._resolved.items() for address in addresses}
         for address, backend in list(self._backends.items()):
             if address not in wanted:
@@ -198,7 +203,9 @@ async def _addresses(entry: str) -> tuple[str, ...]:
     with contextlib.suppress(ValueError):
         ipaddress.ip_address(host)
         return (entry,)
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    # Bounded: a resolver that does not answer must not hold up the readiness checks behind it.
+    async with asyncio.timeout(_RESOLVE_TIMEOUT):
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     families = {info[0] for info in infos}
     family = socket.AF_INET if socket.AF_INET in families else socket.AF_INET6
     return tuple(dict.fromkeys(join_target(str(info[4][0]), port) for info in infos if info[0] == family))
