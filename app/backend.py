@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -152,7 +152,7 @@ class SpeechBackend:
 
     async def stream(
         self, model: str, values: Mapping[str, Any], request_id: str
-    ) -> AsyncIterator[NDArray[np.float32]]:
+    ) -> AsyncGenerator[NDArray[np.float32], None]:
         """A decoupled model's chunks from the least busy backend; before the first chunk, a failed
         call is sent once more elsewhere, after it the failure is the caller's."""
         tried: list[TritonBackend] = []

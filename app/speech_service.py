@@ -341,8 +341,10 @@ class SpeechService:
         backend = self._backend
         try:
             if plan.streaming_backend:
-                async for chunk in backend.stream(plan.triton_model, values, request_id):
-                    await queue.put(chunk)
+                # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
+                async with contextlib.aclosing(backend.stream(plan.triton_model, values, request_id)) as chunks:
+                    async for chunk in chunks:
+                        await queue.put(chunk)
             else:
                 await queue.put(await backend.infer(plan.triton_model, values, request_id))
         except GatewayError as exc:

@@ -148,3 +148,21 @@ def test_request_fails_over_before_its_first_byte(pair: Pair) -> None:
     assert down.status_code == 503
     assert down.json()["error"]["code"] == "backend_unavailable"
     assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 503
+
+
+def test_a_call_is_counted_at_its_backend_until_the_client_leaves(pair: Pair) -> None:
+    gateway = pair.gateway
+
+    def outstanding() -> dict[str, int]:
+        health = httpx.get(f"{gateway.url}/health", timeout=10).json()
+        return {b["address"]: b["outstanding"] for b in health["backends"]}
+
+    with httpx.stream("POST", f"{gateway.url}/v1/audio/speech", json={**SPEECH, "input": "tone*40"}) as response:
+        chunks = response.iter_bytes()  # kept: a dropped iterator closes the connection
+        next(chunks)
+        busy = outstanding()
+        assert sorted(busy.values()) == [0, 1]
+    (address,) = [a for a, count in busy.items() if count == 1]
+    wait_until(lambda: sum(outstanding().values()) == 0, within=10)
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert f'tts_triton_backend_calls_total{{backend="{address}",outcome="cancelled"}} 1.0' in metrics
