@@ -133,9 +133,12 @@ class TritonPool:
             except GatewayError as exc:
                 logger.warning("cannot read the model configs of %s: %s", backend.address, exc.message)
                 return
+            if not backend.ready:
+                logger.info(
+                    "Triton backend %s ready: %s", backend.address, ", ".join(sorted(c.name for c in configs)) or "none"
+                )
             backend.set_configs(configs)
             backend.ready = True
-            logger.info("Triton backend %s ready: %s", backend.address, ", ".join(sorted(backend.models)) or "none")
         self._metrics.triton_up.labels(backend.address).set(1)
 
     def mark_down(self, backend: TritonBackend) -> None:
