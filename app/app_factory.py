@@ -7,7 +7,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
 from pathlib import Path
 
@@ -21,11 +21,14 @@ from app.dependencies import Services
 from app.embedded_triton import EmbeddedTriton
 from app.errors import install_error_handlers
 from app.metrics import GatewayMetrics, HttpMetricsMiddleware
+from app.request_ids import RequestIdMiddleware
 from app.request_limits import RequestBodyLimitMiddleware
 from app.routes import health, models, speech, voices
 from app.settings import OPENAI_MODEL_NAMES, Settings
 from app.speech_service import SpeechService
 from app.triton_client import TritonClient
+from app.triton_pool import TritonPool
+from app.triton_supervisor import TritonSupervisor
 from app.voice_registry import VoiceRegistry
 from tts_backends.model_repository import parse_overrides, render_repository
 
@@ -38,10 +41,13 @@ _UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
 _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
-def start_embedded_triton(settings: Settings, stack: ExitStack | AsyncExitStack) -> EmbeddedTriton:
-    """Render the embedded profile and start ``tritonserver`` over it (blocking).
+def start_embedded_triton(
+    settings: Settings, stack: ExitStack | AsyncExitStack, on_restart: Callable[[], None]
+) -> TritonSupervisor:
+    """Render the embedded profile and start ``tritonserver`` over it, supervised (blocking until it is ready).
 
-    ``stack`` removes the temporary work directory; stopping the server is the caller's.
+    ``stack`` removes the temporary work directory; stopping the supervisor (and the server) is the caller's.
+    ``on_restart`` runs each time the supervisor replaces a server that exited or hung.
     """
     if settings.embedded_workdir is not None:
         workdir = settings.embedded_workdir
@@ -63,8 +69,9 @@ def start_embedded_triton(settings: Settings, stack: ExitStack | AsyncExitStack)
         startup_timeout=settings.embedded_startup_timeout,
         log_path=workdir / "tritonserver.log",
     )
-    server.start()
-    return server
+    supervisor = TritonSupervisor(server, on_restart=on_restart)
+    supervisor.start()
+    return supervisor
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -84,15 +91,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
             stack.callback(metrics.close)
-            url = settings.triton_url
-            if url is None:
-                # Started on the event loop's (main) thread on purpose: the server is tied to the
-                # life of the thread that starts it (PR_SET_PDEATHSIG), and nothing is served yet.
-                server = start_embedded_triton(settings, stack)
-                stack.push_async_callback(asyncio.to_thread, server.stop)
-                url = server.grpc_url
+            urls = settings.triton_urls
+            if not urls:
+                # Blocks the event loop until Triton is ready: nothing is served yet.
+                supervisor = start_embedded_triton(settings, stack, metrics.embedded_restarts.inc)
+                stack.push_async_callback(asyncio.to_thread, supervisor.stop)
+                urls = [supervisor.server.grpc_url]
+
+            def connect(address: str) -> TritonClient:
+                return TritonClient(
+                    address, timeout=settings.backend_timeout, chunk_timeout=settings.backend_chunk_timeout
+                )
+
+            pool = TritonPool(urls, connect, metrics, resolve_interval=settings.triton_resolve_interval)
             backend = SpeechBackend(
-                TritonClient(url, timeout=settings.backend_timeout, chunk_timeout=settings.backend_chunk_timeout),
+                pool,
                 metrics,
                 default_model=settings.default_model,
                 model_aliases=settings.model_aliases,
@@ -109,7 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.to_thread(registry.load)
             wait = settings.embedded_startup_timeout if settings.triton_url is None else _REMOTE_STARTUP_WAIT
             if not await backend.wait_ready(wait):
-                logger.warning("Triton at %s is not ready; serving 503 until it is", url)
+                logger.warning("Triton at %s is not ready; serving 503 until it is", ", ".join(urls))
             backend.start_watching()
             app.state.services = Services(
                 settings=settings,
@@ -130,8 +143,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for module in (speech, voices, models, health):
         app.include_router(module.router)
-    # The last added runs first: metrics see every answer, a missing key is refused before the
-    # body is read, and the body limit applies before any route parses anything.
+    # The last added runs first: every answer carries its request id, metrics see every answer, a
+    # missing key is refused before the body is read, and the body limit applies before any route
+    # parses anything.
     app.add_middleware(
         RequestBodyLimitMiddleware,
         default_limit=settings.request_max_bytes,
@@ -144,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             public_paths=settings.public_endpoints,
         )
     app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

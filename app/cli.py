@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import uvicorn
 
 from app.app_factory import create_app, start_embedded_triton
-from app.metrics import MULTIPROC_DIR_ENV
+from app.metrics import MULTIPROC_DIR_ENV, shared_restarts_counter
 from app.settings import Settings
 
 
@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (TTS_HOST)")
     serve.add_argument("--port", type=int, help="port (TTS_PORT)")
     serve.add_argument(
-        "--triton-url", help="Triton gRPC host:port (TTS_TRITON_URL); without it the embedded server starts"
+        "--triton-url",
+        help="Triton gRPC host:port, or several comma-separated (TTS_TRITON_URL); unset: the embedded server starts",
     )
     serve.add_argument("--workers", type=int, help="gateway processes sharing the port (TTS_WORKERS)")
     return parser
@@ -38,8 +39,11 @@ def _log_config(level: str) -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+        "formatters": {
+            "plain": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s [%(request_id)s]: %(message)s"}
+        },
+        "filters": {"request_id": {"()": "app.request_ids.RequestIdLogFilter"}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
         "root": {"handlers": ["stderr"], "level": level.upper()},
     }
 
@@ -58,16 +62,17 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
     """Several uvicorn worker processes on one port, sharing one Triton.
 
     The workers are spawned and build their settings from the environment, so the command
-    line's values travel there. The embedded Triton, if any, is started here, once, and
-    stopped after the last worker has ended; so is the directory the workers' metrics share.
+    line's values travel there. The embedded Triton, if any, is started and supervised here,
+    once, and stopped after the last worker has ended; so is the directory the workers'
+    metrics share, where this process also counts the server's restarts.
     """
     with ExitStack() as stack:
+        os.environ[MULTIPROC_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="tts-metrics-"))
         environment = {f"TTS_{key.upper()}": str(value) for key, value in overrides.items()}
         if settings.triton_url is None:
-            server = start_embedded_triton(settings, stack)
-            stack.callback(server.stop)
-            environment["TTS_TRITON_URL"] = server.grpc_url
-        environment[MULTIPROC_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="tts-metrics-"))
+            supervisor = start_embedded_triton(settings, stack, shared_restarts_counter().inc)
+            stack.callback(supervisor.stop)
+            environment["TTS_TRITON_URL"] = supervisor.server.grpc_url
         os.environ.update(environment)
         uvicorn.run(
             "app.app_factory:create_app",

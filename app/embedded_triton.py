@@ -146,6 +146,19 @@ class EmbeddedTriton:
         return self._process is not None and self._process.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """The exit status of a server that ended on its own; ``None`` while it runs or when none was started."""
+        return self._process.poll() if self._process is not None else None
+
+    def answers(self, timeout: float = 2.0) -> bool:
+        """Whether the running server answers its liveness endpoint within ``timeout`` seconds."""
+        return self._ports is not None and _is_ready(f"{self.http_url}/v2/health/live", timeout)
+
+    def keep_ports(self) -> None:
+        """Listen on the ports of the running server at every later start, so clients find it again."""
+        self._fixed_ports = self._started_ports()
+
+    @property
     def pid(self) -> int | None:
         """Process id of the running server, ``None`` before start and after stop."""
         return self._process.pid if self._process is not None else None
@@ -234,19 +247,17 @@ class EmbeddedTriton:
         while time.monotonic() < deadline:
             returncode = process.poll()
             if returncode is not None:
-                tail = self._log_tail()
+                tail = self.log_tail()
                 error = _AddressInUse if _PORT_TAKEN.search(tail) else EmbeddedTritonError
                 raise error(f"tritonserver exited with status {returncode}:\n{tail}")
             if _is_ready(ready_url):
                 logger.info("tritonserver ready (pid %d)", process.pid)
                 return
             time.sleep(_POLL_INTERVAL)
-        raise EmbeddedTritonError(
-            f"tritonserver was not ready within {self.startup_timeout:.0f} s:\n{self._log_tail()}"
-        )
+        raise EmbeddedTritonError(f"tritonserver was not ready within {self.startup_timeout:.0f} s:\n{self.log_tail()}")
 
-    def _log_tail(self) -> str:
-        """The server's error lines and its last lines: what a failed start needs explaining."""
+    def log_tail(self) -> str:
+        """The server's error lines and its last lines: what a failed start or a crash needs explaining."""
         if self._log is not None:
             self._log.flush()
         try:
@@ -328,9 +339,9 @@ def _stub_shm_regions(group: int) -> list[Path]:
     return regions
 
 
-def _is_ready(url: str) -> bool:
+def _is_ready(url: str, timeout: float = 1.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return bool(response.status == 200)
     except (urllib.error.URLError, OSError):
         return False

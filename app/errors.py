@@ -61,6 +61,14 @@ class AuthenticationError(GatewayError):
         return {"WWW-Authenticate": "Bearer", "Connection": "close"}
 
 
+class ForbiddenError(GatewayError):
+    """The resource exists, but this operation is not allowed on it (a built-in voice cannot be deleted)."""
+
+    status_code = 403
+    error_type = "invalid_request_error"
+    default_code = "forbidden"
+
+
 class NotFoundError(GatewayError):
     status_code = 404
     error_type = "invalid_request_error"

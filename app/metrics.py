@@ -92,6 +92,32 @@ class GatewayMetrics:
             "tts_audio_seconds", "Seconds of audio produced", ["model"], registry=self.registry
         )
         self.backend_ready = self._gauge("tts_backend_ready", "1 when the speech backend is ready", "livemin")
+        self.triton_up = Gauge(
+            "tts_triton_backend_up",
+            "1 while this Triton backend is ready and serves speech models",
+            ["backend"],
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
+        self.triton_outstanding = Gauge(
+            "tts_triton_backend_outstanding",
+            "Calls in flight at this Triton backend",
+            ["backend"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.triton_calls = Counter(
+            "tts_triton_backend_calls",
+            "Calls to this Triton backend by outcome (ok, failed, cancelled)",
+            ["backend", "outcome"],
+            registry=self.registry,
+        )
+        self.triton_retries = Counter(
+            "tts_triton_backend_retries",
+            "Calls that failed before their first audio and were sent again to another backend",
+            registry=self.registry,
+        )
+        self.embedded_restarts = embedded_restarts_counter(self.registry)
         self.speech_slots = self._gauge(
             "tts_speech_slots", "Speech requests that may be synthesised at once", "livesum"
         )
@@ -134,6 +160,27 @@ class GatewayMetrics:
         """Takes this worker's gauges out of the sum; call once at shutdown. Nothing to do in one process."""
         if self._multiprocess_dir is not None:
             _mark_dead(os.getpid(), self._multiprocess_dir)
+
+
+def embedded_restarts_counter(registry: CollectorRegistry | None) -> Counter:
+    """``tts_embedded_triton_restarts_total``: the embedded Triton replaced after it exited or hung."""
+    return Counter(
+        "tts_embedded_triton_restarts",
+        "Times the embedded Triton was restarted after it exited or stopped answering",
+        registry=registry,
+    )
+
+
+def shared_restarts_counter() -> Counter:
+    """The restart counter of the parent of several workers, written where the workers' metrics are summed.
+
+    The parent imported prometheus_client before it set ``PROMETHEUS_MULTIPROC_DIR``, so it switches to
+    per-process files itself (counters only: its file is kept and summed after it exits).
+    """
+    if os.environ.get(MULTIPROC_DIR_ENV) is None:
+        raise RuntimeError(f"{MULTIPROC_DIR_ENV} must be set before the shared restart counter is made")
+    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    return embedded_restarts_counter(None)
 
 
 def _sweep_dead_workers(directory: str) -> list[int]:

@@ -125,6 +125,11 @@ class ModelCatalog:
         return next(iter(self.models.values()), None)
 
     @property
+    def builtin_voices(self) -> list[str]:
+        """Every model's own voices."""
+        return [v for m in self.models.values() for v in m.builtin_voices]
+
+    @property
     def aliases(self) -> Mapping[str, str]:
         return dict(self._aliases)
 

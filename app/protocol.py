@@ -156,7 +156,16 @@ class VoiceDeleted(BaseModel):
     deleted: bool = True
 
 
+class BackendHealth(BaseModel):
+    address: str = Field(description="the Triton server's gRPC address")
+    entry: str = Field(description="the configured address it came from (a name may resolve to several servers)")
+    ready: bool
+    models: list[str] = Field(description="what it serves, speech models and their variants alike")
+    outstanding: int = Field(description="calls of this gateway process in flight there")
+
+
 class HealthStatus(BaseModel):
     status: Literal["ok", "unavailable"]
-    backend: str
+    backend: str = Field(description="the configured Triton addresses")
     models: list[str]
+    backends: list[BackendHealth] = Field(default_factory=list)

@@ -55,7 +55,14 @@ class Settings(BaseSettings):
         30, ge=0, description="seconds in-flight requests may take to finish after SIGTERM before they are cut"
     )
 
-    triton_url: str | None = Field(None, description="Triton gRPC address host:port; unset starts the embedded server")
+    triton_url: str | None = Field(
+        None,
+        description="Triton gRPC addresses host:port, comma-separated; a name may resolve to several servers;"
+        " unset starts the embedded server",
+    )
+    triton_resolve_interval: float = Field(
+        10.0, gt=0, description="seconds between DNS lookups of the Triton names (servers that come and go)"
+    )
     triton_repository: Path = Field(
         PROJECT_ROOT / "triton_repo", description="source model repository (templates + profiles)"
     )
@@ -109,12 +116,19 @@ class Settings(BaseSettings):
     @field_validator("triton_url")
     @classmethod
     def _check_triton_url(cls, value: str | None) -> str | None:
-        if value is None or value == "":
+        """Normalised to ``host:port,host:port``."""
+        if value is None or not value.strip():
             return None
-        stripped = value.removeprefix("grpc://")
-        if not _GRPC_URL.match(stripped):
-            raise ValueError(f"TTS_TRITON_URL must be host:port of Triton's gRPC endpoint, got {value!r}")
-        return stripped
+        entries = [entry.strip().removeprefix("grpc://") for entry in value.replace(" ", ",").split(",")]
+        for entry in filter(None, entries):
+            if not _GRPC_URL.match(entry):
+                raise ValueError(f"TTS_TRITON_URL must list host:port of Triton's gRPC endpoints, got {entry!r}")
+        return ",".join(dict.fromkeys(filter(None, entries))) or None
+
+    @property
+    def triton_urls(self) -> list[str]:
+        """The configured Triton addresses; empty when the embedded server is to start."""
+        return self.triton_url.split(",") if self.triton_url else []
 
     @field_validator("voice_aliases")
     @classmethod

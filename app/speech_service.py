@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from app.errors import BackendError, GatewayError, InvalidRequestError, RequestT
 from app.metrics import GatewayMetrics
 from app.model_catalog import SpeechModel
 from app.protocol import SpeechRequest
+from app.request_ids import current_request_id
 from app.settings import Settings
 from app.text_splitting import split_sentences
 from app.time_stretch import TimeStretcher
@@ -296,7 +296,8 @@ class SpeechService:
         itself (no competition for the first byte), and the later sentences still start long
         before they are due.
         """
-        request_id = uuid.uuid4().hex
+        # The response's x-request-id, so Triton's records of each sentence lead back to the request.
+        request_id = current_request_id()
         sentences: Iterator[tuple[int, str]] = enumerate(plan.sentences)
         in_flight: deque[tuple[asyncio.Task[None], asyncio.Queue[Audio | _End | GatewayError]]] = deque()
         parallelism = 1
@@ -337,13 +338,15 @@ class SpeechService:
         queue: asyncio.Queue[Audio | _End | GatewayError],
     ) -> None:
         values = plan.backend_inputs(index, sentence)
-        client = self._backend.client
+        backend = self._backend
         try:
             if plan.streaming_backend:
-                async for chunk in client.stream(plan.triton_model, values, request_id):
-                    await queue.put(chunk)
+                # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
+                async with contextlib.aclosing(backend.stream(plan.triton_model, values, request_id)) as chunks:
+                    async for chunk in chunks:
+                        await queue.put(chunk)
             else:
-                await queue.put(await client.infer(plan.triton_model, values, request_id))
+                await queue.put(await backend.infer(plan.triton_model, values, request_id))
         except GatewayError as exc:
             await queue.put(exc)
         except Exception as exc:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +158,7 @@ class TritonClient:
 
     async def stream(
         self, model: str, values: Mapping[str, Any], request_id: str
-    ) -> AsyncIterator[NDArray[np.float32]]:
+    ) -> AsyncGenerator[NDArray[np.float32], None]:
         """Chunks of a decoupled model, in order; leaving the iterator early cancels the request."""
         request = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from app.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.errors import ConflictError, ForbiddenError, InvalidRequestError, NotFoundError
 from app.model_catalog import ModelCatalog, SpeechModel
 from app.protocol import VoiceInfo, clean_text
 from app.reference_audio import ReferenceAudio, ReferenceAudioError, load_reference_audio
@@ -386,23 +386,32 @@ class VoiceRegistry:
             code="voice_not_found",
         )
 
-    def describe(self, catalog: ModelCatalog) -> list[VoiceInfo]:
+    def describe(
+        self, catalog: ModelCatalog, model: SpeechModel | None = None, *, everything: bool = False
+    ) -> list[VoiceInfo]:
+        """The voices some deployed model can speak, or only ``model``'s; ``everything`` adds the voices none can.
+
+        Clients such as Open WebUI offer every listed voice, so one no model can speak (a reference
+        voice where no deployed model clones) is left out unless asked for.
+        """
+        models = [model] if model is not None else list(catalog.models.values())
         infos: list[VoiceInfo] = []
-        cloning_models = [m.id for m in catalog.models.values() if m.supports_cloning]
-        for model in catalog.models.values():
-            infos.extend(VoiceInfo(id=v, name=v, type="builtin", models=[model.id]) for v in model.builtin_voices)
-        infos.extend(
-            VoiceInfo(
-                id=v.id,
-                name=v.id,
-                type=v.kind,
-                models=cloning_models,
-                transcript=v.transcript,
-                duration=round(v.audio.duration, 3),
-                created_at=v.created_at,
+        cloning_models = [m.id for m in models if m.supports_cloning]
+        for speaker in models:
+            infos.extend(VoiceInfo(id=v, name=v, type="builtin", models=[speaker.id]) for v in speaker.builtin_voices)
+        if cloning_models or everything:
+            infos.extend(
+                VoiceInfo(
+                    id=v.id,
+                    name=v.id,
+                    type=v.kind,
+                    models=cloning_models,
+                    transcript=v.transcript,
+                    duration=round(v.audio.duration, 3),
+                    created_at=v.created_at,
+                )
+                for v in sorted(self._current().values(), key=lambda v: v.id)
             )
-            for v in sorted(self._current().values(), key=lambda v: v.id)
-        )
         return infos
 
     # -- uploads ---------------------------------------------------------------------------------
@@ -464,7 +473,14 @@ class VoiceRegistry:
             raise
         return _identity(wav)
 
-    async def delete(self, voice_id: str) -> None:
+    async def delete(self, voice_id: str, builtin: Iterable[str] = ()) -> None:
+        """Delete an uploaded voice; ``builtin``: the deployed models' own voices, which cannot be deleted."""
+        if voice_id in builtin:
+            raise ForbiddenError(
+                f"voice {voice_id!r} is built into a model and cannot be deleted",
+                param="voice_id",
+                code="voice_read_only",
+            )
         async with self._write_lock:
             await asyncio.to_thread(self._commit_delete, voice_id)
 
@@ -475,7 +491,7 @@ class VoiceRegistry:
             if voice is None:
                 raise NotFoundError(f"voice {voice_id!r} does not exist", param="voice_id", code="voice_not_found")
             if voice.kind != "uploaded":
-                raise InvalidRequestError(
+                raise ForbiddenError(
                     f"voice {voice_id!r} ships with the server and cannot be deleted over the API",
                     param="voice_id",
                     code="voice_read_only",

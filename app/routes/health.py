@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.dependencies import ServicesDep
-from app.protocol import ERROR_RESPONSES, HealthStatus
+from app.protocol import ERROR_RESPONSES, BackendHealth, HealthStatus
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -15,9 +15,19 @@ router = APIRouter(responses=ERROR_RESPONSES)
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
 async def health(services: ServicesDep) -> JSONResponse:
     backend = services.backend
-    ready = backend.ready and await backend.client.is_ready()
+    ready = await backend.refresh()
     models = list(backend.catalog.models) if ready else []
-    status = HealthStatus(status="ok" if ready else "unavailable", backend=backend.client.url, models=models)
+    status = HealthStatus(
+        status="ok" if ready else "unavailable",
+        backend=",".join(backend.pool.entries),
+        models=models,
+        backends=[
+            BackendHealth(
+                address=b.address, entry=b.entry, ready=b.ready, models=sorted(b.models), outstanding=b.outstanding
+            )
+            for b in backend.pool.backends
+        ],
+    )
     return JSONResponse(status.model_dump(), status_code=200 if ready else 503)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, UploadFile
+from fastapi import APIRouter, File, Form, Query, UploadFile
 
 from app.dependencies import ServicesDep
 from app.errors import PayloadTooLargeError
@@ -17,8 +17,14 @@ _READ_CHUNK = 1 << 16
 
 
 @router.get("/v1/audio/voices", responses=ERROR_RESPONSES)
-async def list_voices(services: ServicesDep) -> VoiceList:
-    return VoiceList(voices=services.voices.describe(services.backend.catalog))
+async def list_voices(
+    services: ServicesDep,
+    model: Annotated[str | None, Query(description="only the voices this model (or alias) can speak")] = None,
+    include_all: Annotated[bool, Query(alias="all", description="also the voices no deployed model can speak")] = False,
+) -> VoiceList:
+    catalog = services.backend.catalog
+    speaker = catalog.resolve(model) if model is not None else None
+    return VoiceList(voices=services.voices.describe(catalog, speaker, everything=include_all))
 
 
 @router.post("/v1/audio/voices", status_code=201, responses=ERROR_RESPONSES)
@@ -39,8 +45,7 @@ async def upload_voice(
         data += chunk
         if len(data) > limit:
             raise PayloadTooLargeError(f"audio_sample is larger than {limit} bytes", param="audio_sample")
-    reserved = [v for m in services.backend.catalog.models.values() for v in m.builtin_voices]
-    voice = await services.voices.add_upload(name, bytes(data), transcript, reserved)
+    voice = await services.voices.add_upload(name, bytes(data), transcript, services.backend.catalog.builtin_voices)
     return VoiceObject(
         id=voice.id,
         name=voice.id,
@@ -52,5 +57,5 @@ async def upload_voice(
 
 @router.delete("/v1/audio/voices/{voice_id}", responses=ERROR_RESPONSES)
 async def delete_voice(voice_id: str, services: ServicesDep) -> VoiceDeleted:
-    await services.voices.delete(voice_id)
+    await services.voices.delete(voice_id, services.backend.builtin_voices())
     return VoiceDeleted(id=voice_id)

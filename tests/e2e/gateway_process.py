@@ -40,6 +40,13 @@ def model_processes(directory: Path) -> list[int]:
     return [pid for pid in processes_under(directory) if b"triton_python_backend_stub" in cmdline(pid)]
 
 
+def tritonserver_pid(directory: Path) -> int:
+    """The one ``tritonserver`` whose workdir is ``directory``."""
+    servers = [pid for pid in processes_under(directory) if cmdline(pid).split(b"\0")[0].endswith(b"/tritonserver")]
+    assert len(servers) == 1, servers
+    return servers[0]
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User plus system CPU time the processes have used so far (a process gone counts 0)."""
     total = 0

@@ -266,7 +266,7 @@ def test_path_like_and_lookalike_voice_names_are_400(gateway: GatewayProcess, vo
 
     assert len(error["message"]) < 300
     assert _tree(root) == before
-    listed = {v["id"] for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
+    listed = {v["id"] for v in httpx.get(f"{gateway.url}/v1/audio/voices?all=true").json()["voices"]}
     assert name not in listed
 
 
@@ -286,7 +286,7 @@ def test_path_like_voice_ids_cannot_be_deleted(gateway: GatewayProcess, path: st
     response = httpx.delete(f"{gateway.url}/v1/audio/voices/{path}")
 
     _assert_error(response, 404)
-    listed = {v["id"] for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
+    listed = {v["id"] for v in httpx.get(f"{gateway.url}/v1/audio/voices?all=true").json()["voices"]}
     assert "lumen" in listed
 
 

@@ -71,7 +71,7 @@ def _files(voices: Path) -> list[str]:
 
 
 def _listed(gateway: GatewayProcess) -> dict[str, dict[str, object]]:
-    return {v["id"]: v for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
+    return {v["id"]: v for v in httpx.get(f"{gateway.url}/v1/audio/voices?all=true").json()["voices"]}
 
 
 def _kill_and_restart(gateway: GatewayProcess) -> None:

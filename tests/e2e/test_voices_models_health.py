@@ -51,11 +51,25 @@ def test_model_listings(gateway: GatewayProcess, client: OpenAI) -> None:
     assert piper["voices"] == ["joe"]
 
 
-def test_voice_listing_has_builtin_and_shipped_voices(gateway: GatewayProcess) -> None:
-    voices = {v["id"]: v for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
+def test_voice_listing_offers_what_the_models_can_speak(gateway: GatewayProcess) -> None:
+    # Open WebUI fills its voice picker from this list: on Piper alone the reference voices
+    # (which only cloning models speak) must not be offered.
+    offered = httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]
+    assert [(v["id"], v["type"], v["models"]) for v in offered] == [("joe", "builtin", ["piper"])]
+    for_piper = httpx.get(f"{gateway.url}/v1/audio/voices", params={"model": "tts-1"}).json()["voices"]
+    assert [v["id"] for v in for_piper] == ["joe"]
+    unknown = httpx.get(f"{gateway.url}/v1/audio/voices", params={"model": "nope"})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_voice_listing_of_all_has_builtin_and_shipped_voices(gateway: GatewayProcess) -> None:
+    listed = httpx.get(f"{gateway.url}/v1/audio/voices", params={"all": "true"}).json()["voices"]
+    voices = {v["id"]: v for v in listed}
     assert voices["joe"]["type"] == "builtin"
     for shipped in ("lumen", "harbor"):
         assert voices[shipped]["type"] == "reference"
+        assert voices[shipped]["models"] == []
         assert voices[shipped]["transcript"] == (REPO_ROOT / "ref_audios" / f"{shipped}.txt").read_text().strip()
         assert 1.0 < voices[shipped]["duration"] < 30.0
 
@@ -77,7 +91,7 @@ def test_upload_persist_and_delete(gateway: GatewayProcess, voices_dir: Path) ->
     # Survives a restart of the gateway.
     gateway.stop()
     gateway.start()
-    listed = {v["id"]: v for v in httpx.get(f"{gateway.url}/v1/audio/voices").json()["voices"]}
+    listed = {v["id"]: v for v in httpx.get(f"{gateway.url}/v1/audio/voices?all=true").json()["voices"]}
     assert listed["my-voice_1"]["type"] == "uploaded"
 
     deleted = httpx.delete(f"{gateway.url}/v1/audio/voices/my-voice_1")
@@ -111,10 +125,15 @@ def test_oversized_upload_is_413(gateway: GatewayProcess) -> None:
     assert response.json()["error"]["param"] == "audio_sample"
 
 
-def test_shipped_voice_cannot_be_deleted(gateway: GatewayProcess) -> None:
-    response = httpx.delete(f"{gateway.url}/v1/audio/voices/lumen")
-    assert response.status_code == 400
-    assert response.json()["error"]["code"] == "voice_read_only"
+@pytest.mark.parametrize(("voice", "why"), [("lumen", "ships with the server"), ("joe", "is built into a model")])
+def test_builtin_and_shipped_voices_cannot_be_deleted(gateway: GatewayProcess, voice: str, why: str) -> None:
+    response = httpx.delete(f"{gateway.url}/v1/audio/voices/{voice}")
+    assert response.status_code == 403
+    error = response.json()["error"]
+    assert error["code"] == "voice_read_only" and error["param"] == "voice_id"
+    assert f"{why} and cannot be deleted" in error["message"]
+    listed = httpx.get(f"{gateway.url}/v1/audio/voices", params={"all": "true"}).json()["voices"]
+    assert voice in {v["id"] for v in listed}
 
 
 def test_health_and_metrics(gateway: GatewayProcess, client: OpenAI) -> None:

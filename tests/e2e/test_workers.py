@@ -22,12 +22,12 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.audio_checks import assert_speech, decode
-from tests.e2e.gateway_process import GatewayProcess, cmdline, processes_under
+from tests.e2e.gateway_process import GatewayProcess, cmdline, processes_under, tritonserver_pid
 
 pytestmark = pytest.mark.triton
 
 WORKERS = 2
-_ACCESS_LINE = re.compile(r" INFO (\d+) uvicorn\.access: .* \"(\w+) (\S+) HTTP/1\.1\" (\d+)")
+_ACCESS_LINE = re.compile(r" INFO (\d+) uvicorn\.access \[\S+\]: .* \"(\w+) (\S+) HTTP/1\.1\" (\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_a_voice_uploaded_through_one_worker_is_known_to_all(gateway: GatewayPro
     assert created.status_code == 201, created.text
 
     def listed() -> None:
-        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["voices"]
+        voices = httpx.get(f"{gateway.url}/v1/audio/voices?all=true", timeout=10).json()["voices"]
         assert "shared-voice" in {v["id"] for v in voices}
 
     def taken() -> None:
@@ -125,16 +125,16 @@ def test_a_voice_uploaded_through_one_worker_is_known_to_all(gateway: GatewayPro
         )
         assert again.status_code == 409, again.text
 
-    _on_every_worker(gateway, "GET", "/v1/audio/voices", listed)
+    _on_every_worker(gateway, "GET", "/v1/audio/voices?all=true", listed)
     _on_every_worker(gateway, "POST", "/v1/audio/voices", taken)
 
     assert httpx.delete(f"{gateway.url}/v1/audio/voices/shared-voice", timeout=10).status_code == 200
 
     def gone() -> None:
-        voices = httpx.get(f"{gateway.url}/v1/audio/voices", timeout=10).json()["voices"]
+        voices = httpx.get(f"{gateway.url}/v1/audio/voices?all=true", timeout=10).json()["voices"]
         assert "shared-voice" not in {v["id"] for v in voices}
 
-    _on_every_worker(gateway, "GET", "/v1/audio/voices", gone)
+    _on_every_worker(gateway, "GET", "/v1/audio/voices?all=true", gone)
 
 
 def _metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
@@ -180,6 +180,37 @@ def test_a_killed_worker_is_replaced(gateway: GatewayProcess) -> None:
         )
         assert response.status_code == 200
     assert _metric(gateway, "tts_speech_in_flight") == 0
+
+
+def test_the_parent_restarts_a_killed_triton_for_every_worker(gateway: GatewayProcess, workdir: Path) -> None:
+    workers = _workers(gateway)
+    os.kill(tritonserver_pid(workdir / "embedded"), signal.SIGKILL)
+    gateway.wait_for("/health", 503, within=10)
+    # Each worker sees Triton back on its own (its next check, or a /health it answers).
+    since = gateway.log_path.stat().st_size
+    deadline = time.monotonic() + 30
+    while True:
+        assert time.monotonic() < deadline, gateway.log_tail()
+        httpx.get(f"{gateway.url}/health", timeout=10)
+        log = gateway.log_path.read_bytes()[since:].decode(errors="replace")
+        last = {m[1]: m[4] for m in _ACCESS_LINE.finditer(log) if m[3] == "/health"}
+        if len(last) >= WORKERS and set(last.values()) == {"200"}:
+            break
+        time.sleep(0.1)
+
+    def speaks() -> None:
+        response = httpx.post(
+            f"{gateway.url}/v1/audio/speech",
+            json={"model": "tts-1", "voice": "alloy", "input": "Back again.", "response_format": "wav"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+
+    _on_every_worker(gateway, "POST", "/v1/audio/speech", speaks)
+    assert _workers(gateway) == workers, "the workers were not restarted"
+    # Counted by the parent, reported by whichever worker answers.
+    for _ in range(4):
+        assert _metric(gateway, "tts_embedded_triton_restarts_total") == 1
 
 
 def test_sigterm_ends_workers_triton_and_the_metrics_directory(gateway: GatewayProcess, workdir: Path) -> None:

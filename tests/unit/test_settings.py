@@ -41,6 +41,14 @@ def test_triton_url_accepts_grpc_scheme() -> None:
     assert Settings(triton_url="grpc://triton:8001").triton_url == "triton:8001"
 
 
+def test_triton_url_takes_a_list() -> None:
+    settings = Settings(triton_url="grpc://a:8001, b.triton.svc:8001,[::1]:8001,a:8001")
+    assert settings.triton_urls == ["a:8001", "b.triton.svc:8001", "[::1]:8001"]
+    assert Settings(triton_url=" ").triton_urls == []
+    with pytest.raises(ValidationError, match="'b'"):
+        Settings(triton_url="a:8001,b")
+
+
 @pytest.mark.parametrize("value", ["key-one,key-two", " key-one , key-two ,", '["key-one", "key-two"]'])
 def test_api_keys_come_comma_separated_or_as_json(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("TTS_API_KEYS", value)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.errors import ConflictError, InvalidRequestError, NotFoundError
+from app.errors import ConflictError, ForbiddenError, InvalidRequestError, NotFoundError
 from app.model_catalog import ModelCatalog, SpeechModel
 from app.voice_registry import GENERATION_FILE, LOCK_FILE, VoiceRegistry
 
@@ -128,8 +128,23 @@ async def test_delete_rules(registry: VoiceRegistry, tmp_path: Path) -> None:
     assert _files(tmp_path / "voices") == []
     with pytest.raises(NotFoundError):
         await registry.delete("gone")
-    with pytest.raises(InvalidRequestError, match="cannot be deleted"):
+    with pytest.raises(ForbiddenError, match="ships with the server and cannot be deleted") as shipped:
         await registry.delete("lumen")
+    assert shipped.value.status_code == 403 and shipped.value.code == "voice_read_only"
+    with pytest.raises(ForbiddenError, match="built into a model and cannot be deleted") as builtin:
+        await registry.delete("joe", CATALOG.builtin_voices)
+    assert builtin.value.code == "voice_read_only"
+
+
+def test_listing_offers_only_voices_some_model_can_speak(registry: VoiceRegistry) -> None:
+    piper_only = ModelCatalog([PIPER])
+    assert [(v.id, v.models) for v in registry.describe(piper_only)] == [("joe", ["piper"])]
+    everything = {v.id: v.models for v in registry.describe(piper_only, everything=True)}
+    assert everything == {"joe": ["piper"], "harbor": [], "lumen": []}
+    both = {v.id: v.models for v in registry.describe(CATALOG)}
+    assert both == {"joe": ["piper"], "harbor": ["cosyvoice2"], "lumen": ["cosyvoice2"]}
+    assert {v.id for v in registry.describe(CATALOG, COSY)} == {"harbor", "lumen"}
+    assert {v.id for v in registry.describe(CATALOG, PIPER)} == {"joe"}
 
 
 def test_half_written_upload_is_ignored_and_cleaned(tmp_path: Path) -> None:

@@ -1,0 +1,70 @@
+"""Which backend takes a call, and what a Triton address names (no server: nothing is called)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.metrics import GatewayMetrics
+from app.triton_client import TritonClient, TritonModelConfig
+from app.triton_pool import TritonPool, _addresses, join_target, split_target
+
+
+def _pool(*addresses: str) -> TritonPool:
+    return TritonPool(addresses, lambda address: TritonClient(address, timeout=1), GatewayMetrics())
+
+
+async def _ready_pool(*addresses: str, models: tuple[str, ...] = ("piper",)) -> TritonPool:
+    pool = _pool(*addresses)
+    await pool._resolve()
+    for backend in pool.backends:
+        backend.set_configs([TritonModelConfig(name, frozenset(), decoupled=False) for name in models])
+        backend.ready = True
+    return pool
+
+
+async def test_the_least_busy_backend_takes_the_call_and_ties_take_turns() -> None:
+    pool = await _ready_pool("127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1")
+    a, b, c = pool.backends
+    a.outstanding, b.outstanding, c.outstanding = 2, 0, 1
+    assert pool.pick("piper") is b
+    b.outstanding = 2
+    assert pool.pick("piper") is c
+    c.outstanding = 2
+    assert {pool.pick("piper") for _ in range(6)} == {a, b, c}
+    assert pool.pick("piper", exclude=[a, b]) is c
+    assert pool.pick("cosyvoice2") is None
+    pool.mark_down(c)
+    assert pool.pick("piper", exclude=[a, b]) is None
+    await pool.close()
+
+
+async def test_a_call_is_counted_while_it_runs() -> None:
+    pool = await _ready_pool("127.0.0.1:1")
+    (backend,) = pool.backends
+    with pool.call(backend):
+        assert backend.outstanding == 1
+    with pytest.raises(RuntimeError), pool.call(backend):
+        raise RuntimeError("failed")
+    assert backend.outstanding == 0
+    await pool.close()
+
+
+async def test_addresses_of_a_name_prefer_ipv4() -> None:
+    assert await _addresses("localhost:8001") == ("127.0.0.1:8001",)
+    assert await _addresses("10.0.0.7:8001") == ("10.0.0.7:8001",)
+    assert await _addresses("[::1]:8001") == ("[::1]:8001",)
+    with pytest.raises(OSError):
+        await _addresses("no-such-host.invalid:8001")
+
+
+async def test_a_name_that_does_not_resolve_leaves_the_others_serving() -> None:
+    pool = _pool("localhost:8001", "no-such-host.invalid:8001")
+    await pool._resolve()
+    assert [b.address for b in pool.backends] == ["127.0.0.1:8001"]
+    await pool.close()
+
+
+def test_targets_split_and_join() -> None:
+    assert split_target("[fd00::1]:8001") == ("fd00::1", 8001)
+    assert join_target("fd00::1", 8001) == "[fd00::1]:8001"
+    assert split_target("triton-0.triton:8001") == ("triton-0.triton", 8001)
