@@ -131,11 +131,12 @@ def test_a_client_that_leaves_stops_the_llm_server(stack: Stack) -> None:
     with httpx.stream("POST", f"{stack.gateway.url}/v1/audio/speech", json=body, timeout=300) as response:
         assert response.status_code == 200
         next(response.iter_bytes())
-        # Still generating: the server is busy.
-        assert _cpu_used(stack.llm.pid, 1.0) > 0.2
+        # Still generating: the server is busy (how busy depends on what else shares the CPUs).
+        busy = _cpu_used(stack.llm.pid, 2.0)
+        assert busy > 0.05
     # The gateway cancels the gRPC stream, the orchestrator closes the HTTP stream, the server stops.
     time.sleep(3.0)
-    assert _cpu_used(stack.llm.pid, 2.0) < 0.2
+    assert _cpu_used(stack.llm.pid, 2.0) < max(0.05, busy / 3)
     # transformers serve generates one request at a time: the next one is not stuck behind it.
     assert _speech(stack).status_code == 200
 
