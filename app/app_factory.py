@@ -25,6 +25,7 @@ from app.request_limits import RequestBodyLimitMiddleware
 from app.routes import health, models, speech, voices
 from app.settings import OPENAI_MODEL_NAMES, Settings
 from app.speech_service import SpeechService
+from app.text_normalization import TextNormalizer
 from app.triton_client import TritonClient
 from app.voice_registry import VoiceRegistry
 from tts_backends.model_repository import parse_overrides, render_repository
@@ -84,6 +85,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
             stack.callback(metrics.close)
+            # The grammars load (a second or two) on a thread while Triton starts.
+            normalizer = asyncio.create_task(asyncio.to_thread(TextNormalizer))
+            stack.callback(normalizer.cancel)
             url = settings.triton_url
             if url is None:
                 # Started on the event loop's (main) thread on purpose: the server is tied to the
@@ -115,7 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings=settings,
                 backend=backend,
                 voices=registry,
-                speech=SpeechService(backend, registry, settings, metrics, admission),
+                speech=SpeechService(backend, registry, settings, metrics, admission, await normalizer),
                 metrics=metrics,
                 started_at=int(time.time()),
             )

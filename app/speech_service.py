@@ -38,6 +38,7 @@ from app.metrics import GatewayMetrics
 from app.model_catalog import SpeechModel
 from app.protocol import SpeechRequest
 from app.settings import Settings
+from app.text_normalization import TextNormalizer
 from app.text_splitting import split_sentences
 from app.time_stretch import TimeStretcher
 from app.voice_registry import ResolvedVoice, VoiceRegistry
@@ -150,20 +151,26 @@ class SpeechService:
         settings: Settings,
         metrics: GatewayMetrics,
         admission: AdmissionControl,
+        normalizer: TextNormalizer,
     ) -> None:
         self._backend = backend
         self._voices = voices
         self._settings = settings
         self._metrics = metrics
         self._admission = admission
+        self._normalizer = normalizer
 
-    def plan(self, request: SpeechRequest) -> SpeechPlan:
+    async def plan(self, request: SpeechRequest) -> SpeechPlan:
         catalog = self._backend.catalog
         model = catalog.resolve(request.model)
         voice = self._voices.resolve(request.voice_id, model, catalog)
         triton_model = catalog.require_streaming_or_offline(model, self._settings.backend_mode)
+        text = request.input
+        normalize = request.text_normalization
+        if normalize if normalize is not None else self._settings.text_normalization:
+            text = await self._normalizer.normalize_async(text)
         sentences = split_sentences(
-            request.input,
+            text,
             max_chars=self._settings.sentence_max_chars,
             first_max_chars=self._settings.first_sentence_max_chars,
         )
