@@ -86,8 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
             stack.callback(metrics.close)
             # The grammars load (a second or two) on a thread while Triton starts.
-            normalizer = asyncio.create_task(asyncio.to_thread(TextNormalizer))
-            stack.callback(normalizer.cancel)
+            loading = asyncio.create_task(asyncio.to_thread(TextNormalizer))
+            stack.callback(loading.cancel)
             url = settings.triton_url
             if url is None:
                 # Started on the event loop's (main) thread on purpose: the server is tied to the
@@ -115,11 +115,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if not await backend.wait_ready(wait):
                 logger.warning("Triton at %s is not ready; serving 503 until it is", url)
             backend.start_watching()
+            normalizer = await loading
+            stack.callback(normalizer.close)
             app.state.services = Services(
                 settings=settings,
                 backend=backend,
                 voices=registry,
-                speech=SpeechService(backend, registry, settings, metrics, admission, await normalizer),
+                speech=SpeechService(backend, registry, settings, metrics, admission, normalizer),
                 metrics=metrics,
                 started_at=int(time.time()),
             )

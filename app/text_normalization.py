@@ -16,8 +16,8 @@ nothing is built or downloaded at run time). What this module adds around them:
 - **Only what needs it.** The English grammar costs about 0.05 ms per character, so it is run
   on small windows (a token with a digit, a symbol or a known abbreviation, and one token either
   side for context: "5 pm", "March 3, 2024"), never on whole sentences; text that is already
-  words is not touched at all. :meth:`TextNormalizer.normalize_async` returns to the event loop
-  after every grammar call, so a long input never blocks it for more than one window.
+  words is not touched at all. :meth:`TextNormalizer.normalize_async` runs on a thread of its
+  own; the grammars run in C++ without the GIL, so the event loop is not held up meanwhile.
 - **Fixes for what the English grammar reads wrong**, as rewrites into forms it reads right:
   money with cents ("$5.99" would be "five point nine nine dollars"), numbers of one thousand and
   a bit ("1,234" would lose its "one", "1000" would be "ten hundred"), decades ("1990s"), phone
@@ -33,6 +33,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final, Literal, Protocol, cast
 
 from app.paralinguistic_tags import TAGS
@@ -66,7 +67,8 @@ _EN_UNREADABLE: Final = re.compile(r"\d\.\d+\.\d|[A-Za-z]\d+\.\d")
 _ZH_CLUSTER: Final = re.compile(f"[^\\s{_HAN}\u3001-\u303f\uff0c\uff1a\uff1b\uff01\uff1f]+")
 _ZH_NEEDS: Final = re.compile(r"[0-9\uff10-\uff19$€£¥￥%°℃]")
 _ZH_CONTEXT: Final = 4
-# Latin letters this short, written right after a number of a Chinese run, are its unit.
+# Words this short after a number may be its unit ("km", "pm"); in Chinese runs, Latin letters this
+# short written right after a number are read as its unit.
 _UNIT_CHARS: Final = 4
 _UNIT_AFTER: Final = frozenset("0123456789°%/.")
 
@@ -138,6 +140,14 @@ _EN_REWRITES: Final = (
 _GRAMMAR_ERRORS: Final = (AssertionError, RuntimeError, IndexError, ValueError)
 # Tokens in one English grammar call at most, so no call takes long ("1 and 2 and 3 and ...").
 _WINDOW_TOKENS: Final = 8
+_SCALE_WORDS: Final = frozenset({"hundred", "thousand", "million", "billion", "trillion"})
+# Short words after a number that are no unit: they would only lengthen (and merge) windows.
+_FUNCTION_WORDS: Final = frozenset(
+    {"a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "from", "if", "in", "into", "is", "it"}
+    | {"me", "my", "no", "not", "of", "on", "or", "our", "so", "than", "that", "the", "then", "this", "to"}
+    | {"up", "us", "was", "we", "were", "what", "when", "with", "you", "your"}
+)
+_PUNCTUATION: Final = ",.;:!?\"'()[]"
 _DECADE: Final = re.compile(_NUMBER_START + r"((?:1\d|20)\d0)s\b")
 _PLURALS: Final = (("ty", "ties"), ("hundred", "hundreds"), ("thousand", "thousands"), ("ten", "tens"))
 
@@ -152,25 +162,28 @@ class TextNormalizer:
         self._en: _Grammar = Normalizer(lang="en", operator="tn")
         self._zh: _Grammar = Normalizer(lang="zh", operator="tn")
         self.normalize("It costs $5 at 10:30am on 2024-03-03. 价格是5元。")  # warms both grammars
+        # One thread runs the requests' normalisations: the grammars are never used by two threads
+        # at once, and kaldifst releases the GIL while it composes, so the event loop runs on.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="text-normalization")
 
     def normalize(self, text: str) -> str:
         """``text`` with numbers, symbols and abbreviations written as words, in their run's language."""
         return "".join(self._pieces(text))
 
     async def normalize_async(self, text: str) -> str:
-        """:meth:`normalize`, handing the event loop back after each grammar call."""
+        """:meth:`normalize` on the normaliser's thread (at once for text with nothing to normalise)."""
         if not _WORTH_A_LOOK.search(text):
             return text
-        pieces: list[str] = []
-        for piece in self._pieces(text):
-            pieces.append(piece)
-            await asyncio.sleep(0)
-        return "".join(pieces)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.normalize, text)
+
+    def close(self) -> None:
+        """Stop the normaliser's thread (normalisations queued for it are dropped)."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     # -- runs ----------------------------------------------------------------------------------------
 
     def _pieces(self, text: str) -> Iterator[str]:
-        """The normalised text piece by piece; each piece costs at most one grammar call."""
+        """The normalised text piece by piece."""
         if not _WORTH_A_LOOK.search(text):
             yield text
             return
@@ -335,21 +348,34 @@ class _Runs:
 
 
 def _windows(parts: list[str], wanted: list[bool], readable: list[bool]) -> Iterator[tuple[int, int]]:
-    """Token ranges ``(first, last)`` to normalise: each wanted token with a neighbour on each side.
+    """Token ranges ``(first, last)`` to normalise: each wanted token with the neighbours it reads with.
+
+    Every character costs grammar time, so a neighbour joins only where it may change the
+    reading: a capitalised word before (a month), a short word or a scale word after (a unit,
+    "pm", "million").
 
     Windows that overlap or touch are merged up to :data:`_WINDOW_TOKENS` tokens (each grammar
     call stays short); none reaches across a line break or takes a token that is not ``readable``.
     """
 
-    def usable(index: int, separator: int) -> bool:
-        return 0 <= index < len(wanted) and readable[index] and "\n" not in parts[separator]
+    def context(index: int, separator: int, before: bool) -> bool:
+        """Whether the token at ``index`` gives the wanted one beside it context the grammar reads."""
+        if not (0 <= index < len(wanted) and readable[index]) or "\n" in parts[separator]:
+            return False
+        word = parts[2 * index].strip(_PUNCTUATION)
+        if wanted[index]:
+            return True
+        if before:  # a month ("Jan. 5", "March 3")
+            return word[:1].isupper()
+        lowered = word.lower()
+        return (len(word) <= _UNIT_CHARS and lowered not in _FUNCTION_WORDS) or lowered in _SCALE_WORDS
 
     window: tuple[int, int] | None = None
     for index, want in enumerate(wanted):
         if not want:
             continue
-        first = index - 1 if usable(index - 1, 2 * index - 1) else index
-        last = index + 1 if usable(index + 1, 2 * index + 1) else index
+        first = index - 1 if context(index - 1, 2 * index - 1, before=True) else index
+        last = index + 1 if context(index + 1, 2 * index + 1, before=False) else index
         if window is not None and (first <= window[1] or (first == window[1] + 1 and "\n" not in parts[2 * first - 1])):
             if last - window[0] < _WINDOW_TOKENS:
                 window = (window[0], last)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 
@@ -10,8 +11,10 @@ from app.text_normalization import TextNormalizer, language_runs
 
 
 @pytest.fixture(scope="module")
-def normalizer() -> TextNormalizer:
-    return TextNormalizer()
+def normalizer() -> Iterator[TextNormalizer]:
+    normalizer = TextNormalizer()
+    yield normalizer
+    normalizer.close()
 
 
 CASES = [
@@ -140,7 +143,7 @@ def test_language_runs_give_numbers_the_language_of_their_neighbours() -> None:
     assert runs("") == []
 
 
-async def test_async_matches_and_hands_the_loop_back_between_grammar_calls(normalizer: TextNormalizer) -> None:
+async def test_async_matches_and_the_loop_runs_on_meanwhile(normalizer: TextNormalizer) -> None:
     text = " and ".join(f"{n} apples" for n in range(1, 30)) + "."
     ticks = 0
     done = False
@@ -158,7 +161,7 @@ async def test_async_matches_and_hands_the_loop_back_between_grammar_calls(norma
     await task
     assert result == normalizer.normalize(text)
     assert result.startswith("one apples and two apples")
-    assert ticks >= 10  # the ticker ran while the windows were being read
+    assert ticks >= 10  # the ticker ran while the text was being normalised
 
 
 async def test_async_returns_plain_text_at_once(normalizer: TextNormalizer) -> None:
