@@ -67,6 +67,8 @@ _EN_UNREADABLE: Final = re.compile(r"\d\.\d+\.\d|[A-Za-z]\d+\.\d")
 _ZH_CLUSTER: Final = re.compile(f"[^\\s{_HAN}\u3001-\u303f\uff0c\uff1a\uff1b\uff01\uff1f]+")
 _ZH_NEEDS: Final = re.compile(r"[0-9\uff10-\uff19$€£¥￥%°℃]")
 _ZH_CONTEXT: Final = 4
+# Characters in one Chinese grammar call at most (windows that overlap are merged up to this).
+_ZH_WINDOW_CHARS: Final = 32
 # Words this short after a number may be its unit ("km", "pm"); in Chinese runs, Latin letters this
 # short written right after a number are read as its unit.
 _UNIT_CHARS: Final = 4
@@ -249,20 +251,28 @@ class TextNormalizer:
 
     def _chinese(self, text: str) -> Iterator[str]:
         spans: list[tuple[int, int]] = []
+        previous_end = 0  # of the last cluster read
         for cluster in _ZH_CLUSTER.finditer(text):
             if not _ZH_NEEDS.search(cluster.group()) or len(cluster.group()) > MAX_TOKEN_CHARS:
                 continue
             start, end = max(0, cluster.start() - _ZH_CONTEXT), min(len(text), cluster.end() + _ZH_CONTEXT)
             if spans and start <= spans[-1][1]:
-                spans[-1] = (spans[-1][0], end)
-            else:
-                spans.append((start, end))
+                if end - spans[-1][0] <= _ZH_WINDOW_CHARS:
+                    spans[-1] = (spans[-1][0], end)
+                    previous_end = cluster.end()
+                    continue
+                # Too long to merge: the windows part between the two clusters, neither cut.
+                start = max(previous_end, start)
+                spans[-1] = (spans[-1][0], start)
+            spans.append((start, end))
+            previous_end = cluster.end()
         done = 0
         for start, end in spans:
             yield text[done:start]
             window = text[start:end]
             try:
-                yield _keep_edges(window, self._zh.normalize(window))
+                # The grammar reads 2 as 两 before a measure word, ordinals included: "第2名" is 第二名.
+                yield _keep_edges(window, self._zh.normalize(window).replace("第两", "第二"))
             except _GRAMMAR_ERRORS:
                 logger.debug("left %r as it is: the grammar cannot read it", window)
                 yield window
