@@ -14,9 +14,9 @@ nothing is built or downloaded at run time). What this module adds around them:
   Chinese because it is written against 元). Other scripts (Japanese kana, Hangul, Cyrillic...)
   and numbers written against them are left as they are: no grammar here speaks them.
 - **Only what needs it.** The English grammar costs about 0.05 ms per character, so it is run
-  on small windows (a token with a digit, a symbol or a known abbreviation, and one token either
-  side for context: "5 pm", "March 3, 2024"), never on whole sentences; text that is already
-  words is not touched at all. :meth:`TextNormalizer.normalize_async` runs on a thread of its
+  on small windows (a token with a digit, a symbol or a known abbreviation, with the neighbours
+  that change its reading: "5 pm", "March 3, 2024"), never on whole sentences; text that is
+  already words is not touched at all. :meth:`TextNormalizer.normalize_async` runs on a thread of its
   own; the grammars run in C++ without the GIL, so the event loop is not held up meanwhile.
 - **Fixes for what the English grammar reads wrong**, as rewrites into forms it reads right:
   money with cents ("$5.99" would be "five point nine nine dollars"), numbers of one thousand and

@@ -12,7 +12,7 @@
 
 Writes ``text-normalization.md`` and ``text-normalization.json`` to ``--out``.
 
-    python benchmarks/text_normalization.py --out docs/benchmarks/ [--repeats 50] [--rounds 10]
+    python benchmarks/text_normalization.py --out docs/benchmarks/ [--repeats 50] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory for the Markdown and JSON reports")
     parser.add_argument("--repeats", type=int, default=50, help="times each sentence is normalised")
-    parser.add_argument("--rounds", type=int, default=10, help="times each text is sent through the gateway")
+    parser.add_argument("--rounds", type=int, default=5, help="times each text is sent through the gateway")
     parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway and its Triton may use")
     args = parser.parse_args(argv)
     load_before = _load()
@@ -253,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_after": _load(),
     }
     command = "python benchmarks/text_normalization.py --out docs/benchmarks/"
-    if (args.repeats, args.rounds, args.cores) != (50, 10, 2):
+    if (args.repeats, args.rounds, args.cores) != (50, 5, 2):
         command += f" --repeats {args.repeats} --rounds {args.rounds} --cores {args.cores}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "text-normalization.json").write_text(json.dumps(results, indent=2) + "\n")
