@@ -30,11 +30,12 @@ nothing is built or downloaded at run time). What this module adds around them:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Final, Literal, Protocol, cast
+from typing import Final, Literal, cast
 
 from app.paralinguistic_tags import TAGS
 
@@ -75,8 +76,8 @@ _UNIT_CHARS: Final = 4
 _UNIT_AFTER: Final = frozenset("0123456789°%/.")
 
 
-class _Grammar(Protocol):
-    def normalize(self, text: str) -> str: ...
+# A grammar's reading of a window of text.
+_Read = Callable[[str], str]
 
 
 def _rewrite(pattern: str, replace: Callable[[re.Match[str]], str] | str) -> Callable[[str], str]:
@@ -155,14 +156,22 @@ _PLURALS: Final = (("ty", "ties"), ("hundred", "hundreds"), ("thousand", "thousa
 
 
 class TextNormalizer:
-    """English and Chinese text normalisation; build once per process (the grammars take ~50 MB)."""
+    """English and Chinese text normalisation; build once per process (the grammars take ~50 MB).
 
-    def __init__(self) -> None:
+    The grammars' readings of the last ``cached_windows`` windows are kept (each language): the
+    same few forms ("$5", "10:30am", "2024") come back all the time, and a reading costs about
+    a millisecond to compute and a microsecond to look up.
+    """
+
+    def __init__(self, cached_windows: int = 4096) -> None:
         # Imported here: reading the grammars takes a second or two, paid once, at start-up.
         from wetext import Normalizer
 
-        self._en: _Grammar = Normalizer(lang="en", operator="tn")
-        self._zh: _Grammar = Normalizer(lang="zh", operator="tn")
+        self._en: _Read = Normalizer(lang="en", operator="tn").normalize
+        self._zh: _Read = Normalizer(lang="zh", operator="tn").normalize
+        if cached_windows:
+            self._en = functools.lru_cache(maxsize=cached_windows)(self._en)
+            self._zh = functools.lru_cache(maxsize=cached_windows)(self._zh)
         self.normalize("It costs $5 at 10:30am on 2024-03-03. 价格是5元。")  # warms both grammars
         # One thread runs the requests' normalisations: the grammars are never used by two threads
         # at once, and kaldifst releases the GIL while it composes, so the event loop runs on.
@@ -221,19 +230,17 @@ class TextNormalizer:
         yield "".join(parts[done:])
 
     def _decade(self, match: re.Match[str]) -> str:
-        words = self._en.normalize(match.group(1)).split()
+        words = self._en(match.group(1)).split()
         for singular, plural in _PLURALS:
             if words[-1].endswith(singular):
                 words[-1] = words[-1][: -len(singular)] + plural
                 return " ".join(words)
         return " ".join([*words[:-1], words[-1] + "s"])
 
-    def _grammar(
-        self, grammar: _Grammar, window: str, parts: list[str], first: int, last: int, wanted: list[bool]
-    ) -> str:
+    def _grammar(self, grammar: _Read, window: str, parts: list[str], first: int, last: int, wanted: list[bool]) -> str:
         """The grammar's reading of ``window``; token by token where it fails on the whole window."""
         try:
-            return _keep_edges(window, grammar.normalize(window))
+            return _keep_edges(window, grammar(window))
         except _GRAMMAR_ERRORS:  # the English grammar asserts on some inputs ("#1"): read the tokens alone
             logger.debug("normalising %r failed; trying its tokens one by one", window)
         pieces = []
@@ -241,7 +248,7 @@ class TextNormalizer:
             piece = parts[index]
             if index % 2 == 0 and wanted[index // 2]:
                 try:
-                    piece = _keep_edges(piece, grammar.normalize(piece))
+                    piece = _keep_edges(piece, grammar(piece))
                 except _GRAMMAR_ERRORS:
                     logger.debug("left %r as it is: the grammar cannot read it", piece)
             pieces.append(piece)
@@ -272,7 +279,7 @@ class TextNormalizer:
             window = text[start:end]
             try:
                 # The grammar reads 2 as 两 before a measure word, ordinals included: "第2名" is 第二名.
-                yield _keep_edges(window, self._zh.normalize(window).replace("第两", "第二"))
+                yield _keep_edges(window, self._zh(window).replace("第两", "第二"))
             except _GRAMMAR_ERRORS:
                 logger.debug("left %r as it is: the grammar cannot read it", window)
                 yield window

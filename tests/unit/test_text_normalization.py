@@ -167,3 +167,11 @@ async def test_async_matches_and_the_loop_runs_on_meanwhile(normalizer: TextNorm
 
 async def test_async_returns_plain_text_at_once(normalizer: TextNormalizer) -> None:
     assert await normalizer.normalize_async("Nothing to do here.") == "Nothing to do here."
+
+
+def test_the_cache_changes_no_reading() -> None:
+    uncached = TextNormalizer(cached_windows=0)
+    try:
+        assert [uncached.normalize(text) for text, _ in CASES] == [expected for _, expected in CASES]
+    finally:
+        uncached.close()
