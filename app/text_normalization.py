@@ -125,18 +125,23 @@ _EN_REWRITES: Final = (
     _rewrite(r"(?<![\w+])\+(?=\d)", "plus "),
     _rewrite(r"(?<!\w)#(?=\d)", "number "),
     _rewrite(r"\b[Nn]o\.\s?(?=\d)", "number "),
+    # An abbreviation may end a sentence: its full stop stays where the next word starts one (or
+    # nothing follows). "St." before a capitalised word is a saint's name, not a sentence end.
     _rewrite(r"\bSt\.(?=\s+[A-Z])", "Saint"),
+    _rewrite(r"\bSt\.(?=\s*$)", "Street."),
     _rewrite(r"\bSt\.", "Street"),
-    # "etc." may end a sentence: the full stop stays where the next word starts one.
+    _rewrite(r"\bAve\.(?=\s+[A-Z]|\s*$)", "Avenue."),
+    _rewrite(r"\bAve\.", "Avenue"),
     _rewrite(r"\betc\.(?=\s+[A-Z]|\s*$)", "et cetera."),
     _rewrite(r"\betc\.", "et cetera"),
+    # Read as a fraction ("twenty four sevenths") by the grammar.
+    _rewrite(r"(?<![\w/])24/7(?![\w/])", "twenty four seven"),
     _rewrite(r"\bvs\.", "versus"),
     _rewrite(r"(?<!\w)e\.g\.", "for example"),
     _rewrite(r"(?<!\w)i\.e\.", "that is"),
     _rewrite(r"\bapprox\.", "approximately"),
     _rewrite(r"\bProf\.", "Professor"),
     _rewrite(r"\bSr\.", "Senior"),
-    _rewrite(r"\bAve\.", "Avenue"),
 )
 # What wetext raises for input its grammars have no path for (an assertion in its token parser,
 # or a RuntimeError when no path exists).

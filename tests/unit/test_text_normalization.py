@@ -63,7 +63,10 @@ CASES = [
     ("Call +1 555 123 4567 now.", "Call plus one, five five five, one two three, four five six seven now."),
     ("Call (555) 123-4567.", "Call five five five, one two three, four five six seven."),
     # English: abbreviations
-    ("Dr. Smith lives at 42 St. James St.", "doctor Smith lives at forty two Saint James Street"),
+    ("Dr. Smith lives at 42 St. James St.", "doctor Smith lives at forty two Saint James Street."),
+    ("He lives on Main Ave. Then we go.", "He lives on Main Avenue. Then we go."),
+    ("Ms. Lee met Prof. Chen and Sr. Diaz.", "Miss Lee met Professor Chen and Senior Diaz."),
+    ("We are open 24/7.", "We are open twenty four seven."),
     ("Mr. and Mrs. Smith came.", "Mister and Misses Smith came."),
     ("Ask for No. 5 please.", "Ask for number five please."),
     ("You are #1 here.", "You are number one here."),
