@@ -59,7 +59,7 @@ _JAPANESE_RUNS: Final = re.compile(f"(?P<en>[{_LATIN}]+)|(?P<other>[^\\W\\d_{_LA
 _WORTH_A_LOOK: Final = re.compile(
     r"[0-9\uff10-\uff19$€£¥￥%°℃#@&+=/]|[A-Za-z]\.[A-Za-z]|\b(?:Dr|Mr|Mrs|Ms|Mt|Jr|No|St|etc|vs|Prof|Sr|Ave|approx)\."
 )
-# English tokens sent to the grammar (with a neighbour on each side).
+# English tokens sent to the grammar (with the neighbours that change their reading).
 _EN_TOKEN: Final = re.compile(r"[0-9$€£¥%°#@&+=/]|[A-Za-z]\.[A-Za-z]|^\W*(?:Dr|Mr|Mrs|Ms|Mt|Jr)\.")
 # Tokens the English grammar garbles ("v2.0" as "v two.zero", "1.2.3" as "one.two point three"):
 # left alone, and kept out of their neighbours' windows.
@@ -235,7 +235,11 @@ class TextNormalizer:
         yield "".join(parts[done:])
 
     def _decade(self, match: re.Match[str]) -> str:
-        words = self._en(match.group(1)).split()
+        """``1990s`` as the year's reading made plural: "nineteen nineties"."""
+        try:
+            words = self._en(match.group(1)).split()
+        except _GRAMMAR_ERRORS:
+            return match.group()
         for singular, plural in _PLURALS:
             if words[-1].endswith(singular):
                 words[-1] = words[-1][: -len(singular)] + plural
