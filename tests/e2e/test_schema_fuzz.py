@@ -108,7 +108,7 @@ def test_generated_text_goes_through_real_synthesis(fuzz_gateway: GatewayProcess
             return
         assert response.status_code == 200, response.text
         if case.body.get("stream_format") == "sse":
-            assert response.headers["content-type"].startswith("text/event-stream")
+            assert response.headers["content-type"][0].startswith("text/event-stream")
             assert b'"type":"speech.audio.done"' in response.content
             return
         audio = decode(response.content, case.body.get("response_format", "mp3"))
