@@ -26,6 +26,7 @@ from app.request_limits import RequestBodyLimitMiddleware
 from app.routes import health, models, speech, voices
 from app.settings import OPENAI_MODEL_NAMES, Settings
 from app.speech_service import SpeechService
+from app.text_normalization import TextNormalizer
 from app.triton_client import TritonClient
 from app.triton_pool import TritonPool
 from app.triton_supervisor import TritonSupervisor
@@ -91,6 +92,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async with AsyncExitStack() as stack:
             # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
             stack.callback(metrics.close)
+            # The grammars load (a second or two) on a thread while Triton starts.
+            loading = asyncio.create_task(asyncio.to_thread(TextNormalizer))
+            stack.callback(loading.cancel)
             urls = settings.triton_urls
             if not urls:
                 # Blocks the event loop until Triton is ready: nothing is served yet.
@@ -124,11 +128,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if not await backend.wait_ready(wait):
                 logger.warning("Triton at %s is not ready; serving 503 until it is", ", ".join(urls))
             backend.start_watching()
+            normalizer = await loading
+            stack.callback(normalizer.close)
             app.state.services = Services(
                 settings=settings,
                 backend=backend,
                 voices=registry,
-                speech=SpeechService(backend, registry, settings, metrics, admission),
+                speech=SpeechService(backend, registry, settings, metrics, admission, normalizer),
                 metrics=metrics,
                 started_at=int(time.time()),
             )

@@ -57,6 +57,9 @@ class SpeechRequest(BaseModel):
     # Vendor extension (send through the SDK's ``extra_body``): reproducible sampling on
     # models that declare a ``seed`` input; ignored by the others.
     seed: int | None = Field(None, ge=0, le=2**63 - 1, strict=True)
+    # Vendor extension: write numbers, money, dates, units... as words before synthesis;
+    # unset follows the server's ``TTS_TEXT_NORMALIZATION``.
+    text_normalization: bool | None = Field(None, strict=True)
 
     @field_validator("instructions")
     @classmethod

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     first_sentence_max_chars: int = Field(120, ge=10, le=4096)
     synthesis_parallelism: int = Field(2, ge=1, le=16, description="sentences in flight per request")
     backend_timeout: float = Field(120.0, gt=0, description="seconds one backend call may take")
+    text_normalization: bool = Field(
+        True, description="write numbers, money, dates, units... as words before synthesis (requests may override)"
+    )
 
     ref_min_seconds: float = Field(1.0, gt=0)
     # CosyVoice2's speech tokenizer takes at most 30 s of reference audio.

@@ -2,9 +2,10 @@
 
 :meth:`SpeechService.plan` does every check that can fail because of the request
 (model, voice, capabilities), so errors reach the client with a proper status
-before any byte is sent. :meth:`SpeechService.open_stream` then waits for a synthesis
-slot (admission control) and synthesises: the input is split into sentences, up to
-``synthesis_parallelism`` of them are in flight at the backend at once, and their
+before any byte is sent; it then normalises the input (numbers, money, dates... as
+words) and splits it into sentences. :meth:`SpeechService.open_stream` waits for a
+synthesis slot (admission control) and synthesises: up to ``synthesis_parallelism``
+sentences are in flight at the backend at once, and their
 audio is emitted strictly in order, chunk by chunk, as it arrives. The first chunk is
 awaited before the response starts, so a backend that is down still yields a 503
 rather than an empty 200. The whole request, queue included, runs against one
@@ -38,6 +39,7 @@ from app.model_catalog import SpeechModel
 from app.protocol import SpeechRequest
 from app.request_ids import current_request_id
 from app.settings import Settings
+from app.text_normalization import TextNormalizer
 from app.text_splitting import split_sentences
 from app.time_stretch import TimeStretcher
 from app.voice_registry import ResolvedVoice, VoiceRegistry
@@ -150,20 +152,26 @@ class SpeechService:
         settings: Settings,
         metrics: GatewayMetrics,
         admission: AdmissionControl,
+        normalizer: TextNormalizer,
     ) -> None:
         self._backend = backend
         self._voices = voices
         self._settings = settings
         self._metrics = metrics
         self._admission = admission
+        self._normalizer = normalizer
 
-    def plan(self, request: SpeechRequest) -> SpeechPlan:
+    async def plan(self, request: SpeechRequest) -> SpeechPlan:
         catalog = self._backend.catalog
         model = catalog.resolve(request.model)
         voice = self._voices.resolve(request.voice_id, model, catalog)
         triton_model = catalog.require_streaming_or_offline(model, self._settings.backend_mode)
+        normalize = request.text_normalization
+        if normalize is None:
+            normalize = self._settings.text_normalization
+        text = await self._normalizer.normalize_async(request.input) if normalize else request.input
         sentences = split_sentences(
-            request.input,
+            text,
             max_chars=self._settings.sentence_max_chars,
             first_max_chars=self._settings.first_sentence_max_chars,
         )

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterator
 from typing import Final
 
+from app.paralinguistic_tags import WRAPPED_SPANS
+
 # Closing quotes and brackets that belong to the sentence they follow.
 _CLOSERS: Final = "\"'”’»)]}」』）】〉》"  # noqa: RUF001
 _LATIN_ENDS: Final = ".!?;…"
@@ -23,8 +25,10 @@ _END_RUN: Final = re.compile(f"[{_ENDS}][{_ENDS}{re.escape(_CLOSERS)}]*")
 # Words that end in a full stop without ending a sentence (compared lowercased,
 # without their final dot).
 _ABBREVIATIONS: Final = frozenset(
-    {"mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "cf", "approx"}
+    {"mr", "mrs", "ms", "dr", "prof", "st", "sr", "jr", "vs", "etc", "e.g", "i.e", "cf", "approx", "mt", "ave"}
 )
+# Abbreviations that end no sentence when a number follows ("No. 5"); "no." alone may.
+_BEFORE_NUMBERS: Final = frozenset({"no", "nos", "fig", "vol", "ch", "p", "pp"})
 # Leading characters ignored when reading the word before a full stop: "(e.g.".
 _OPENERS: Final = "\"'“‘«([{¿¡"  # noqa: RUF001
 # Single capitals except "I" ("J. R. R. Tolkien") and dotted abbreviations ("U.S.", "Ph.D.").
@@ -77,7 +81,11 @@ def _blocks(text: str) -> Iterator[str]:
 
 def _sentences(block: str) -> Iterator[str]:
     start = 0
+    # Tag pairs that wrap words (CosyVoice2's "<strong>...</strong>") are never cut apart.
+    wrapped = [span.span() for span in WRAPPED_SPANS.finditer(block)]
     for match in _END_RUN.finditer(block):
+        if any(left < match.start() < right for left, right in wrapped):
+            continue
         if _ends_sentence(block, match):
             sentence = block[start : match.end()].strip()
             if sentence:
@@ -103,6 +111,8 @@ def _ends_sentence(block: str, match: re.Match[str]) -> bool:
         word = block[block.rfind(" ", 0, match.start()) + 1 : match.start()].lstrip(_OPENERS)
         if word.lower() in _ABBREVIATIONS or _INITIALS.fullmatch(word):
             return False
+        if word.lower() in _BEFORE_NUMBERS and block[end + 1 : end + 2].isdigit():
+            return False  # "No. 5", "Fig. 3"
     return True
 
 

@@ -39,7 +39,7 @@ class SpeechResponse(StreamingResponse):
     responses={200: {"content": {mime: {} for mime in sorted({*CONTENT_TYPES.values(), _SSE})}}, **ERROR_RESPONSES},
 )
 async def create_speech(body: SpeechRequest, services: ServicesDep) -> StreamingResponse:
-    plan = services.speech.plan(body)
+    plan = await services.speech.plan(body)
     stream = await services.speech.open_stream(plan)
     if plan.sse:
         return SpeechResponse(stream, media_type=_SSE, headers={"Cache-Control": "no-cache"})

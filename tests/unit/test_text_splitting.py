@@ -49,6 +49,23 @@ def test_abbreviations_do_not_end_sentences(text: str) -> None:
     assert split_sentences(text) == [text]
 
 
+def test_no_before_a_number_does_not_end_a_sentence_but_a_final_no_does() -> None:
+    assert split_sentences("Ask for No. 5 at Mt. Fuji. I said no. Then I left.") == [
+        "Ask for No. 5 at Mt. Fuji.",
+        "I said no.",
+        "Then I left.",
+    ]
+
+
+def test_paralinguistic_tags_stay_whole_and_wrapping_pairs_are_not_cut_apart() -> None:
+    text = "[laughter] Hi. <strong>This. Is. Loud!</strong> Then calm. <laughter>Oh. Well.</laughter> Bye."
+    assert split_sentences(text) == [
+        "[laughter] Hi.",
+        "<strong>This. Is. Loud!</strong> Then calm.",
+        "<laughter>Oh. Well.</laughter> Bye.",
+    ]
+
+
 def test_initials_do_not_end_sentences_but_the_pronoun_i_does() -> None:
     assert split_sentences("J. R. R. Tolkien wrote it. So did I. Then I slept.") == [
         "J. R. R. Tolkien wrote it.",
