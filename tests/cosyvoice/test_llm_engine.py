@@ -136,3 +136,15 @@ def test_a_stopped_engine_ends_requests_with_an_error(tmp_path: Path) -> None:
     assert waiting.done.is_set() and isinstance(waiting.error, RuntimeError)
     with pytest.raises(RuntimeError):
         model.submit(model.request(prompt(0), GREEDY, max_new_tokens=5, stop_ids=vocab.STOP_IDS), Recorder())
+
+
+def test_a_sink_that_fails_does_not_stop_the_engine(llm: TorchSpeechLLM) -> None:
+    class Failing(Recorder):
+        def finished(self, error: BaseException | None) -> None:
+            super().finished(error)
+            raise RuntimeError("a broken sink")
+
+    broken = Failing()
+    llm.submit(llm.request(prompt(5), GREEDY, max_new_tokens=3, stop_ids=vocab.STOP_IDS), broken)
+    assert broken.done.wait(30)
+    assert alone(llm, 6, GREEDY, tokens=4) == alone(llm, 6, GREEDY, tokens=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_backends.cosyvoice2.llm_sampling import SamplingRows, hash32, sample, seed_keys, uniforms
+from tts_backends.cosyvoice2.llm_sampling import SamplingRows, hash32, sample, seed_keys, uniforms, unit_interval
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -92,3 +92,16 @@ def test_repetition_penalty_applies_to_seen_columns_only() -> None:
     seen[0, 0] = True
     assert sample(logits, rows(1, temperature=0.0, penalty=1.5, seen=seen)).tolist() == [1]
     assert sample(logits, rows(1, temperature=0.0, penalty=1.5)).tolist() == [0]
+
+
+def test_unit_interval_never_reaches_zero_or_one() -> None:
+    extremes = unit_interval(torch.tensor([0, 1, 2**32 - 129, 2**32 - 1], dtype=torch.int64))
+    assert bool((extremes > 0).all() and (extremes < 1).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(extremes))).all())
+
+
+def test_a_dropped_column_never_wins_whatever_its_noise() -> None:
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)
+    top2 = rows(2000, seed=7)
+    top2.top_k = torch.full((2000,), 2)
+    assert set(sample(logits, top2).tolist()) <= {0, 1}

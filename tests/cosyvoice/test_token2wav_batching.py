@@ -90,10 +90,12 @@ def test_a_bad_call_fails_alone(t2w: Token2Wav) -> None:
         0,
         False,
     )
-    results = t2w.convert([good, unknown, short, wrong_voice])
+    out_of_range = Conversion("out-of-range", np.array([1, 2, 99999] * 6), voice(1, 10), 0, False)
+    results = t2w.convert([good, unknown, short, wrong_voice, out_of_range])
     assert isinstance(results[0], np.ndarray) and results[0].size > 0
     assert isinstance(results[1], StreamStateError)
     assert isinstance(results[2], ValueError) and "look-ahead" in str(results[2])
     assert isinstance(results[3], ValueError) and "embedding" in str(results[3])
+    assert isinstance(results[4], ValueError) and "below" in str(results[4])
     t2w.release("good")
     assert t2w.active_streams == 0

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tts_backends.cosyvoice2.config import FlowConfig
-from tts_backends.cosyvoice2.flow_decoder import CausalConditionalCFM
+from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES, CausalConditionalCFM
 from tts_backends.cosyvoice2.flow_encoder import UpsampleConformerEncoder
 
 MelSolver = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor | None]
@@ -81,6 +81,14 @@ class CausalFlow(nn.Module):
             raise ValueError("token and prompt_token must be [1, T] (one utterance)")
         if token.dtype.is_floating_point or prompt_token.dtype.is_floating_point:
             raise ValueError("speech tokens must be integer tensors")
+        for tokens in (token, prompt_token):
+            # Checked here, not by the embedding: on CUDA an id out of range is a device-side assert.
+            # (Negative ids are clamped to 0 on the way in, as upstream does.)
+            if tokens.numel() and int(tokens.max()) >= cfg.vocab_size:
+                raise ValueError(f"speech tokens must be below {cfg.vocab_size}")
+        frames = cfg.token_mel_ratio * (prompt_token.size(1) + token.size(1))
+        if frames > NOISE_FRAMES:
+            raise ValueError(f"{frames} mel frames exceed the flow's {NOISE_FRAMES} frames of pre-drawn noise")
         expected_feat = (1, cfg.token_mel_ratio * prompt_token.size(1), cfg.output_size)
         if tuple(prompt_feat.shape) != expected_feat:
             raise ValueError(

@@ -7,13 +7,14 @@ frames in steps of ``frame_step`` up to ``max_frames``. A batch is copied into t
 bucket that holds it (padding rows and frames are masked, so they change nothing) and the graph
 is replayed; a batch larger than every bucket returns None and runs eagerly.
 
-The graphs share one memory pool and static input/output buffers: replays must not overlap,
-which the one token2wav thread guarantees.
+The graphs share one memory pool and static input/output buffers: a lock keeps replays (with
+their copies in and out) from overlapping.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -49,6 +50,8 @@ class FlowSolverGraphs:
         self._streaming = torch.zeros(rows, device=device, dtype=torch.bool)
         self._out = torch.zeros(rows, mel_bins, frames, device=device, dtype=torch.float32)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # The static buffers serve one replay at a time.
+        self._lock = threading.Lock()
         started = time.monotonic()
         self._capture(decoder, n_timesteps, device)
         self.capture_s = time.monotonic() - started
@@ -64,6 +67,13 @@ class FlowSolverGraphs:
         frames = next((f for f in self._frames if f >= length), None)
         if rows is None or frames is None:
             return None
+        with self._lock:
+            return self._replay(rows, frames, mu, mask, speaker, cond, streaming)
+
+    def _replay(
+        self, rows: int, frames: int, mu: Tensor, mask: Tensor, speaker: Tensor, cond: Tensor, streaming: Tensor
+    ) -> Tensor:
+        count, _, length = mu.shape
         self._mask[:rows, :, :frames].zero_()
         self._mu[:count, :, :length] = mu
         self._mask[:count, :, :length] = mask

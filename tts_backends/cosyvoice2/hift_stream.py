@@ -103,9 +103,10 @@ class HiftStreamState:
             return speech
         kept_frames = min(self.mel_cache_frames, mel.shape[2])
         kept_samples = kept_frames * self.samples_per_frame
-        self._mel = mel[:, :, -kept_frames:]
-        self._source = source[:, :, -kept_samples:]
-        self._tail = speech[-kept_samples:]
+        # Copies: the inputs may be views of a whole batch's output, which the state must not keep alive.
+        self._mel = mel[:, :, -kept_frames:].clone()
+        self._source = source[:, :, -kept_samples:].clone()
+        self._tail = speech[-kept_samples:].clone()
         return speech[:-kept_samples]
 
     def _crossfade(self, speech: Tensor, tail: Tensor) -> Tensor:

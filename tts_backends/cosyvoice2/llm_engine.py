@@ -226,9 +226,9 @@ class BatchingEngine:
                 failed = [*admitted, *self._live]
                 self._live.clear()
                 for handle in dict.fromkeys(failed):
-                    handle.sink.finished(exc)
+                    _finish(handle, exc)
         for handle in pending:
-            handle.sink.finished(RuntimeError("the engine stopped"))
+            _finish(handle, RuntimeError("the engine stopped"))
 
     def _prefill(self, handles: list[GenerationHandle]) -> None:
         first = len(self._live)
@@ -352,7 +352,7 @@ class BatchingEngine:
                 tensor[row] = tensor[last]
             self._live[row] = self._live[last]
         self._live.pop()
-        handle.sink.finished(None)
+        _finish(handle, None)
 
     def _capture(self) -> None:
         """Record one decode step per bucket and one prefill per prompt-length bucket, sharing one memory pool."""
@@ -380,6 +380,14 @@ class BatchingEngine:
         for tensor, value in zip(self._rows.all(), saved, strict=True):
             tensor.copy_(value)
         torch.cuda.synchronize(self._device)
+
+
+def _finish(handle: GenerationHandle, error: BaseException | None) -> None:
+    """Tell a sink its request ended; a sink that fails must not take the engine's thread down."""
+    try:
+        handle.sink.finished(error)
+    except Exception:
+        _log.exception("a token sink failed at the end of its request")
 
 
 class _QueueSink:

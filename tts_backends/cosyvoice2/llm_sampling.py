@@ -48,8 +48,16 @@ def uniforms(keys: Tensor, steps: Tensor, columns: int) -> Tensor:
     """``[rows, columns]`` float32 in (0, 1): one independent draw per row, step and column."""
     row = hash32(keys ^ hash32(steps * _STEP_SALT))
     index = torch.arange(columns, device=keys.device, dtype=torch.int64)
-    bits = hash32(row.unsqueeze(1) ^ hash32(index + 1).unsqueeze(0))
-    return (bits.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)
+    return unit_interval(hash32(row.unsqueeze(1) ^ hash32(index + 1).unsqueeze(0)))
+
+
+def unit_interval(bits: Tensor) -> Tensor:
+    """32-bit values as float32 in (0, 1): the top 23 bits, centred in their steps.
+
+    Every result lies in [2**-24, 1 - 2**-24], exactly as float32 holds it; all 32 bits would round
+    the top 128 values up to 1.0, whose Gumbel noise is infinite.
+    """
+    return (bits >> 9).to(torch.float32) * (1.0 / 8388608.0) + (1.0 / 16777216.0)
 
 
 @dataclass
@@ -97,7 +105,8 @@ def sample(logits: Tensor, rows: SamplingRows) -> Tensor:
     # Drop a column once the columns ranked above it already hold top_p of the mass.
     drop |= (torch.cumsum(probs, dim=1) - probs) >= rows.top_p.unsqueeze(1)
     drop[:, 0] = False
-    kept = ordered.masked_fill(drop, float("-inf"))
     noise = -torch.log(-torch.log(uniforms(rows.keys, rows.steps, scaled.shape[1])))
-    drawn = torch.gather(order, 1, torch.argmax(kept + torch.gather(noise, 1, order), dim=1, keepdim=True))
+    # Masked after the noise is added: a dropped column stays -inf whatever its noise.
+    perturbed = (ordered + torch.gather(noise, 1, order)).masked_fill(drop, float("-inf"))
+    drawn = torch.gather(order, 1, torch.argmax(perturbed, dim=1, keepdim=True))
     return torch.where(hot, drawn.squeeze(1), greedy)

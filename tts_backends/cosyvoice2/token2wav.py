@@ -217,12 +217,12 @@ class Token2Wav:
             try:
                 item = self._flow_item(call, self._check(call))
                 stream = None if call.token_offset is None else self._checkout(call.session_id, call.token_offset)
-            except ValueError as exc:
+            except Exception as exc:
                 results[index] = exc
                 continue
             try:
                 self.flow.check_item(item)
-            except ValueError as exc:
+            except Exception as exc:
                 # As any failed chunk: the stream cannot go on, so its state goes.
                 if stream is not None:
                     self._checkin(call.session_id, stream, drop=True)

@@ -10,6 +10,7 @@ engine's thread never waits on the server. A cancelled request stops at the engi
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 from pathlib import Path
 from typing import Any
@@ -44,15 +45,14 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            sink = _Sink(self, sender, request.request_id(), streaming=self._streaming(request))
             try:
-                generation = self._generation(request)
+                handle = self._llm.submit(self._generation(request), sink)
             except ValueError as exc:
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 self.outbox.put(lambda s=sender, e=error: _fail(s, e))
                 continue
-            sink = _Sink(self, sender, request.request_id(), streaming=self._streaming(request))
-            sink.handle = self._llm.submit(generation, sink)
-            self.watch.watch(sink.handle, request.is_cancelled)
+            sink.attach(handle, request.is_cancelled)
 
     def finalize(self) -> None:
         self._llm.close()
@@ -94,7 +94,27 @@ class _Sink:
         self._request_id = request_id
         self._streaming = streaming
         self._tokens: list[int] = []
-        self.handle: GenerationHandle | None = None
+        self._lock = threading.Lock()
+        self._handle: GenerationHandle | None = None
+        self._done = False
+
+    def attach(self, handle: GenerationHandle, is_cancelled: Any) -> None:
+        """Watch the submitted request for cancellation, unless the engine already finished it."""
+        with self._lock:
+            self._handle = handle
+            if self._done:
+                self._record(handle)
+            else:
+                self._model.watch.watch(handle, is_cancelled)
+
+    def _record(self, handle: GenerationHandle) -> None:
+        self._model.trace.record(
+            self._request_id,
+            submitted=handle.submitted,
+            admitted=handle.admitted,
+            first_token=handle.first_token,
+            tokens=handle.produced,
+        )
 
     def token(self, token_id: int) -> None:
         if self._streaming:
@@ -104,16 +124,12 @@ class _Sink:
 
     def finished(self, error: BaseException | None) -> None:
         model = self._model
-        handle = self.handle
-        if handle is not None:
-            model.watch.forget(handle)
-            model.trace.record(
-                self._request_id,
-                submitted=handle.submitted,
-                admitted=handle.admitted,
-                first_token=handle.first_token,
-                tokens=handle.produced,
-            )
+        with self._lock:
+            self._done = True
+            handle = self._handle
+            if handle is not None:
+                model.watch.forget(handle)
+                self._record(handle)
         if error is not None:
             pb_utils.Logger.log_error(f"{model.name}: generation failed\n{''.join(traceback.format_exception(error))}")
             failure = pb_utils.TritonError(
