@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "var" / "reference"
 
@@ -17,3 +19,12 @@ def reference_dir() -> Path:
             "upstream reference code absent: pip install --no-deps --target var/reference cosyvoice-minicpmo==0.1.0"
         )
     return REFERENCE_DIR
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Decode on one thread: a tiny model only loses to thread hand-offs (tens of times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,20 +14,11 @@ from transformers import Qwen2ForCausalLM
 from tts_backends.cosyvoice2 import tiny_frontend, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 
-pytestmark = pytest.mark.cosyvoice
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [vocab.SOS_ID, 100, 200, 300, vocab.TASK_ID_ID, *vocab.speech_tokens_to_ids([5, 6, 7, 8])]
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
 WIDE = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0, seed=11)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Decode on one thread: a tiny model only loses to thread hand-offs (tens of times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tts_backends.cosyvoice2 import tiny_frontend, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.llm_engine import GenerationHandle
 
-pytestmark = pytest.mark.cosyvoice
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, repetition_penalty=1.1)
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
@@ -23,14 +22,6 @@ GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
 def prompt(index: int) -> list[int]:
     speech = vocab.speech_tokens_to_ids([(7 * index + k) % vocab.SPEECH_TOKEN_SIZE for k in range(4 + index % 5)])
     return [vocab.SOS_ID, 100 + index, 200 + 3 * index, vocab.TASK_ID_ID, *speech]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

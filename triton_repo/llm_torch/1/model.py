@@ -21,6 +21,7 @@ from tts_backends.cosyvoice2 import tensors, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.llm_engine import GenerationHandle
 from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox
+from tts_backends.cosyvoice2.pipeline import LLMRequest
 from tts_backends.stage_trace import StageTrace
 
 
@@ -45,9 +46,10 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             sender = request.get_response_sender()
-            sink = _Sink(self, sender, request.request_id(), streaming=self._streaming(request))
             try:
-                handle = self._llm.submit(self._generation(request), sink)
+                call = tensors.parse_llm_inputs(_arrays(request))
+                sink = _Sink(self, sender, request.request_id(), streaming=call.streaming)
+                handle = self._llm.submit(self._generation(call), sink)
             except ValueError as exc:
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
                 self.outbox.put(lambda s=sender, e=error: _fail(s, e))
@@ -59,8 +61,7 @@ class TritonPythonModel:
         self.watch.close()
         self.outbox.close()
 
-    def _generation(self, request: Any) -> Any:
-        call = tensors.parse_llm_inputs(_arrays(request))
+    def _generation(self, call: LLMRequest) -> Any:
         stops = set(vocab.STOP_IDS)
         if call.end_id is not None and vocab.id_to_speech_token(call.end_id) is None:
             stops.add(call.end_id)
@@ -78,11 +79,6 @@ class TritonPythonModel:
             min_new_tokens=call.min_new_tokens,
             stop_ids=sorted(stops),
         )
-
-    @staticmethod
-    def _streaming(request: Any) -> bool:
-        tensor = pb_utils.get_input_tensor_by_name(request, "streaming")
-        return tensor is not None and bool(tensor.as_numpy().reshape(-1)[0])
 
 
 class _Sink:
