@@ -30,8 +30,10 @@ pytestmark = [pytest.mark.triton, pytest.mark.cosyvoice]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLES_PER_TOKEN = 960
 TEXT = "The quick brown fox."
-# One sentence (the gateway splits at sentence ends) whose speech takes the LLM minutes on CPU.
+# One sentence whose speech takes the LLM minutes on CPU; the gateway below sends it whole (by
+# default it would cut it into pieces, and the LLM server would idle while the first one is voiced).
 ENDLESS = "and then " + " ".join(f"word{n}" for n in range(120)) + " went by"
+WHOLE = str(len(ENDLESS) + 100)
 ORCHESTRATORS = ("cosyvoice2", "cosyvoice2_stream")
 
 
@@ -63,7 +65,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     triton = EmbeddedTriton(repository, workdir=root, startup_timeout=300.0)
     triton.start()
     gateway = GatewayProcess(
-        root / "gateway.log", {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(root / "voices")}
+        root / "gateway.log",
+        {
+            "TTS_TRITON_URL": triton.grpc_url,
+            "TTS_VOICES_DIR": str(root / "voices"),
+            "TTS_SENTENCE_MAX_CHARS": WHOLE,
+            "TTS_FIRST_SENTENCE_MAX_CHARS": WHOLE,
+        },
     )
     try:
         gateway.start()
