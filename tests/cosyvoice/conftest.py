@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 REFERENCE_DIR = Path(__file__).resolve().parents[2] / "var" / "reference"
 
@@ -24,6 +23,9 @@ def reference_dir() -> Path:
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Decode on one thread: a tiny model only loses to thread hand-offs (tens of times slower)."""
+    # Imported here: the Python 3.12 leg of scripts/test.sh runs a module of this folder without torch.
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
