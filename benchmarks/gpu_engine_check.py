@@ -6,10 +6,16 @@ On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``)
   first differ (the recorded prefill pads the prompt to its bucket, so bf16 sums may round differently),
   how many of 16 concurrent greedy requests match their solo tokens, and decode throughput with
   1 / 16 / 64 requests in flight;
-- token2wav: the graph-replayed flow solve against the eager one (relative error of the mel), and
-  the time of one batched conversion of 1 / 4 / 16 / 32 first chunks.
+- token2wav: the graph-replayed flow solve against the eager one (relative error of the mel), the
+  same for a streaming chunk solved after the recorded voice prefix, the time to record a voice's
+  prefix, and the time of one batched conversion of 1 / 4 / 16 / 32 first chunks and of later
+  chunks (100 tokens in), with the prefix cache and without.
 
     python benchmarks/gpu_engine_check.py --out /tmp/check   # about a minute after the checkpoint
+    # token2wav alone, small graph buckets (writes only the flow and HiFT weights): ~1 minute
+    python benchmarks/gpu_engine_check.py --token2wav-only --graph-rows 4 --graph-frames 512 --counts 1,4
+    # the same on the CPU in float32, eagerly (no graphs): ~2 minutes
+    python benchmarks/gpu_engine_check.py --token2wav-only --cpu --counts 1
 """
 
 from __future__ import annotations
@@ -25,13 +31,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_sanity import ROOT
 
-from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2 import config, vocab
 from tts_backends.cosyvoice2.frontend import VoicePrompt
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
-from tts_backends.cosyvoice2.random_checkpoint import ensure_checkpoint, full_size
+from tts_backends.cosyvoice2.random_checkpoint import (
+    CONFIG_FILENAME,
+    COSYVOICE_DIRNAME,
+    ensure_checkpoint,
+    full_size,
+    module_states,
+)
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
@@ -83,37 +96,92 @@ def check_llm(llm_dir: Path, report: dict[str, Any]) -> None:
     eager.close()
 
 
-def check_token2wav(model_dir: Path, report: dict[str, Any]) -> None:
+def check_token2wav(
+    model_dir: Path,
+    report: dict[str, Any],
+    *,
+    cpu: bool = False,
+    graph_rows: int = 32,
+    graph_frames: int = 1536,
+    counts: Any = (1, 4, 16, 32),
+) -> None:
     started = time.monotonic()
-    graphs = Token2Wav.from_model_dir(model_dir, device="cuda", dtype=torch.float16, graph_rows=32)
+    graphs = Token2Wav.from_model_dir(
+        model_dir,
+        device="cpu" if cpu else "cuda",
+        dtype=torch.float32 if cpu else torch.float16,
+        graph_rows=graph_rows,
+        graph_frames=graph_frames,
+        prefix_cache_mb=2048,
+        prefix_frames=300,
+    )
     report["token2wav_load_and_capture_s"] = round(time.monotonic() - started, 1)
     rng = np.random.default_rng(0)
+    # 100 prompt tokens: a 4 s reference, as the benchmark's voices.
     prompt = VoicePrompt(
         speech_tokens=rng.integers(0, 6561, 100),
         feats=rng.standard_normal((200, 80)).astype(np.float32),
         embedding=rng.standard_normal(192).astype(np.float32),
     )
-    tokens = rng.integers(0, 6561, 60)
+    tokens = rng.integers(0, 6561, 130)
+    solver, cache = graphs.solver, graphs.prefix_cache  # no solver on the CPU: everything eager
+    assert cache is not None
     with torch.inference_mode():
-        graphs.solver, solver = None, graphs.solver
-        eager_mel = graphs.flow.inference_batch(_items(graphs, prompt, tokens))[0]
-        graphs.solver = solver
-        graph_mel = graphs.flow.inference_batch(_items(graphs, prompt, tokens), solver=solver)[0]
-    error = float((graph_mel - eager_mel).norm() / eager_mel.norm())
-    report["flow_graph_vs_eager_rel_error"] = round(error, 6)
-    for count in (1, 4, 16, 32):
-        calls = [Conversion(f"s{count}-{i}", tokens[:18], prompt, 0, False) for i in range(count)]
-        graphs.convert(calls)
-        for call in calls:
-            graphs.release(call.session_id)
-        torch.cuda.synchronize()
+        item = _items(graphs, prompt, tokens[:60])[0]
+        eager_mel = graphs.flow.inference_batch([item])[0]
+        graph_mel = graphs.flow.inference_batch([item], solver=solver)[0]
+        _synchronize()
         started = time.monotonic()
-        graphs.convert(calls)
+        prefix = graphs._prefix(Conversion("check", tokens[:60], prompt, 0, False), item)
+        _synchronize()
+        report["flow_prefix_record_ms"] = round(1000 * (time.monotonic() - started), 1)
+        assert prefix is not None
+        report["flow_prefix_frames"] = prefix.frames
+        report["flow_prefix_mb"] = round(prefix.nbytes / 2**20, 1)
+        prefix_mel = graphs.flow.inference_batch([item], solver=solver, prefix=prefix)[0]
+    mode = "eager" if solver is None else "graph"
+    report[f"flow_{mode}_vs_eager_rel_error"] = _relative(graph_mel, eager_mel)
+    report[f"flow_{mode}_after_prefix_vs_eager_rel_error"] = _relative(prefix_mel, eager_mel)
+    for cached in (True, False):
+        graphs.prefix_cache = cache if cached else None
+        label = "prefix" if cached else "whole"
+        for count in counts:
+            for _ in range(2):  # the first pass warms up (and records the voice's prefix)
+                times = _first_then_later(graphs, prompt, tokens, count)
+            for name, (ms, split) in times.items():
+                report[f"token2wav_{name}_chunks_{count}_{label}_ms"] = ms
+                report[f"token2wav_{name}_chunks_{count}_{label}_split"] = split
+    graphs.prefix_cache = cache
+
+
+def _first_then_later(
+    t2w: Token2Wav, prompt: VoicePrompt, tokens: np.ndarray, count: int
+) -> dict[str, tuple[float, dict[str, float]]]:
+    """``count`` streams' first chunks (15 tokens + look-ahead) as one batch, then their chunks 100 tokens in."""
+    first = [Conversion(f"s{count}-{i}", tokens[:18], prompt, 0, False) for i in range(count)]
+    later = [Conversion(f"s{count}-{i}", tokens[:103], prompt, 15, False) for i in range(count)]
+    times = {}
+    for name, calls in (("first", first), ("later", later)):
+        _synchronize()
+        started = time.monotonic()
+        t2w.convert(calls)
+        _synchronize()
+        times[name] = (
+            round(1000 * (time.monotonic() - started), 1),
+            {k: round(v, 4) for k, v in t2w.last_timing.items()},
+        )
+    for call in first:
+        t2w.release(call.session_id)
+    return times
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        report[f"token2wav_first_chunks_{count}_ms"] = round(1000 * (time.monotonic() - started), 1)
-        report[f"token2wav_first_chunks_{count}_split"] = {k: round(v, 4) for k, v in graphs.last_timing.items()}
-        for call in calls:
-            graphs.release(call.session_id)
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return round(float((got - expected).norm() / expected.norm()), 6)
 
 
 def _items(t2w: Token2Wav, prompt: VoicePrompt, tokens: np.ndarray) -> list[Any]:
@@ -121,14 +189,50 @@ def _items(t2w: Token2Wav, prompt: VoicePrompt, tokens: np.ndarray) -> list[Any]
     return [t2w._flow_item(call, torch.as_tensor(tokens))]
 
 
+def _flow_and_hift(root: Path) -> Path:
+    """The full-size config, flow.pt and hift.pt alone (what token2wav loads), as the full checkpoint has them."""
+    model_dir = root / COSYVOICE_DIRNAME
+    model_dir.mkdir(parents=True, exist_ok=True)
+    size = full_size()
+    config.write_config(size.model, model_dir / CONFIG_FILENAME)
+    for filename, state in module_states(size.model).items():
+        torch.save(state, model_dir / filename)
+    return model_dir
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--token2wav-only", action="store_true", help="skip the LLM (and writing its weights)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="token2wav on the CPU in float32, eagerly (implies --token2wav-only)"
+    )
+    parser.add_argument("--graph-rows", type=int, default=32)
+    parser.add_argument("--graph-frames", type=int, default=1536)
+    parser.add_argument("--counts", default="1,4,16,32", help="batch sizes of the token2wav timings")
     args = parser.parse_args()
-    checkpoint, _ = ensure_checkpoint(args.workdir.resolve() / "models", full_size())
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for check in (lambda: check_llm(checkpoint.llm_dir, report), lambda: check_token2wav(checkpoint.model_dir, report)):
+    device = "cpu" if args.cpu else torch.cuda.get_device_name()
+    report: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    counts = [int(count) for count in args.counts.split(",")]
+    if args.token2wav_only or args.cpu:
+        model_dir = _flow_and_hift(args.workdir.resolve() / "token2wav_only")
+        checks = []
+    else:
+        checkpoint, _ = ensure_checkpoint(args.workdir.resolve() / "models", full_size())
+        model_dir = checkpoint.model_dir
+        checks = [lambda: check_llm(checkpoint.llm_dir, report)]
+    checks.append(
+        lambda: check_token2wav(
+            model_dir,
+            report,
+            cpu=args.cpu,
+            graph_rows=args.graph_rows,
+            graph_frames=args.graph_frames,
+            counts=counts,
+        )
+    )
+    for check in checks:
         try:
             check()
         except Exception as exc:  # report what ran, then the failure

@@ -5,17 +5,20 @@ embedded together, encoded and upsampled x``token_mel_ratio`` by the conformer e
 mel width (``mu``), and decoded by conditional flow matching conditioned on ``mu``, the projected
 speaker embedding and the prompt's mel frames. Only the target's frames are returned.
 
-Streaming follows upstream: every chunk re-runs the flow over prompt + all target tokens so far
-(there is no flow cache). Unless ``finalize``, the last ``pre_lookahead_len`` tokens only feed the
-encoder's look-ahead and get no frames of their own. Because the noise is pre-drawn and sliced, the
-frames of a prefix computed again come out the same, which is what lets chunks be cut at any frame.
+Streaming follows upstream: every chunk runs the flow over prompt + all target tokens so far.
+Unless ``finalize``, the last ``pre_lookahead_len`` tokens only feed the encoder's look-ahead and get
+no frames of their own. Because the noise is pre-drawn and sliced, the frames of a prefix computed
+again come out the same, which is what lets chunks be cut at any frame. What the estimator computes
+for the voice prompt is the same in every streaming chunk, so it can be recorded once per voice
+(:meth:`CausalFlow.record_prefix`) and replayed (:mod:`.flow_prefix`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,9 +27,21 @@ from torch.nn import functional as F
 from tts_backends.cosyvoice2.config import FlowConfig
 from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES, CausalConditionalCFM
 from tts_backends.cosyvoice2.flow_encoder import UpsampleConformerEncoder
+from tts_backends.cosyvoice2.flow_prefix import (
+    PrefixRecorder,
+    PrefixReplay,
+    VoicePrefix,
+    chunk_alignment,
+    prefix_frames,
+)
 
-MelSolver = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor | None]
-"""``(mu, mask, speaker, cond, streaming) -> mel | None``: a replacement for the eager solve."""
+
+class MelSolver(Protocol):
+    """A replacement for the eager solve (CUDA-graph replays): the mel, or None where it has no fitting shape."""
+
+    def __call__(
+        self, mu: Tensor, mask: Tensor, speaker: Tensor, cond: Tensor, streaming: Tensor, prefix: VoicePrefix | None
+    ) -> Tensor | None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +82,41 @@ class CausalFlow(nn.Module):
         except RuntimeError as exc:
             raise RuntimeError(f"{path} does not match the flow hyperparameters of cosyvoice2.yaml: {exc}") from exc
         return flow.to(device=device, dtype=dtype).eval()
+
+    def prefix_frames(self, prompt_tokens: int, limit: int = NOISE_FRAMES) -> int:
+        """Frames of a prompt of ``prompt_tokens`` tokens that :meth:`record_prefix` can record (0: none)."""
+        cfg = self.cfg
+        align = chunk_alignment(self.decoder.estimator.chunk_size, cfg.encoder.static_chunk_size, cfg.token_mel_ratio)
+        if self.decoder.estimator.chunk_size <= 0 or cfg.encoder.static_chunk_size <= 0:
+            return 0  # attention over everything: no frame is final before the last
+        return prefix_frames(
+            prompt_tokens, lookahead=cfg.pre_lookahead_len, ratio=cfg.token_mel_ratio, align=align, limit=limit
+        )
+
+    @torch.inference_mode()
+    def record_prefix(
+        self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, frames: int, *, n_timesteps: int = 10
+    ) -> VoicePrefix:
+        """What every streaming solve computes for the voice's first ``frames`` mel frames.
+
+        prompt_token ``[Tp]``, prompt_feat ``[ratio*Tp, 80]``, embedding ``[192]``; ``frames`` from
+        :meth:`prefix_frames`. The prefix is solved alone: nothing in it depends on later frames.
+        """
+        if not 0 < frames <= self.prefix_frames(prompt_token.numel()):
+            raise ValueError(f"{frames} frames are not a recordable prefix of {prompt_token.numel()} prompt tokens")
+        weight = self.input_embedding.weight
+        device, dtype = weight.device, weight.dtype
+        tokens = prompt_token.reshape(1, -1).to(device).clamp(min=0)
+        x = self.input_embedding(torch.cat([tokens, tokens.new_zeros(1, self.cfg.pre_lookahead_len)], dim=1))
+        yes = torch.tensor([True], device=device)
+        h = self.encoder(x, torch.tensor([tokens.size(1)], device=device), ~yes, yes)
+        mu = self.encoder_proj(h).transpose(1, 2)[:, :, :frames].contiguous()
+        speaker = self.spk_embed_affine_layer(F.normalize(embedding.reshape(1, -1).to(device, dtype), dim=1))
+        cond = prompt_feat[:frames].transpose(0, 1).unsqueeze(0).to(device, dtype)
+        recorder = PrefixRecorder()
+        mask = torch.ones(1, 1, frames, device=device, dtype=dtype)
+        self.decoder(mu, mask, speaker, cond, n_timesteps, yes, tape=recorder)
+        return VoicePrefix(frames, tuple(recorder.tensors))
 
     def mel_frames(self, target_tokens: int, *, finalize: bool) -> int:
         """Frames :meth:`inference` returns for ``target_tokens`` target tokens."""
@@ -130,15 +180,24 @@ class CausalFlow(nn.Module):
 
     @torch.inference_mode()
     def inference_batch(
-        self, items: Sequence[FlowItem], *, n_timesteps: int = 10, solver: MelSolver | None = None
+        self,
+        items: Sequence[FlowItem],
+        *,
+        n_timesteps: int = 10,
+        solver: MelSolver | None = None,
+        prefix: VoicePrefix | None = None,
     ) -> list[Tensor]:
         """Mel ``[80, frames_i]`` (float32) of each item's target tokens, computed as one batch.
 
         Rows are right-padded to the longest; the encoder and the estimator mask the padding, so
         each row gets what it would get alone (up to floating-point reordering). ``solver`` (for
         example CUDA-graph replays, :mod:`tts_backends.cosyvoice2.flow_graphs`) replaces the eager
-        flow-matching solve where it has a shape that fits.
+        flow-matching solve where it has a shape that fits. With ``prefix`` (recorded for the
+        items' voice, which all items must share, all streaming) the solve runs only after it.
         """
+        start = 0 if prefix is None else prefix.frames
+        if prefix is not None and not all(item.streaming and item.prompt_feat.size(0) >= start for item in items):
+            raise ValueError("a voice prefix serves streaming chunks of a prompt at least as long as the prefix")
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
         lookahead = self.cfg.pre_lookahead_len
@@ -167,7 +226,14 @@ class CausalFlow(nn.Module):
             cond[row, :, : item.prompt_feat.size(0)] = item.prompt_feat.transpose(0, 1).to(device, dtype)
         steps = torch.arange(frames, device=device)
         mask = (steps.unsqueeze(0) < ratio * lengths.unsqueeze(1)).unsqueeze(1).to(dtype)
-        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming)
+        if prefix is not None:
+            mu, mask, cond = mu[:, :, start:], mask[:, :, start:], cond[:, :, start:]
+        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefix)
         if mel is None:
-            mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming)
-        return [mel[row, :, item.prompt_feat.size(0) : ratio * voiced[row]] for row, item in enumerate(items)]
+            tape = None
+            if prefix is not None:
+                tape = PrefixReplay(prefix.tensors, torch.ones(start, dtype=torch.bool, device=device))
+            noise = self.decoder.noise(start, mu.size(2))
+            mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming, noise=noise, tape=tape)
+        ends = [(item.prompt_feat.size(0) - start, ratio * voiced[row] - start) for row, item in enumerate(items)]
+        return [mel[row, :, first:last] for row, (first, last) in enumerate(ends)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +27,29 @@ so recomputing a prefix gives the same mel: streaming chunks agree with each oth
 _MASK_BIAS = -1.0e10
 
 
+class EstimatorTape(Protocol):
+    """Left context for a solve over frames that follow a prefix solved before (see :mod:`.flow_prefix`).
+
+    The estimator hands every causal convolution's input and every attention's keys and values
+    to the tape, in a fixed order. A recording tape keeps the prefix's and returns them as they
+    are; a replaying tape returns them with the prefix's in front, so frames after the prefix
+    come out as if the prefix had been solved with them.
+    """
+
+    @property
+    def visible(self) -> Tensor | None:
+        """``[P]`` bool: which of the replayed prefix frames are real (None while recording)."""
+        ...
+
+    def context(self, x: Tensor, width: int) -> Tensor:
+        """``x`` ``[B, C, T]`` with ``width`` frames of left context in front."""
+        ...
+
+    def keys_values(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[B, heads, T, d]``, with the prefix's in front when replaying."""
+        ...
+
+
 class CausalConv1d(nn.Conv1d):
     """A stride-1 convolution padded on the left only, so frame t never sees frames after t."""
 
@@ -34,8 +57,9 @@ class CausalConv1d(nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size)
         self.left_pad = kernel_size - 1
 
-    def forward(self, x: Tensor) -> Tensor:
-        return super().forward(F.pad(x, (self.left_pad, 0)))
+    def forward(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        padded = F.pad(x, (self.left_pad, 0)) if tape is None else tape.context(x, self.left_pad)
+        return super().forward(padded)
 
 
 class _Transpose(nn.Module):
@@ -52,8 +76,12 @@ class CausalBlock1D(nn.Module):
             CausalConv1d(dim, dim_out, 3), _Transpose(), nn.LayerNorm(dim_out), _Transpose(), nn.Mish()
         )
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        return self.block(x * mask) * mask
+    def forward(self, x: Tensor, mask: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        conv, *rest = self.block
+        h = cast(CausalConv1d, conv)(x * mask, tape)
+        for layer in rest:
+            h = layer(h)
+        return h * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -66,9 +94,9 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor, time: Tensor) -> Tensor:
-        h = self.block1(x, mask) + self.mlp(time).unsqueeze(-1)
-        return self.block2(h, mask) + self.res_conv(x * mask)
+    def forward(self, x: Tensor, mask: Tensor, time: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        h = self.block1(x, mask, tape) + self.mlp(time).unsqueeze(-1)
+        return self.block2(h, mask, tape) + self.res_conv(x * mask)
 
 
 class Attention(nn.Module):
@@ -83,16 +111,18 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        """x ``[B, T, dim]``; bias ``[B or 1, T, T]``, 0 where visible and very negative elsewhere."""
+    def forward(self, x: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        """x ``[B, T, dim]``; bias ``[B or 1, T, keys]``, 0 where visible and very negative elsewhere
+        (keys: T, plus the prefix's frames when a tape replays them)."""
         batch, length, _ = x.shape
 
         def heads(t: Tensor) -> Tensor:
             return t.view(batch, length, self.heads, -1).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
-            heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x)), attn_mask=bias.unsqueeze(1)
-        )
+        keys, values = heads(self.to_k(x)), heads(self.to_v(x))
+        if tape is not None:
+            keys, values = tape.keys_values(keys, values)
+        out = F.scaled_dot_product_attention(heads(self.to_q(x)), keys, values, attn_mask=bias.unsqueeze(1))
         return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -125,8 +155,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x), bias)
+    def forward(self, x: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), bias, tape)
         return x + self.ff(self.norm3(x))
 
 
@@ -154,15 +184,20 @@ class UNetLevel(nn.ModuleList):
     def __init__(self, resnet: CausalResnetBlock1D, blocks: nn.ModuleList, resample: nn.Module | None) -> None:
         super().__init__([resnet, blocks] if resample is None else [resnet, blocks, resample])
 
-    def forward(self, x: Tensor, mask: Tensor, time: Tensor, bias: Tensor) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, time: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
         """Resnet then transformers; :meth:`resample` is separate because the skip is taken in between."""
-        x = self[0](x, mask, time).transpose(1, 2)
+        x = self[0](x, mask, time, tape).transpose(1, 2)
         for block in cast(nn.ModuleList, self[1]):
-            x = block(x, bias)
+            x = block(x, bias, tape)
         return x.transpose(1, 2).contiguous()
 
-    def resample(self, x: Tensor) -> Tensor:
-        return cast(Tensor, self[2](x))
+    def resample(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        resample = self[2]
+        if isinstance(resample, CausalConv1d):
+            return resample(x, tape)
+        if tape is not None:
+            raise ValueError("a prefix tape needs a U-Net without down- or upsampling (one level)")
+        return cast(Tensor, resample(x))
 
 
 def _sinusoidal_time(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
@@ -220,43 +255,60 @@ class CausalConditionalDecoder(nn.Module):
         self.final_block = CausalBlock1D(widths[-1], widths[-1])
         self.final_proj = nn.Conv1d(widths[-1], cfg.out_channels, 1)
 
-    def _attention_bias(self, mask: Tensor, streaming: Tensor, dtype: torch.dtype) -> Tensor:
-        """``[B, T, T]`` additive bias from the padding mask ``[B, 1, T]``; chunked where ``streaming`` ``[B]``."""
+    def _attention_bias(
+        self, mask: Tensor, streaming: Tensor, dtype: torch.dtype, prefix: Tensor | None = None
+    ) -> Tensor:
+        """``[B, T, T]`` additive bias from the padding mask ``[B, 1, T]``; chunked where ``streaming`` ``[B]``.
+
+        With ``prefix`` (``[P]`` bool, the replayed prefix frames that are real), ``[B, T, P + T]``:
+        every real prefix frame lies in an earlier chunk, so every query sees it.
+        """
         length = mask.size(-1)
         visible = mask.bool().expand(-1, length, -1)
         if self.chunk_size > 0:
             chunks = chunk_mask(length, self.chunk_size, mask.device).unsqueeze(0)
             visible = visible & (chunks | ~streaming.view(-1, 1, 1))
+        if prefix is not None:
+            visible = torch.cat([prefix.view(1, 1, -1).expand(visible.size(0), length, -1), visible], dim=2)
         return (1.0 - visible.to(dtype)) * _MASK_BIAS
 
     def forward(
-        self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: Tensor,
+        tape: EstimatorTape | None = None,
     ) -> Tensor:
         """x, mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; t ``[B]``; spks ``[B, 80]``; streaming ``[B]`` bool
-        -> velocity ``[B, 80, T]``."""
+        -> velocity ``[B, 80, T]``. With a replaying ``tape`` the frames continue its prefix."""
         time = self.time_mlp(_sinusoidal_time(t, self.in_channels).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
+        prefix = None if tape is None else tape.visible
 
         skips: list[Tensor] = []
         masks = [mask]
         for level in cast(Iterable[UNetLevel], self.down_blocks):
             level_mask = masks[-1]
-            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype))
+            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), tape)
             skips.append(h)
-            h = level.resample(h * level_mask)
+            h = level.resample(h * level_mask, tape)
             masks.append(level_mask[:, :, ::2])
         masks.pop()
         mid_mask = masks[-1]
-        mid_bias = self._attention_bias(mid_mask, streaming, h.dtype)
+        mid_bias = self._attention_bias(mid_mask, streaming, h.dtype, prefix)
         for level in cast(Iterable[UNetLevel], self.mid_blocks):
-            h = level(h, mid_mask, time, mid_bias)
+            h = level(h, mid_mask, time, mid_bias, tape)
         for level in cast(Iterable[UNetLevel], self.up_blocks):
             level_mask = masks.pop()
             skip = skips.pop()
             h = torch.cat([h[:, :, : skip.size(-1)], skip], dim=1)
-            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype))
-            h = level.resample(h * level_mask)
-        h = self.final_block(h, mask)
+            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), tape)
+            h = level.resample(h * level_mask, tape)
+        h = self.final_block(h, mask, tape)
         return self.final_proj(h * mask) * mask
 
 
@@ -280,18 +332,37 @@ class CausalConditionalCFM(nn.Module):
         t = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
         return 1 - torch.cos(t * 0.5 * torch.pi) if self.cosine_schedule else t
 
+    def noise(self, start: int, frames: int) -> Tensor:
+        """``[1, 80, frames]``: the pre-drawn noise of frames ``start`` to ``start + frames``."""
+        if start + frames > self.rand_noise.size(2):
+            raise ValueError(
+                f"{start + frames} mel frames exceed the {self.rand_noise.size(2)} frames of pre-drawn noise"
+            )
+        return self.rand_noise[:, :, start : start + frames]
+
     def forward(
-        self, mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, n_timesteps: int, streaming: Tensor
+        self,
+        mu: Tensor,
+        mask: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        n_timesteps: int,
+        streaming: Tensor,
+        *,
+        noise: Tensor | None = None,
+        tape: EstimatorTape | None = None,
     ) -> Tensor:
         """mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; spks ``[B, 80]``; streaming ``[B]`` bool
         -> mel ``[B, 80, T]`` (float32).
 
+        ``noise`` (``[1 or B, 80, T]``) is where the solve starts, by default the pre-drawn noise of
+        frames ``0..T``; a solve that continues a ``tape``'s prefix starts from the noise after it.
         Pure tensor code on the inputs' device, so one solve can be recorded as a CUDA graph.
         """
         rows, _, frames = mu.shape
-        if frames > self.rand_noise.size(2):
-            raise ValueError(f"{frames} mel frames exceed the {self.rand_noise.size(2)} frames of pre-drawn noise")
-        x = self.rand_noise[:, :, :frames].to(mu.device, mu.dtype).expand(rows, -1, -1)
+        if noise is None:
+            noise = self.noise(0, frames)
+        x = noise.to(mu.device, mu.dtype).expand(rows, -1, -1)
         t_span = self.time_steps(n_timesteps, mu.device, mu.dtype)
 
         # Rows 0..B-1 are conditioned, rows B..2B-1 unconditioned (zeros): classifier-free guidance in one batch.
@@ -304,7 +375,7 @@ class CausalConditionalCFM(nn.Module):
         t, dt = t_span[0:1], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
             velocity = self.estimator(
-                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * rows), spks_in, cond_in, streaming_in
+                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * rows), spks_in, cond_in, streaming_in, tape
             )
             guided, unconditioned = velocity[:rows], velocity[rows:]
             x = x + dt * ((1.0 + self.cfg_rate) * guided - self.cfg_rate * unconditioned)

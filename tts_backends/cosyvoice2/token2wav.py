@@ -1,9 +1,11 @@
 """Speech tokens -> 24 kHz waveform: CosyVoice2's flow (tokens -> mel) followed by HiFT (mel -> audio).
 
-Offline, all tokens are converted at once. Streaming, every chunk re-runs the flow over the voice
-prompt and all target tokens so far (upstream has no flow cache), keeps the mel of the tokens not
-converted yet, and vocodes it with per-request HiFT state (:class:`HiftStreamState`) so that the
-chunks join without clicks.
+Offline, all tokens are converted at once. Streaming, every chunk runs the flow over the voice
+prompt and all target tokens so far (as upstream), keeps the mel of the tokens not converted yet,
+and vocodes it with per-request HiFT state (:class:`HiftStreamState`) so that the chunks join
+without clicks. With a voice prefix cache (``prefix_cache_mb``), what the flow computes for a
+voice's prompt is recorded at the voice's first streaming chunk and later chunks solve only the
+frames after it (:mod:`.flow_prefix`).
 
 The per-request state lives in a dict keyed by a caller-chosen request id. Upstream mixed audio
 between concurrent requests whose ids were empty or reused; here an id must be non-empty, a chunk
@@ -31,7 +33,9 @@ from torch import Tensor
 
 from tts_backends.cosyvoice2.config import load_config
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem, MelSolver
+from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
+from tts_backends.cosyvoice2.flow_prefix import VoicePrefix, VoicePrefixCache, bytes_per_frame, voice_key
 from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
@@ -104,6 +108,8 @@ class Token2Wav:
         vocoder_seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
         solver: MelSolver | None = None,
+        prefix_cache: VoicePrefixCache | None = None,
+        prefix_limit: int = NOISE_FRAMES,
     ) -> None:
         if state_ttl_s <= 0:
             raise ValueError("state_ttl_s must be positive")
@@ -120,6 +126,10 @@ class Token2Wav:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self.solver = solver
+        self.prefix_cache = prefix_cache
+        self.prefix_limit = prefix_limit
+        if prefix_cache is not None:
+            self.prefix_limit = _frames_within(prefix_cache, flow, n_timesteps, prefix_limit)
         self.sync_timing = False
         self.last_timing: dict[str, float] = {}
 
@@ -137,6 +147,8 @@ class Token2Wav:
         graph_rows: int = 0,
         graph_frames: int = 1536,
         graph_frame_step: int = 128,
+        prefix_cache_mb: int = 0,
+        prefix_frames: int = 300,
     ) -> Token2Wav:
         """Load ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt`` from ``model_dir``.
 
@@ -144,12 +156,16 @@ class Token2Wav:
         keeps it even when the flow runs in fp16: it is cheap and its exp/iSTFT head is sensitive).
         ``graph_rows`` > 0 on a CUDA device records the flow-matching solve as CUDA graphs for
         batches of up to that many calls and ``graph_frames`` mel frames (:class:`FlowSolverGraphs`).
+        ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
+        (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         """
         device = torch.device(device)
         cfg = load_config(model_dir / "cosyvoice2.yaml")
         flow = CausalFlow.from_checkpoint(cfg.flow, model_dir / "flow.pt", device, dtype)
         hift = HiFTGenerator.from_checkpoint(cfg.hift, model_dir / "hift.pt", device, hift_dtype)
         solver = None
+        prefix_cache = VoicePrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
+        prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
         if graph_rows > 0 and device.type == "cuda":
             solver = FlowSolverGraphs(
                 flow.decoder,
@@ -160,9 +176,17 @@ class Token2Wav:
                 frame_step=graph_frame_step,
                 device=device,
                 dtype=dtype,
+                prefix_frames=prefix_frames,
             )
         return cls(
-            flow, hift, n_timesteps=n_timesteps, state_ttl_s=state_ttl_s, vocoder_seed=vocoder_seed, solver=solver
+            flow,
+            hift,
+            n_timesteps=n_timesteps,
+            state_ttl_s=state_ttl_s,
+            vocoder_seed=vocoder_seed,
+            solver=solver,
+            prefix_cache=prefix_cache,
+            prefix_limit=prefix_frames,
         )
 
     @property
@@ -271,13 +295,22 @@ class Token2Wav:
     ) -> list[NDArray[np.float32]]:
         started = time.monotonic()
         items = [item for _, _, item, _ in ready]
+        prefixes = [self._prefix(call, item) for _, call, item, _ in ready]
         mels: list[Tensor] = [torch.zeros(0)] * len(items)
         for group in self._length_groups(items):
-            grouped = self.flow.inference_batch(
-                [items[i] for i in group], n_timesteps=self.n_timesteps, solver=self.solver
-            )
-            for index, mel in zip(group, grouped, strict=True):
-                mels[index] = mel
+            # A batch shares one voice prefix (or none): its recorded tensors are broadcast over the rows.
+            by_prefix: dict[int, list[int]] = {}
+            for index in group:
+                by_prefix.setdefault(id(prefixes[index]), []).append(index)
+            for members in by_prefix.values():
+                grouped = self.flow.inference_batch(
+                    [items[i] for i in members],
+                    n_timesteps=self.n_timesteps,
+                    solver=self.solver,
+                    prefix=prefixes[members[0]],
+                )
+                for index, mel in zip(members, grouped, strict=True):
+                    mels[index] = mel
         if self.sync_timing and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         flowed = time.monotonic()
@@ -306,6 +339,23 @@ class Token2Wav:
             "hift_s": time.monotonic() - flowed,
         }
         return audio
+
+    def _prefix(self, call: Conversion, item: FlowItem) -> VoicePrefix | None:
+        """The recorded prefix of a streaming chunk's voice, recorded now if it is not cached yet."""
+        if self.prefix_cache is None or not item.streaming:
+            return None
+        frames = self.flow.prefix_frames(item.prompt_token.numel(), self.prefix_limit)
+        if frames == 0:
+            return None
+        prompt = call.prompt
+        key = voice_key(np.asarray(prompt.speech_tokens), np.asarray(prompt.feats), np.asarray(prompt.embedding))
+        prefix = self.prefix_cache.get(key)
+        if prefix is None or prefix.frames != frames:
+            prefix = self.flow.record_prefix(
+                item.prompt_token, item.prompt_feat, item.embedding, frames, n_timesteps=self.n_timesteps
+            )
+            self.prefix_cache.put(key, prefix)
+        return prefix
 
     def _length_groups(self, items: list[FlowItem]) -> list[list[int]]:
         """Indices of ``items`` grouped by length, shortest first: each group is padded only to its own
@@ -417,6 +467,11 @@ class Token2Wav:
     @staticmethod
     def _to_numpy(wav: Tensor) -> NDArray[np.float32]:
         return np.ascontiguousarray(wav.detach().float().cpu().numpy(), dtype=np.float32)
+
+
+def _frames_within(cache: VoicePrefixCache, flow: CausalFlow, n_timesteps: int, frames: int) -> int:
+    """``frames``, fewer if a prefix that long would not fit the cache (it would be recorded at every chunk)."""
+    return min(frames, cache.max_bytes // bytes_per_frame(flow.decoder.estimator, n_timesteps))
 
 
 def _unwrap(result: NDArray[np.float32] | Exception) -> NDArray[np.float32]:

@@ -45,6 +45,8 @@ class TritonPythonModel:
             n_timesteps=int(params["n_timesteps"]),
             graph_rows=int(params["graph_rows"]),
             graph_frames=int(params["graph_frames"]),
+            prefix_cache_mb=int(params["prefix_cache_mb"]),
+            prefix_frames=int(params["prefix_frames"]),
         )
         self._trace = StageTrace.from_env("token2wav")
         self._token2wav.sync_timing = self._trace.enabled

@@ -1,0 +1,247 @@
+"""The voice prefix cache: streaming chunks solved after a recorded prompt prefix equal chunks solved whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numpy.typing import NDArray
+
+from tts_backends.cosyvoice2.config import tiny_config, write_config
+from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
+from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
+from tts_backends.cosyvoice2.flow_prefix import (
+    PrefixReplay,
+    VoicePrefix,
+    VoicePrefixCache,
+    chunk_alignment,
+    prefix_frames,
+    voice_key,
+)
+from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.hift import HiFTGenerator
+from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+
+pytestmark = pytest.mark.cosyvoice
+
+PROMPT_TOKENS = 80  # 160 prompt frames; the prefix is 150 (three 50-frame chunks, look-ahead inside the prompt)
+
+
+@pytest.fixture(scope="module")
+def flow() -> CausalFlow:
+    torch.manual_seed(0)
+    return CausalFlow(tiny_config().flow).eval()
+
+
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 6561, (tokens,), generator=generator),
+        torch.randn(2 * tokens, 80, generator=generator),
+        torch.randn(192, generator=generator),
+    )
+
+
+def chunk(voice: tuple[torch.Tensor, torch.Tensor, torch.Tensor], tokens: int, seed: int) -> FlowItem:
+    target = torch.randint(0, 6561, (tokens,), generator=torch.Generator().manual_seed(seed))
+    return FlowItem(target, *voice, streaming=True, finalize=False)
+
+
+def test_the_prefix_ends_on_a_chunk_boundary_its_look_ahead_does_not_cross() -> None:
+    assert chunk_alignment(50, 25, 2) == 50
+    assert chunk_alignment(50, 0, 2) == 50
+    # 80 tokens: frames up to token 77 (154) are safe; the last whole chunk ends at 150.
+    assert prefix_frames(80, lookahead=3, ratio=2, align=50, limit=10_000) == 150
+    assert prefix_frames(78, lookahead=3, ratio=2, align=50, limit=10_000) == 150
+    assert prefix_frames(77, lookahead=3, ratio=2, align=50, limit=10_000) == 100
+    assert prefix_frames(80, lookahead=3, ratio=2, align=50, limit=120) == 100
+    assert prefix_frames(20, lookahead=3, ratio=2, align=50, limit=10_000) == 0
+
+
+def test_streaming_chunks_after_the_prefix_equal_chunks_solved_whole(flow: CausalFlow) -> None:
+    voice = prompt(1)
+    frames = flow.prefix_frames(PROMPT_TOKENS)
+    assert frames == 150
+    prefix = flow.record_prefix(*voice, frames)
+    for tokens in (18, 43, 100):
+        item = chunk(voice, tokens, tokens)
+        whole = flow.inference_batch([item])[0]
+        after = flow.inference_batch([item], prefix=prefix)[0]
+        assert after.shape == whole.shape == (80, 2 * (tokens - 3))
+        torch.testing.assert_close(after, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_one_voice_share_the_prefix_in_one_batch(flow: CausalFlow) -> None:
+    voice = prompt(2)
+    prefix = flow.record_prefix(*voice, flow.prefix_frames(PROMPT_TOKENS))
+    items = [chunk(voice, 20, 1), chunk(voice, 57, 2), chunk(voice, 31, 3)]
+    for whole, after in zip(flow.inference_batch(items), flow.inference_batch(items, prefix=prefix), strict=True):
+        torch.testing.assert_close(after, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: CausalFlow) -> None:
+    """What the CUDA graphs do: the prefix sits in fixed-size buffers, its unused frames masked."""
+    voice = prompt(3)
+    prefix = flow.record_prefix(*voice, 100)
+    item = chunk(voice, 30, 4)
+    expected = flow.inference_batch([item], prefix=prefix)[0]
+
+    capacity = 250
+    padded = []
+    for tensor in prefix.tensors:
+        if tensor.dim() == 4:  # keys and values [2, heads, frames, d]; the rest is garbage that must not count
+            buffer = torch.full((*tensor.shape[:2], capacity, tensor.shape[3]), 7.0)
+            buffer[:, :, : prefix.frames] = tensor
+            padded.append(buffer)
+        else:
+            padded.append(tensor)
+    visible = torch.zeros(capacity, dtype=torch.bool)
+    visible[: prefix.frames] = True
+
+    def padded_solver(mu, mask, speaker, cond, streaming, given):  # type: ignore[no-untyped-def]
+        assert given is prefix
+        return flow.decoder(
+            mu,
+            mask,
+            speaker,
+            cond,
+            10,
+            streaming,
+            noise=flow.decoder.noise(given.frames, mu.size(2)),
+            tape=PrefixReplay(padded, visible),
+        )
+
+    got = flow.inference_batch([item], prefix=prefix, solver=padded_solver)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flow: CausalFlow) -> None:
+    """FlowSolverGraphs' buffers and buckets, solved eagerly on the CPU (on CUDA they are graph replays)."""
+    graphs = FlowSolverGraphs(
+        flow.decoder,
+        n_timesteps=10,
+        mel_bins=80,
+        max_rows=2,
+        max_frames=256,
+        frame_step=128,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        prefix_frames=200,
+    )
+    assert graphs.buckets == [(r, f, p) for r in (1, 2) for f in (128, 256) for p in (False, True)]
+    # A longer prefix, then a shorter one whose unused buffer frames still hold the first voice's.
+    for voice, frames in ((prompt(6), 150), (prompt(7, tokens=60), 100), (prompt(6), 150)):
+        assert flow.prefix_frames(voice[0].numel()) == frames
+        prefix = flow.record_prefix(*voice, frames)
+        items = [chunk(voice, 20, 1), chunk(voice, 45, 2)]
+        whole = flow.inference_batch(items)
+        replayed = flow.inference_batch(items, solver=graphs, prefix=prefix)
+        for want, got in zip(whole, replayed, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for want, got in zip(whole, flow.inference_batch(items, solver=graphs), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    too_long = VoicePrefix(250, prefix.tensors)
+    mu = torch.zeros(1, 80, 100)
+    streaming = torch.ones(1, dtype=torch.bool)
+    assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, too_long) is None
+
+
+def test_a_prefix_serves_only_streaming_chunks_of_a_long_enough_prompt(flow: CausalFlow) -> None:
+    voice = prompt(4)
+    prefix = flow.record_prefix(*voice, 100)
+    offline = FlowItem(torch.arange(10), *voice, streaming=False, finalize=True)
+    with pytest.raises(ValueError, match="streaming"):
+        flow.inference_batch([offline], prefix=prefix)
+    with pytest.raises(ValueError, match="not a recordable prefix"):
+        flow.record_prefix(*voice, 200)
+    with pytest.raises(ValueError, match="not a recordable prefix"):
+        flow.record_prefix(*prompt(5, tokens=20), 50)
+
+
+def test_voices_are_keyed_by_their_contents() -> None:
+    rng = np.random.default_rng(0)
+    tokens, feats, embedding = rng.integers(0, 6561, 40), rng.standard_normal((80, 80)), rng.standard_normal(192)
+    assert voice_key(tokens, feats, embedding) == voice_key(tokens.copy(), feats.copy(), embedding.copy())
+    changed = feats.copy()
+    changed[3, 3] += 1e-3
+    assert voice_key(tokens, changed, embedding) != voice_key(tokens, feats, embedding)
+
+
+def test_the_cache_drops_the_least_recently_used_voice_beyond_its_budget() -> None:
+    def entry(megabytes: int) -> VoicePrefix:
+        return VoicePrefix(50, (torch.zeros(megabytes << 18),))  # float32: 4 bytes each
+
+    cache = VoicePrefixCache(3 << 20)
+    cache.put("a", entry(1))
+    cache.put("b", entry(1))
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("c", entry(2))
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.nbytes == 3 << 20
+    cache.put("huge", entry(4))  # larger than the whole budget: not kept, nothing dropped for it
+    assert cache.get("huge") is None and len(cache) == 2
+
+
+# --- through Token2Wav ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory: Path = tmp_path_factory.mktemp("cosyvoice2")
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    write_config(cfg, directory / "cosyvoice2.yaml")
+    torch.save(CausalFlow(cfg.flow).state_dict(), directory / "flow.pt")
+    torch.save(HiFTGenerator(cfg.hift).state_dict(), directory / "hift.pt")
+    return directory
+
+
+def voice(seed: int, tokens: int = PROMPT_TOKENS) -> VoicePrompt:
+    rng = np.random.default_rng(seed)
+    return VoicePrompt(
+        speech_tokens=rng.integers(0, 6561, tokens),
+        feats=rng.standard_normal((2 * tokens, 80)).astype(np.float32),
+        embedding=rng.standard_normal(192).astype(np.float32),
+    )
+
+
+def stream(t2w: Token2Wav, session: str, speaker: VoicePrompt, hops: list[int]) -> list[NDArray[np.float32]]:
+    """A whole stream: chunks ending at each of ``hops`` tokens (plus look-ahead), then the final chunk."""
+    tokens = np.random.default_rng(len(session)).integers(0, 6561, hops[-1] + 10)
+    pieces, offset = [], 0
+    for hop in hops:
+        pieces.append(t2w.stream_chunk(session, tokens[: hop + 3], speaker, offset, False))
+        offset = hop
+    pieces.append(t2w.stream_chunk(session, tokens, speaker, offset, True))
+    return pieces
+
+
+def test_a_stream_sounds_the_same_with_and_without_the_prefix_cache(model_dir: Path) -> None:
+    plain = Token2Wav.from_model_dir(model_dir)
+    cached = Token2Wav.from_model_dir(model_dir, prefix_cache_mb=64)
+    assert cached.prefix_cache is not None
+    speakers = [voice(1), voice(2)]
+    for index, speaker in enumerate(speakers * 2):
+        hops = [15, 40, 90]
+        expected = stream(plain, f"s{index}", speaker, hops)
+        got = stream(cached, f"s{index}", speaker, hops)
+        for want, have in zip(expected, got, strict=True):
+            assert have.shape == want.shape
+            np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4)
+    assert len(cached.prefix_cache) == 2  # one recorded prefix per voice, reused by its later streams
+
+
+def test_short_prompts_offline_calls_and_final_chunks_do_not_use_the_cache(model_dir: Path) -> None:
+    plain = Token2Wav.from_model_dir(model_dir)
+    cached = Token2Wav.from_model_dir(model_dir, prefix_cache_mb=64)
+    assert cached.prefix_cache is not None
+    short = voice(3, tokens=20)
+    for t2w in (plain, cached):
+        t2w.convert([Conversion("short", np.arange(30), short, 0, False)])
+    long = voice(4)
+    offline = [t2w.offline(np.arange(40), long) for t2w in (plain, cached)]
+    final = [t2w.stream_chunk("final", np.arange(40), long, 0, True) for t2w in (plain, cached)]
+    assert len(cached.prefix_cache) == 0
+    assert np.array_equal(offline[0], offline[1]) and np.array_equal(final[0], final[1])
