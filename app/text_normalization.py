@@ -68,6 +68,9 @@ _EN_UNREADABLE: Final = re.compile(r"\d\.\d+\.\d|[A-Za-z]\d+\.\d")
 _ZH_CLUSTER: Final = re.compile(f"[^\\s{_HAN}\u3001-\u303f\uff0c\uff1a\uff1b\uff01\uff1f]+")
 _ZH_NEEDS: Final = re.compile(r"[0-9\uff10-\uff19$€£¥￥%°℃]")
 _ZH_CONTEXT: Final = 4
+# Thousands separators: the Chinese grammar reads "1,200" but garbles it after a currency sign
+# ("¥1,200" as 一元,两百), so they are dropped before it reads a window.
+_ZH_THOUSANDS: Final = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 # Characters in one Chinese grammar call at most (windows that overlap are merged up to this).
 _ZH_WINDOW_CHARS: Final = 32
 # Words this short after a number may be its unit ("km", "pm"); in Chinese runs, Latin letters this
@@ -285,7 +288,7 @@ class TextNormalizer:
         done = 0
         for start, end in spans:
             yield text[done:start]
-            window = text[start:end]
+            window = _ZH_THOUSANDS.sub("", text[start:end])
             try:
                 # The grammar reads 2 as 两 before a measure word, ordinals included: "第2名" is 第二名.
                 yield _keep_edges(window, self._zh(window).replace("第两", "第二"))

@@ -72,9 +72,12 @@ CASES = [
     ("You are #1 here.", "You are number one here."),
     ("We need apples, pears etc. Then we go.", "We need apples, pears et cetera. Then we go."),
     ("Cats vs. dogs, e.g. mine.", "Cats versus dogs, for example mine."),
+    ("Ask Martin Luther King Jr. today.", "Ask Martin Luther King junior today."),
+    ("We climbed Mt. Everest in 1953.", "We climbed Mount Everest in nineteen fifty three."),
     # English: e-mail, URLs, names with numbers
     ("Mail bob@example.com today.", "Mail bob at example dot com today."),
     ("Visit www.example.com today.", "Visit WWW dot example dot com today."),
+    ("See https://openai.com for details.", "See HTTPS colon slash slash openai dot com for details."),
     ("COVID-19 is over.", "COVID-nineteen is over."),
     # Unchanged: words already, versions (the grammar would garble them), other scripts
     ("Hello world, how are you today?", "Hello world, how are you today?"),
@@ -102,6 +105,12 @@ CASES = [
     ("2/3的人", "三分之二的人"),
     ("1990年代", "一九九零年代"),
     ("我花了$5", "我花了五美元"),
+    ("这本书¥5。", "这本书五元。"),
+    # Thousands separators after a currency sign (the grammar alone reads "¥1,200" as 一元,两百)
+    ("这本书¥1,200。", "这本书一千二百元。"),
+    ("花了$1,200。", "花了一千二百美元。"),
+    ("共有12,345,678人。", "共有一千二百三十四万五千六百七十八人。"),
+    ("选项1,2,3都行。", "选项一,二,三都行。"),
     # Mixed: each run in its own language, numbers with their neighbours
     ("我在Apple工作了5年", "我在Apple工作了五年"),
     ("It costs $5 today，价格是5元。", "It costs five dollars today，价格是五元。"),  # noqa: RUF001
