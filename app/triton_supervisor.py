@@ -110,7 +110,7 @@ class TritonSupervisor:
             delay = min(delay * 2, self._backoff_max)
             try:
                 self.server.start()
-            except EmbeddedTritonError as exc:
+            except (EmbeddedTritonError, OSError) as exc:  # OSError: the process could not even be spawned
                 logger.error("restarting the embedded Triton failed; next try in %g s: %s", delay, exc)
                 continue
             logger.info("embedded Triton restarted (pid %s)", self.server.pid)
