@@ -1,4 +1,8 @@
-"""Shared fixtures of the CosyVoice2 model-side tests."""
+"""Shared fixtures of the CosyVoice2 model-side tests.
+
+torch is imported inside the fixtures that need it: the Python 3.12 leg of scripts/test.sh runs a
+module of this folder in an environment without torch.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,27 @@ def reference_dir() -> Path:
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Decode on one thread: a tiny model only loses to thread hand-offs (tens of times slower)."""
-    # Imported here: the Python 3.12 leg of scripts/test.sh runs a module of this folder without torch.
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def token2wav_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny config's ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt``, laid out as the official model dir."""
+    import torch
+
+    from tts_backends.cosyvoice2.config import tiny_config, write_config
+    from tts_backends.cosyvoice2.flow import CausalFlow
+    from tts_backends.cosyvoice2.hift import HiFTGenerator
+
+    directory = tmp_path_factory.mktemp("cosyvoice2")
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    write_config(cfg, directory / "cosyvoice2.yaml")
+    torch.save(CausalFlow(cfg.flow).state_dict(), directory / "flow.pt")
+    torch.save(HiFTGenerator(cfg.hift).state_dict(), directory / "hift.pt")
+    return directory

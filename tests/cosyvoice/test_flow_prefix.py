@@ -9,7 +9,7 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.config import tiny_config, write_config
+from tts_backends.cosyvoice2.config import tiny_config
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.flow_prefix import (
@@ -21,7 +21,6 @@ from tts_backends.cosyvoice2.flow_prefix import (
     voice_key,
 )
 from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
 
 pytestmark = pytest.mark.cosyvoice
@@ -187,17 +186,6 @@ def test_the_cache_drops_the_least_recently_used_voice_beyond_its_budget() -> No
 # --- through Token2Wav ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory: Path = tmp_path_factory.mktemp("cosyvoice2")
-    cfg = tiny_config()
-    torch.manual_seed(0)
-    write_config(cfg, directory / "cosyvoice2.yaml")
-    torch.save(CausalFlow(cfg.flow).state_dict(), directory / "flow.pt")
-    torch.save(HiFTGenerator(cfg.hift).state_dict(), directory / "hift.pt")
-    return directory
-
-
 def voice(seed: int, tokens: int = PROMPT_TOKENS) -> VoicePrompt:
     rng = np.random.default_rng(seed)
     return VoicePrompt(
@@ -218,9 +206,9 @@ def stream(t2w: Token2Wav, session: str, speaker: VoicePrompt, hops: list[int]) 
     return pieces
 
 
-def test_a_stream_sounds_the_same_with_and_without_the_prefix_cache(model_dir: Path) -> None:
-    plain = Token2Wav.from_model_dir(model_dir)
-    cached = Token2Wav.from_model_dir(model_dir, prefix_cache_mb=64)
+def test_a_stream_sounds_the_same_with_and_without_the_prefix_cache(token2wav_dir: Path) -> None:
+    plain = Token2Wav.from_model_dir(token2wav_dir)
+    cached = Token2Wav.from_model_dir(token2wav_dir, prefix_cache_mb=64)
     assert cached.prefix_cache is not None
     speakers = [voice(1), voice(2)]
     for index, speaker in enumerate(speakers * 2):
@@ -233,9 +221,9 @@ def test_a_stream_sounds_the_same_with_and_without_the_prefix_cache(model_dir: P
     assert len(cached.prefix_cache) == 2  # one recorded prefix per voice, reused by its later streams
 
 
-def test_short_prompts_offline_calls_and_final_chunks_do_not_use_the_cache(model_dir: Path) -> None:
-    plain = Token2Wav.from_model_dir(model_dir)
-    cached = Token2Wav.from_model_dir(model_dir, prefix_cache_mb=64)
+def test_short_prompts_offline_calls_and_final_chunks_do_not_use_the_cache(token2wav_dir: Path) -> None:
+    plain = Token2Wav.from_model_dir(token2wav_dir)
+    cached = Token2Wav.from_model_dir(token2wav_dir, prefix_cache_mb=64)
     assert cached.prefix_cache is not None
     short = voice(3, tokens=20)
     for t2w in (plain, cached):

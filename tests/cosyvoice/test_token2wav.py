@@ -11,10 +11,7 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.config import tiny_config, write_config
-from tts_backends.cosyvoice2.flow import CausalFlow
 from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.token2wav import StreamStateError, Token2Wav
 
 pytestmark = pytest.mark.cosyvoice
@@ -25,20 +22,8 @@ LOOKAHEAD = 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt`` as the official model directory holds them."""
-    directory = tmp_path_factory.mktemp("cosyvoice2")
-    cfg = tiny_config()
-    torch.manual_seed(0)
-    write_config(cfg, directory / "cosyvoice2.yaml")
-    torch.save(CausalFlow(cfg.flow).state_dict(), directory / "flow.pt")
-    torch.save(HiFTGenerator(cfg.hift).state_dict(), directory / "hift.pt")
-    return directory
-
-
-@pytest.fixture(scope="module")
-def t2w(model_dir: Path) -> Token2Wav:
-    return Token2Wav.from_model_dir(model_dir, device="cpu", dtype=torch.float32)
+def t2w(token2wav_dir: Path) -> Token2Wav:
+    return Token2Wav.from_model_dir(token2wav_dir, device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +190,7 @@ def test_a_failing_chunk_drops_the_state(t2w: Token2Wav, prompt: VoicePrompt) ->
     assert t2w.active_streams == 0
 
 
-def test_idle_states_expire(model_dir: Path, t2w: Token2Wav, prompt: VoicePrompt) -> None:
+def test_idle_states_expire(token2wav_dir: Path, t2w: Token2Wav, prompt: VoicePrompt) -> None:
     now = [0.0]
     expiring = Token2Wav(t2w.flow, t2w.hift, state_ttl_s=60.0, clock=lambda: now[0])
     tokens = speech_tokens(40)

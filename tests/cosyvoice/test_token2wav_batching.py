@@ -9,10 +9,7 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.config import tiny_config, write_config
-from tts_backends.cosyvoice2.flow import CausalFlow
 from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.token2wav import Conversion, StreamStateError, Token2Wav
 
 pytestmark = pytest.mark.cosyvoice
@@ -21,14 +18,8 @@ LOOKAHEAD = 3
 
 
 @pytest.fixture(scope="module")
-def t2w(tmp_path_factory: pytest.TempPathFactory) -> Token2Wav:
-    directory: Path = tmp_path_factory.mktemp("cosyvoice2")
-    cfg = tiny_config()
-    torch.manual_seed(0)
-    write_config(cfg, directory / "cosyvoice2.yaml")
-    torch.save(CausalFlow(cfg.flow).state_dict(), directory / "flow.pt")
-    torch.save(HiFTGenerator(cfg.hift).state_dict(), directory / "hift.pt")
-    return Token2Wav.from_model_dir(directory, device="cpu", dtype=torch.float32)
+def t2w(token2wav_dir: Path) -> Token2Wav:
+    return Token2Wav.from_model_dir(token2wav_dir, device="cpu", dtype=torch.float32)
 
 
 def voice(seed: int, tokens: int) -> VoicePrompt:

@@ -17,8 +17,10 @@ sampling parameters differently:
 
 Streamed chunks carry text (``<|s_k|>`` per speech token) and, from some servers, ``token_ids``;
 both become LLM ids as they arrive. The first id that is not a speech token ends the request's
-speech (the pipeline stops there): with the released checkpoint the LLM head cannot produce
-other ids anyway (its bias is -inf outside the speech rows), so no ``logit_bias`` is needed.
+speech (the pipeline stops there). These servers load the LLM as a plain Qwen2, without the
+head bias upstream's conversion gives it (-inf outside the speech rows), so a text id can be
+drawn; none of the three takes an allow-list of ids in a form all accept, and a ``logit_bias``
+lift of the speech rows would change what the repetition penalty does, so none is sent.
 
 Failures before the first token (connection refused or reset, timeout, 429, 5xx) are retried
 on another server when there is one; after that, or once tokens have flowed, a failure is a
