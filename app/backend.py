@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from app.errors import BackendError, BackendUnavailableError, GatewayError
+from app.errors import BackendError, BackendUnavailableError, GatewayError, ModelUnavailableError
 from app.metrics import GatewayMetrics
 from app.model_catalog import ModelCatalog
 from app.triton_client import TritonModelConfig
@@ -123,7 +123,8 @@ class SpeechBackend:
         return backend
 
     def _failed(self, backend: TritonBackend, exc: GatewayError, request_id: str) -> None:
-        if isinstance(exc, BackendUnavailableError):
+        # A model that reports itself unavailable answered: its Triton is up and keeps its other models.
+        if isinstance(exc, BackendUnavailableError) and not isinstance(exc, ModelUnavailableError):
             self.pool.mark_down(backend)
             self._rebuild()
         logger.warning(

@@ -114,6 +114,11 @@ class BackendUnavailableError(GatewayError):
     default_code = "backend_unavailable"
 
 
+class ModelUnavailableError(BackendUnavailableError):
+    """A model on a Triton that answers says it cannot serve now (a server it relies on, such as an
+    LLM server, is down; or it is unloading): the Triton itself is not down, and stays in rotation."""
+
+
 class BackendTimeoutError(GatewayError):
     status_code = 504
     error_type = "server_error"

@@ -32,6 +32,7 @@ from app.errors import (
     BackendUnavailableError,
     GatewayError,
     InvalidRequestError,
+    ModelUnavailableError,
 )
 from tts_backends import contract
 
@@ -81,7 +82,7 @@ def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -
     if status == "StatusCode.INVALID_ARGUMENT" or code == "[INVALID_ARG":
         return InvalidRequestError(f"model {model!r} rejected the request: {rest}", code="backend_rejected")
     if code == "[UNAVAILABLE":
-        return BackendUnavailableError(f"model {model!r} is unavailable: {rest}")
+        return ModelUnavailableError(f"model {model!r} is unavailable: {rest}")
     if status == "StatusCode.DEADLINE_EXCEEDED" or "Deadline Exceeded" in message:
         return BackendTimeoutError(f"model {model!r} did not answer in time")
     if status in _UNAVAILABLE_STATUSES or "failed to connect" in message.lower():

@@ -155,6 +155,24 @@ def test_request_fails_over_before_its_first_byte(pair: Pair) -> None:
     assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 503
 
 
+def test_a_model_that_reports_itself_unavailable_leaves_its_backend_in_rotation(pair: Pair) -> None:
+    """An LLM server down behind the orchestrator is the model's outage, not its Triton's."""
+    first, second = pair.tritons
+    gateway = pair.gateway
+    for _ in range(2):
+        answer = httpx.post(f"{gateway.url}/v1/audio/speech", json={**SPEECH, "input": "unavailable"}, timeout=30)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "backend_unavailable"
+    # Each was sent to both backends in turn (one try, one retry elsewhere), and neither backend was
+    # taken out for it: the next request is served at once (/health, which re-checks, is asked last).
+    assert httpx.post(f"{gateway.url}/v1/audio/speech", json=SPEECH, timeout=30).status_code == 200
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert "tts_triton_backend_retries_total 2.0" in metrics
+    for triton in (first, second):
+        assert f'tts_triton_backend_up{{backend="{triton.grpc_url}"}} 1.0' in metrics
+    assert backends(gateway) == {first.grpc_url: True, second.grpc_url: True}
+
+
 def test_a_call_is_counted_at_its_backend_until_the_client_leaves(pair: Pair) -> None:
     gateway = pair.gateway
 
