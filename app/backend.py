@@ -49,6 +49,7 @@ class SpeechBackend:
         self._openai_names = tuple(openai_model_names)
         self._poll_interval = poll_interval
         self._catalog: ModelCatalog | None = None
+        self._builtin_seen: set[str] = set()
         self._watcher: asyncio.Task[None] | None = None
 
     @property
@@ -64,8 +65,9 @@ class SpeechBackend:
         return self._catalog is not None and self._catalog.default is not None
 
     def builtin_voices(self) -> list[str]:
-        """The ready models' own voices; none while no backend is ready."""
-        return self._catalog.builtin_voices if self._catalog is not None else []
+        """The own voices of every model served since start-up: one stays built in while its model is
+        down (deleting it is refused as read-only, not answered as an unknown voice)."""
+        return sorted(self._builtin_seen)
 
     async def refresh(self) -> bool:
         """Check every backend once; rebuild the catalog if what is served changed. Returns readiness."""
@@ -86,6 +88,7 @@ class SpeechBackend:
             aliases=self._model_aliases,
             openai_names=self._openai_names,
         )
+        self._builtin_seen.update(self._catalog.builtin_voices)
         if list(self._catalog.models) == before:
             return
         if self._catalog.models:

@@ -86,6 +86,10 @@ def test_gateway_recovers_from_a_triton_restart(deployment: Deployment) -> None:
     # The catalog goes at the next check of Triton (every 2 s); until then speech fails at the backend.
     gateway.wait_for("/v1/models", 503, within=3.0)
     assert_unavailable(gateway)
+    # A built-in voice stays one while its model is down: deleting it is refused, not "does not exist".
+    deleted = httpx.delete(f"{gateway.url}/v1/audio/voices/joe", timeout=5)
+    assert deleted.status_code == 403, deleted.text
+    assert deleted.json()["error"]["code"] == "voice_read_only"
     # Down for long enough that gRPC's default reconnection backoff would reach 6 s or more.
     time.sleep(8.0)
     assert_unavailable(gateway)
