@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import pytest
 
 from app.metrics import GatewayMetrics
@@ -61,6 +64,36 @@ async def test_a_name_that_does_not_resolve_leaves_the_others_serving() -> None:
     pool = _pool("localhost:8001", "no-such-host.invalid:8001")
     await pool._resolve()
     assert [b.address for b in pool.backends] == ["127.0.0.1:8001"]
+    await pool.close()
+
+
+async def test_every_address_of_a_name_is_a_backend_and_one_that_leaves_finishes_its_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A headless Service's name lists one address per ready pod; the list changes as pods come and go."""
+    answers = {"triton.tts.svc": ["10.1.0.11", "10.1.0.12"]}
+
+    async def getaddrinfo(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    pool = _pool("triton.tts.svc:8001")
+    await pool._resolve()
+    assert [(b.address, b.entry) for b in pool.backends] == [
+        ("10.1.0.11:8001", "triton.tts.svc:8001"),
+        ("10.1.0.12:8001", "triton.tts.svc:8001"),
+    ]
+    leaving = pool.backends[1]
+    leaving.ready = True
+    answers["triton.tts.svc"] = ["10.1.0.11", "10.1.0.13"]
+    with pool.call(leaving):
+        await pool._resolve()
+        assert [b.address for b in pool.backends] == ["10.1.0.11:8001", "10.1.0.13:8001"]
+        assert not leaving.ready, "no new call goes to a server that left"
+        await pool._close_retired()
+        assert pool._retired == [leaving], "kept while a call is in flight"
+    await pool._close_retired()
+    assert pool._retired == []
     await pool.close()
 
 
