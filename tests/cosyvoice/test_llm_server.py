@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,101 @@ def test_retries_stop_once_the_request_is_cancelled(tokenizer: Any) -> None:
 
 def _ids_cancelled(client: Any, request: Any, cancelled: threading.Event) -> list[int]:
     return [token_id for piece in client.generate(request, cancelled.is_set) for token_id in piece]
+
+
+class _ScriptedCompletions:
+    """A completions server on a real socket that answers each request with the next scripted reply:
+    ``(status, headers, body)``; a ``list`` body is streamed as ``data:`` lines, strings as they are
+    (``[DONE]``), the rest as JSON (no model behind it)."""
+
+    def __init__(self, replies: list[tuple[int, dict[str, str], Any]]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.replies = list(replies)
+        self.arrivals: list[float] = []
+        scripted = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                scripted.arrivals.append(time.monotonic())
+                status, headers, body = scripted.replies.pop(0)
+                streamed = isinstance(body, list)
+                lines = [item if isinstance(item, str) else json.dumps(item) for item in body] if streamed else []
+                payload = "".join(f"data: {line}\n\n" for line in lines) if streamed else json.dumps(body)
+                self.send_response(status)
+                self.send_header("Content-Type", "text/event-stream" if streamed else "application/json")
+                self.send_header("Content-Length", str(len(payload.encode())))
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(payload.encode())
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _token_chunk(token_id: int) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": "", "token_ids": [token_id], "finish_reason": None}]}
+
+
+def test_a_429_is_retried_after_the_servers_retry_after(tokenizer: Any) -> None:
+    from tts_backends.cosyvoice2 import vocab
+
+    tokens = [vocab.speech_token_to_id(k) for k in (5, 6, 7)]
+    server = _ScriptedCompletions(
+        [
+            (429, {"Retry-After": "0.5"}, {"error": {"message": "too many requests"}}),
+            (200, {}, [*(_token_chunk(t) for t in tokens), "[DONE]"]),
+        ]
+    )
+    client = _client(tokenizer, [server.url], "vllm", retries=1)
+    try:
+        assert _ids(client, _request(tokenizer)) == tokens
+    finally:
+        client.close()
+        server.close()
+    first, second = server.arrivals
+    assert second - first >= 0.5, "the second try waits as long as the server asked"
+
+
+def test_an_error_in_the_stream_after_tokens_is_unavailable_and_not_retried(tokenizer: Any) -> None:
+    from tts_backends.cosyvoice2 import vocab
+    from tts_backends.request_parsing import BackendUnavailableError
+
+    token = vocab.speech_token_to_id(5)
+    server = _ScriptedCompletions([(200, {}, [_token_chunk(token), {"error": {"message": "engine died"}}])])
+    client = _client(tokenizer, [server.url], "vllm", retries=2)
+    pieces = client.generate(_request(tokenizer), lambda: False)
+    try:
+        assert next(pieces) == [token]
+        with pytest.raises(BackendUnavailableError, match="failed mid-stream: engine died"):
+            next(pieces)
+    finally:
+        client.close()
+        server.close()
+    assert len(server.arrivals) == 1, "tokens already spoken are not asked for again"
+
+
+def test_a_stream_of_something_else_than_completion_chunks_is_the_servers_fault(tokenizer: Any) -> None:
+    from tts_backends.cosyvoice2.llm_server import LLMServerError
+
+    server = _ScriptedCompletions([(200, {}, ['"not a chunk"', "[DONE]"])])
+    client = _client(tokenizer, [server.url], "vllm", retries=0)
+    try:
+        with pytest.raises(LLMServerError, match="something other than a completion chunk"):
+            _ids(client, _request(tokenizer))
+    finally:
+        client.close()
+        server.close()
 
 
 # --- reading the stream -----------------------------------------------------------------------

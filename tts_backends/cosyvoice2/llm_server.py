@@ -367,6 +367,8 @@ def _chunk_ids(data: str, text: SpeechTokenText, url: str) -> list[int]:
         chunk = json.loads(data)
     except ValueError as exc:
         raise LLMServerError(f"LLM server {url} streamed something other than JSON: {data[:200]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise LLMServerError(f"LLM server {url} streamed something other than a completion chunk: {data[:200]!r}")
     if "error" in chunk:
         error = chunk["error"]
         message = error.get("message", error) if isinstance(error, dict) else error
