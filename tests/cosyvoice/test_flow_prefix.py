@@ -17,7 +17,9 @@ from tts_backends.cosyvoice2.flow_prefix import (
     VoicePrefix,
     VoicePrefixCache,
     chunk_alignment,
+    frames_within,
     prefix_frames,
+    prefix_nbytes,
     voice_key,
 )
 from tts_backends.cosyvoice2.frontend import VoicePrompt
@@ -141,7 +143,7 @@ def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flo
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for want, got in zip(whole, flow.inference_batch(items, solver=graphs), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    too_long = VoicePrefix(250, prefix.tensors)
+    too_long = VoicePrefix(250, prefix.steps, prefix.tensors)
     mu = torch.zeros(1, 80, 100)
     streaming = torch.ones(1, dtype=torch.bool)
     assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, too_long) is None
@@ -168,19 +170,43 @@ def test_voices_are_keyed_by_their_contents() -> None:
     assert voice_key(tokens, changed, embedding) != voice_key(tokens, feats, embedding)
 
 
-def test_the_cache_drops_the_least_recently_used_voice_beyond_its_budget() -> None:
-    def entry(megabytes: int) -> VoicePrefix:
-        return VoicePrefix(50, (torch.zeros(megabytes << 18),))  # float32: 4 bytes each
+def _entry(megabytes: int) -> VoicePrefix:
+    return VoicePrefix(50, 10, (torch.zeros(megabytes << 18),))  # float32: 4 bytes each
 
-    cache = VoicePrefixCache(3 << 20)
-    cache.put("a", entry(1))
-    cache.put("b", entry(1))
-    assert cache.get("a") is not None  # a is now the most recent
-    cache.put("c", entry(2))
+
+def test_the_cache_makes_room_only_by_dropping_idle_voices_least_recently_used_first() -> None:
+    now = [0.0]
+    cache = VoicePrefixCache(3 << 20, idle_s=60.0, clock=lambda: now[0])
+    assert cache.put("a", _entry(1)) and cache.put("b", _entry(1))
+    now[0] = 10.0
+    assert cache.get("a") is not None  # a is used again: b is now the least recently used
+    # Both in use: a third voice that does not fit is not admitted, and nobody is dropped for it.
+    assert not cache.make_room(2 << 20)
+    assert not cache.put("c", _entry(2))
+    assert cache.get("c") is None and len(cache) == 2
+    # Once b has been idle for a minute, it makes room; a (used at 10 s) is not idle yet.
+    now[0] = 65.0
+    assert cache.put("c", _entry(2))
     assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
     assert cache.nbytes == 3 << 20
-    cache.put("huge", entry(4))  # larger than the whole budget: not kept, nothing dropped for it
-    assert cache.get("huge") is None and len(cache) == 2
+    assert not cache.put("huge", _entry(4))  # larger than the whole budget
+    assert len(cache) == 2
+
+
+def test_the_size_of_a_prefix_is_known_before_it_is_recorded(flow: CausalFlow) -> None:
+    estimator = flow.decoder.estimator
+    prefix = flow.record_prefix(*prompt(6), 100, n_timesteps=4)
+    assert prefix.nbytes == prefix_nbytes(estimator, 4, 100)
+    assert frames_within(estimator, 4, prefix.nbytes) == 100
+    assert frames_within(estimator, 4, prefix.nbytes - 1) == 99
+    assert frames_within(estimator, 4, prefix_nbytes(estimator, 4, 0) - 1) == 0
+
+
+def test_a_prefix_replays_only_with_the_steps_it_was_recorded_over(flow: CausalFlow) -> None:
+    voice = prompt(7)
+    prefix = flow.record_prefix(*voice, 100, n_timesteps=10)
+    with pytest.raises(ValueError, match="recorded over 10 solver steps, not 5"):
+        flow.inference_batch([chunk(voice, 20, 1)], n_timesteps=5, prefix=prefix)
 
 
 # --- through Token2Wav ---------------------------------------------------------------------------
@@ -219,6 +245,28 @@ def test_a_stream_sounds_the_same_with_and_without_the_prefix_cache(token2wav_di
             assert have.shape == want.shape
             np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4)
     assert len(cached.prefix_cache) == 2  # one recorded prefix per voice, reused by its later streams
+
+
+def test_voices_beyond_the_budget_run_without_a_prefix_instead_of_evicting_each_other(
+    token2wav_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = Token2Wav.from_model_dir(token2wav_dir)
+    cached = Token2Wav.from_model_dir(token2wav_dir, prefix_cache_mb=64)
+    assert cached.prefix_cache is not None
+    estimator = cached.flow.decoder.estimator
+    frames = cached.flow.prefix_frames(PROMPT_TOKENS, cached.prefix_limit)
+    # Room for one voice's prefix only.
+    cached.prefix_cache.max_bytes = prefix_nbytes(estimator, cached.n_timesteps, frames)
+    recorded: list[int] = []
+    record = cached.flow.record_prefix
+    monkeypatch.setattr(cached.flow, "record_prefix", lambda *a, **k: recorded.append(1) or record(*a, **k))
+    speakers = [voice(1), voice(2)]
+    for index, speaker in enumerate(speakers * 3):  # the two voices take turns
+        expected, got = (stream(t2w, f"p{index}", speaker, [15, 40]) for t2w in (plain, cached))
+        for want, have in zip(expected, got, strict=True):
+            np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-4)
+    assert len(recorded) == 1, "the first voice is recorded once and kept; the second is never recorded"
+    assert len(cached.prefix_cache) == 1
 
 
 def test_short_prompts_offline_calls_and_final_chunks_do_not_use_the_cache(token2wav_dir: Path) -> None:

@@ -89,6 +89,8 @@ class CausalFlow(nn.Module):
         align = chunk_alignment(self.decoder.estimator.chunk_size, cfg.encoder.static_chunk_size, cfg.token_mel_ratio)
         if self.decoder.estimator.chunk_size <= 0 or cfg.encoder.static_chunk_size <= 0:
             return 0  # attention over everything: no frame is final before the last
+        if not self.decoder.estimator.keeps_time_resolution:
+            return 0  # a U-Net that resamples time mixes frames across the prefix's end
         return prefix_frames(
             prompt_tokens, lookahead=cfg.pre_lookahead_len, ratio=cfg.token_mel_ratio, align=align, limit=limit
         )
@@ -116,7 +118,7 @@ class CausalFlow(nn.Module):
         recorder = PrefixRecorder()
         mask = torch.ones(1, 1, frames, device=device, dtype=dtype)
         self.decoder(mu, mask, speaker, cond, n_timesteps, yes, tape=recorder)
-        return VoicePrefix(frames, tuple(recorder.tensors))
+        return VoicePrefix(frames, n_timesteps, tuple(recorder.tensors))
 
     def mel_frames(self, target_tokens: int, *, finalize: bool) -> int:
         """Frames :meth:`inference` returns for ``target_tokens`` target tokens."""
@@ -198,6 +200,8 @@ class CausalFlow(nn.Module):
         start = 0 if prefix is None else prefix.frames
         if prefix is not None and not all(item.streaming and item.prompt_feat.size(0) >= start for item in items):
             raise ValueError("a voice prefix serves streaming chunks of a prompt at least as long as the prefix")
+        if prefix is not None and prefix.steps != n_timesteps:
+            raise ValueError(f"the voice prefix was recorded over {prefix.steps} solver steps, not {n_timesteps}")
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
         lookahead = self.cfg.pre_lookahead_len

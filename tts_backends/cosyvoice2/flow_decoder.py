@@ -254,6 +254,8 @@ class CausalConditionalDecoder(nn.Module):
             )
         self.final_block = CausalBlock1D(widths[-1], widths[-1])
         self.final_proj = nn.Conv1d(widths[-1], cfg.out_channels, 1)
+        # One level (CosyVoice2's): no down- or upsampling, so a prefix tape can serve it.
+        self.keeps_time_resolution = len(cfg.channels) == 1
 
     def _attention_bias(
         self, mask: Tensor, streaming: Tensor, dtype: torch.dtype, prefix: Tensor | None = None

@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch
 from numpy.typing import NDArray
 from torch import Tensor, nn
 
-from tts_backends.cosyvoice2.flow_decoder import Attention
+from tts_backends.cosyvoice2.flow_decoder import Attention, CausalConv1d
 
 
 def prefix_frames(prompt_tokens: int, *, lookahead: int, ratio: int, align: int, limit: int) -> int:
@@ -51,17 +52,26 @@ def chunk_alignment(estimator_chunk: int, encoder_chunk: int, ratio: int) -> int
     return math.lcm(*chunks) if chunks else 1
 
 
-def bytes_per_frame(estimator: nn.Module, n_timesteps: int) -> int:
-    """What a recorded prefix costs per mel frame: keys and values of every attention, CFG pair, every step."""
-    attentions = [module for module in estimator.modules() if isinstance(module, Attention)]
-    parameter = next(estimator.parameters())
-    per_step = sum(2 * 2 * module.to_k.out_features for module in attentions) * parameter.element_size()
-    return per_step * n_timesteps
+def prefix_nbytes(estimator: nn.Module, n_timesteps: int, frames: int) -> int:
+    """What a recorded prefix of ``frames`` frames holds, in bytes: every attention's keys and values
+    per frame, and every causal convolution's left context, for the CFG pair at every step."""
+    element = next(estimator.parameters()).element_size()
+    per_frame = sum(2 * m.to_k.out_features for m in estimator.modules() if isinstance(m, Attention))
+    context = sum(m.in_channels * m.left_pad for m in estimator.modules() if isinstance(m, CausalConv1d))
+    return 2 * n_timesteps * element * (per_frame * frames + context)
+
+
+def frames_within(estimator: nn.Module, n_timesteps: int, budget: int) -> int:
+    """The most frames whose prefix fits ``budget`` bytes (0 when not even the context fits)."""
+    fixed = prefix_nbytes(estimator, n_timesteps, 0)
+    per_frame = prefix_nbytes(estimator, n_timesteps, 1) - fixed
+    return max(0, budget - fixed) // per_frame
 
 
 @dataclass(frozen=True, eq=False)
 class VoicePrefix:
-    """What the estimator computed for a voice's first ``frames`` mel frames, CFG pair as rows [2].
+    """What the estimator computed for a voice's first ``frames`` mel frames over ``steps`` solver
+    steps, CFG pair as rows [2].
 
     ``tensors`` are in the order the estimator hands them to a tape, over all solver steps:
     a causal convolution's left context ``[2, C, k-1]``, an attention's keys and values
@@ -69,6 +79,7 @@ class VoicePrefix:
     """
 
     frames: int
+    steps: int
     tensors: tuple[Tensor, ...]
 
     @property
@@ -135,11 +146,19 @@ def voice_key(tokens: NDArray[np.integer], feats: NDArray[np.floating], embeddin
 
 
 class VoicePrefixCache:
-    """Recorded prefixes by voice key, least recently used dropped beyond ``max_bytes``. Thread-safe."""
+    """Recorded prefixes by voice key within ``max_bytes``. Thread-safe.
 
-    def __init__(self, max_bytes: int) -> None:
+    A voice is admitted while there is room; to make room, only voices unused for ``idle_s``
+    seconds are dropped (least recently used first). A voice in use is never dropped for another,
+    so more voices than fit do not evict each other at every chunk (each eviction would cost the
+    next chunk a fresh recording): the voices that do not fit run without a prefix, as before.
+    """
+
+    def __init__(self, max_bytes: int, *, idle_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, VoicePrefix] = OrderedDict()
+        self.idle_s = idle_s
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[VoicePrefix, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -149,23 +168,43 @@ class VoicePrefixCache:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(entry.nbytes for entry in self._entries.values())
+            return self._nbytes_locked()
 
     def get(self, key: str) -> VoicePrefix | None:
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
-
-    def put(self, key: str, prefix: VoicePrefix) -> None:
-        """Keep ``prefix`` unless it alone is larger than the budget."""
-        if prefix.nbytes > self.max_bytes:
-            return
-        with self._lock:
-            self._entries[key] = prefix
+            if entry is None:
+                return None
+            self._entries[key] = (entry[0], self._clock())
             self._entries.move_to_end(key)
-            total = sum(entry.nbytes for entry in self._entries.values())
-            while total > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                total -= dropped.nbytes
+            return entry[0]
+
+    def make_room(self, nbytes: int) -> bool:
+        """Whether a prefix of ``nbytes`` fits, after dropping idle voices if it does not yet."""
+        with self._lock:
+            return self._make_room_locked(nbytes)
+
+    def put(self, key: str, prefix: VoicePrefix) -> bool:
+        """Keep ``prefix`` if it fits (see :meth:`make_room`); returns whether it was kept."""
+        with self._lock:
+            self._entries.pop(key, None)
+            if not self._make_room_locked(prefix.nbytes):
+                return False
+            self._entries[key] = (prefix, self._clock())
+            return True
+
+    def _make_room_locked(self, nbytes: int) -> bool:
+        if nbytes > self.max_bytes:
+            return False
+        total = self._nbytes_locked()
+        now = self._clock()
+        for key, (entry, used) in list(self._entries.items()):
+            if total + nbytes <= self.max_bytes:
+                break
+            if now - used >= self.idle_s:
+                del self._entries[key]
+                total -= entry.nbytes
+        return total + nbytes <= self.max_bytes
+
+    def _nbytes_locked(self) -> int:
+        return sum(entry.nbytes for entry, _ in self._entries.values())

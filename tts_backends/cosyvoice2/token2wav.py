@@ -35,7 +35,7 @@ from tts_backends.cosyvoice2.config import load_config
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem, MelSolver
 from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
-from tts_backends.cosyvoice2.flow_prefix import VoicePrefix, VoicePrefixCache, bytes_per_frame, voice_key
+from tts_backends.cosyvoice2.flow_prefix import VoicePrefix, VoicePrefixCache, frames_within, prefix_nbytes, voice_key
 from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
@@ -350,11 +350,15 @@ class Token2Wav:
         prompt = call.prompt
         key = voice_key(np.asarray(prompt.speech_tokens), np.asarray(prompt.feats), np.asarray(prompt.embedding))
         prefix = self.prefix_cache.get(key)
-        if prefix is None or prefix.frames != frames:
-            prefix = self.flow.record_prefix(
-                item.prompt_token, item.prompt_feat, item.embedding, frames, n_timesteps=self.n_timesteps
-            )
-            self.prefix_cache.put(key, prefix)
+        if prefix is not None and prefix.frames == frames:
+            return prefix
+        # Recorded only when it can be kept: a prefix used for one chunk costs more than it saves.
+        if not self.prefix_cache.make_room(prefix_nbytes(self.flow.decoder.estimator, self.n_timesteps, frames)):
+            return None
+        prefix = self.flow.record_prefix(
+            item.prompt_token, item.prompt_feat, item.embedding, frames, n_timesteps=self.n_timesteps
+        )
+        self.prefix_cache.put(key, prefix)
         return prefix
 
     def _length_groups(self, items: list[FlowItem]) -> list[list[int]]:
@@ -470,8 +474,8 @@ class Token2Wav:
 
 
 def _frames_within(cache: VoicePrefixCache, flow: CausalFlow, n_timesteps: int, frames: int) -> int:
-    """``frames``, fewer if a prefix that long would not fit the cache (it would be recorded at every chunk)."""
-    return min(frames, cache.max_bytes // bytes_per_frame(flow.decoder.estimator, n_timesteps))
+    """``frames``, fewer if a prefix that long would not fit the cache at all."""
+    return min(frames, frames_within(flow.decoder.estimator, n_timesteps, cache.max_bytes))
 
 
 def _unwrap(result: NDArray[np.float32] | Exception) -> NDArray[np.float32]:
