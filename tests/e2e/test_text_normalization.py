@@ -70,10 +70,17 @@ def speak(client: OpenAI, text: str, **extra: object) -> DecodedAudio:
 
 @pytest.mark.parametrize("sentence", SENTENCES, ids=[s.text for s in SENTENCES])
 def test_numbers_are_spoken_as_normalised_words(client: OpenAI, sentence: Sentence) -> None:
-    audio = speak(client, sentence.text)
-    assert which_was_said(audio, [sentence.normalised, sentence.raw]) == sentence.normalised
-    heard = transcribe(audio)
-    assert sentence.key in heard, f"heard {heard!r}"
+    # Piper draws new noise at every synthesis, and free recognition now and then mishears a word
+    # of one (CI once heard "five by five" for "five five five"): the key must be heard in one of
+    # two syntheses. Spoken as written, it is heard in neither; the forced choice holds for each.
+    heard = []
+    for _ in range(2):
+        audio = speak(client, sentence.text)
+        assert which_was_said(audio, [sentence.normalised, sentence.raw]) == sentence.normalised
+        heard.append(transcribe(audio))
+        if sentence.key in heard[-1]:
+            return
+    pytest.fail(f"{sentence.key!r} heard in neither synthesis: {heard}")
 
 
 def test_a_request_can_turn_normalisation_off(client: OpenAI) -> None:
