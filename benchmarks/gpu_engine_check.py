@@ -205,6 +205,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--token2wav-only", action="store_true", help="skip the LLM (and writing its weights)")
+    parser.add_argument("--llm-only", action="store_true", help="skip token2wav")
     parser.add_argument(
         "--cpu", action="store_true", help="token2wav on the CPU in float32, eagerly (implies --token2wav-only)"
     )
@@ -222,16 +223,17 @@ def main() -> int:
         checkpoint, _ = ensure_checkpoint(args.workdir.resolve() / "models", full_size())
         model_dir = checkpoint.model_dir
         checks = [lambda: check_llm(checkpoint.llm_dir, report)]
-    checks.append(
-        lambda: check_token2wav(
-            model_dir,
-            report,
-            cpu=args.cpu,
-            graph_rows=args.graph_rows,
-            graph_frames=args.graph_frames,
-            counts=counts,
+    if not args.llm_only:
+        checks.append(
+            lambda: check_token2wav(
+                model_dir,
+                report,
+                cpu=args.cpu,
+                graph_rows=args.graph_rows,
+                graph_frames=args.graph_frames,
+                counts=counts,
+            )
         )
-    )
     for check in checks:
         try:
             check()

@@ -31,6 +31,13 @@ STAGES = (
     ("t2w_other", "token2wav: rest (BLS transport, tensors)"),
     ("to_client", "orchestrator first chunk -> client"),
 )
+# Rates of the LLM engine over a whole request (not parts of the first chunk's time): how long a
+# decode step keeps the GPU busy, against how far apart the engine hands out a request's tokens.
+ENGINE_RATES = (
+    ("llm_step_gpu", "LLM engine: GPU time of one decode step (mean over the request's steps)"),
+    ("llm_token_wall", "LLM engine: time between two of the request's tokens (first to last)"),
+    ("llm_step_wait", "LLM engine: host waiting for a launched step (mean; ~0 when the host is the bottleneck)"),
+)
 
 
 def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
@@ -66,8 +73,13 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
             "t2w_other": o["first_chunk"] - t["started"] - t["flow_s"] - t["hift_s"],
             "to_client": client_first - o["first_chunk"],
         }
+        if g.get("steps"):
+            values["llm_step_gpu"] = float(g["step_s"]) / float(g["steps"])
+            values["llm_step_wait"] = float(g.get("wait_s", 0.0)) / float(g["steps"])
+        if int(g["tokens"]) > 1:
+            values["llm_token_wall"] = (float(g["last_token"]) - float(g["first_token"])) / (int(g["tokens"]) - 1)
         for name, value in values.items():
-            samples[name].append(1000.0 * float(value))
+            samples.setdefault(name, []).append(1000.0 * float(value))
     return {name: _percentiles(values) for name, values in samples.items() if values}
 
 

@@ -12,6 +12,7 @@ import pytest
 from tts_backends.cosyvoice2 import tiny_frontend, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.llm_engine import GenerationHandle
+from tts_backends.cosyvoice2.llm_streams import Outbox
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -85,6 +86,23 @@ def test_a_request_joining_mid_stream_does_not_disturb_the_others(llm: TorchSpee
     assert [first.tokens, second.tokens] == expected
 
 
+def test_a_request_may_fill_its_slot_and_counts_its_decode_steps(llm: TorchSpeechLLM) -> None:
+    # Steps are pipelined: the engine runs one step past a request's last token; that step must stay
+    # inside the slot when prompt and tokens fill all of it.
+    ids = prompt(6)
+    room = 128 - len(ids)
+    recorder = Recorder()
+    request = llm.request(ids, GREEDY, max_new_tokens=room, min_new_tokens=room, stop_ids=vocab.STOP_IDS)
+    handle = llm.submit(request, recorder)
+    assert recorder.done.wait(60)
+    assert recorder.error is None
+    assert len(recorder.tokens) == room
+    # The prefill draws the first token, one decode step each of the others; the extra step is not counted.
+    assert handle.steps == room - 1
+    assert handle.step_s > 0
+    assert handle.first_token <= handle.last_token
+
+
 def test_cancel_stops_a_request_at_the_next_step_and_frees_its_slot(llm: TorchSpeechLLM) -> None:
     recorder, handle = submit(llm, 3, SAMPLED, tokens=100)
     while not recorder.tokens:
@@ -139,3 +157,29 @@ def test_a_sink_that_fails_does_not_stop_the_engine(llm: TorchSpeechLLM) -> None
     llm.submit(llm.request(prompt(5), GREEDY, max_new_tokens=3, stop_ids=vocab.STOP_IDS), broken)
     assert broken.done.wait(30)
     assert alone(llm, 6, GREEDY, tokens=4) == alone(llm, 6, GREEDY, tokens=4)
+
+
+def test_outbox_keeps_each_requests_order_while_another_request_waits() -> None:
+    outbox = Outbox("test", lanes=4)
+    blocked, release = threading.Event(), threading.Event()
+    sent: dict[int, list[int]] = {key: [] for key in range(16, 16 * 9, 16)}
+
+    def stall() -> None:
+        blocked.set()
+        release.wait(10)
+
+    # Keys 16 and 80 share a lane (ids are multiples of 16: the lane is key >> 4 modulo the lanes).
+    outbox.put(16, stall)
+    assert blocked.wait(5)
+    for index in range(50):
+        for key, log in sent.items():
+            outbox.put(key, lambda log=log, index=index: log.append(index))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(sent[32]) < 50:
+        time.sleep(0.001)
+    # The other lanes went on while one send waited on the server; the stalled lane waited.
+    assert sent[32] == list(range(50)) and sent[48] == list(range(50))
+    assert sent[16] == [] and sent[80] == []
+    release.set()
+    outbox.close()
+    assert all(log == list(range(50)) for log in sent.values())

@@ -8,8 +8,11 @@ and the last live slot moves into the hole so that live requests always fill slo
 
 On CUDA every decode step (forward pass, sampling and the bookkeeping that prepares the next
 step) is replayed from a CUDA graph, one per batch-size bucket, all captured when the engine
-starts; a step costs one graph launch and one host synchronisation (reading the drawn ids). On
-the CPU the same step runs eagerly at the exact batch size.
+starts. Steps are pipelined: the next step is launched (its inputs are already on the device)
+before the host reads and hands out the ids of the last one, so the GPU decodes while the host
+delivers. A request that ended at step ``k`` therefore runs one step more, whose id is dropped;
+that step stays within the request's positions. On the CPU the same loop runs eagerly at the
+exact batch size.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -82,7 +85,14 @@ class GenerationHandle:
     submitted: float = field(default_factory=time.monotonic)
     admitted: float = 0.0
     first_token: float = 0.0
+    last_token: float = 0.0
     produced: int = 0
+    # Decode steps the request ran in, their device time and how long the host waited for them:
+    # the trace tells a GPU-bound engine (waits as long as the steps) from a host-bound one.
+    steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    ended: bool = False
     _cancelled: bool = False
 
     def cancel(self) -> None:
@@ -142,6 +152,17 @@ class _Rows:
         return SamplingRows(*(getattr(s, column.name)[start:stop] for column in fields(SamplingRows)))
 
 
+@dataclass
+class _Launched:
+    """A decode step on its way: the requests of its rows (in row order) and where its ids land."""
+
+    handles: list[GenerationHandle]
+    drawn: Tensor
+    started: torch.cuda.Event | None
+    done: torch.cuda.Event | None
+    eager_s: float
+
+
 class BatchingEngine:
     """Continuous-batching speech-token generation over a :class:`SlotDecoder`."""
 
@@ -152,14 +173,12 @@ class BatchingEngine:
         cuda_graphs: bool,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_prefill_rows: int = 8,
-        on_step: Callable[[int, float], None] | None = None,
     ) -> None:
         self._decoder = decoder
         self._device = decoder.device
         self.slots = decoder.slots
         self._buckets = sorted({b for b in buckets if b <= self.slots} | {self.slots})
         self._max_prefill_rows = max_prefill_rows
-        self._on_step = on_step
         self._columns = torch.tensor(COLUMN_IDS, device=self._device)
         self._rows = _Rows(self.slots, len(COLUMN_IDS), self._device)
         self._live: list[GenerationHandle] = []
@@ -172,6 +191,10 @@ class BatchingEngine:
         self._prefill_ids = torch.zeros(1, prefill_width, dtype=torch.int64, device=self._device)
         self._prefill_length = torch.ones(1, dtype=torch.int64, device=self._device)
         self._prefill_logits = torch.zeros(1, len(COLUMN_IDS), device=self._device)
+        # Two host buffers for the drawn ids: step k+1 is copied out while step k's ids are read.
+        self._cuda = self._device.type == "cuda"
+        self._host_ids = [torch.zeros(self.slots, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._next_host = 0
         if cuda_graphs:
             self._capture()
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -203,9 +226,10 @@ class BatchingEngine:
         self._thread.join()
 
     def _run(self) -> None:
+        launched: _Launched | None = None
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self._live:
+                while not self._stopping and not self._waiting and not self._live and launched is None:
                     self._wake.wait()
                 if self._stopping:
                     pending = [*self._waiting, *self._live]
@@ -219,13 +243,16 @@ class BatchingEngine:
             try:
                 if admitted:
                     self._prefill(admitted)
-                if self._live:
-                    self._step()
+                previous, launched = launched, self._launch() if self._live else None
+                if previous is not None:
+                    self._land(previous)
             except Exception as exc:
                 _log.exception("LLM engine step failed; failing the requests in flight")
+                launched = None
                 failed = [*admitted, *self._live]
                 self._live.clear()
                 for handle in dict.fromkeys(failed):
+                    handle.ended = True
                     _finish(handle, exc)
         for handle in pending:
             _finish(handle, RuntimeError("the engine stopped"))
@@ -252,7 +279,7 @@ class BatchingEngine:
         r.positions[first : first + len(handles)] = torch.tensor(lengths, device=self._device)
         self._advance(logits, first, first + len(handles))
         self._live.extend(handles)
-        self._deliver(r.drawn[first : first + len(handles)].tolist(), first)
+        self._deliver(handles, r.drawn[first : first + len(handles)].tolist())
 
     def _replay_prefill(self, row: int, input_ids: tuple[int, ...]) -> Tensor:
         """One prompt's prefill from its recorded graph (staging slot, then copied to ``row``), else eagerly."""
@@ -309,42 +336,72 @@ class BatchingEngine:
         r.positions[:rows].add_(1)
         self._advance(logits, 0, rows)
 
-    def _step(self) -> None:
+    def _launch(self) -> _Launched:
+        """Queue one decode step for every live row and the copy of its ids to the host; no waiting."""
         live = len(self._live)
-        started = time.monotonic()
+        started = time.perf_counter()
         bucket = next((b for b in self._buckets if b >= live), self.slots)
         graph = self._graphs.get(bucket)
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
+        if events is not None:
+            events[0].record()
         if graph is not None:
             graph.replay()
         else:
             self._decode(live)
-        drawn = self._rows.drawn[:live].tolist()
-        if self._on_step is not None:
-            self._on_step(live, time.monotonic() - started)
-        self._deliver(drawn, 0)
+        host = self._host_ids[self._next_host][:live]
+        self._next_host ^= 1
+        host.copy_(self._rows.drawn[:live], non_blocking=True)
+        if events is not None:
+            events[1].record()
+        return _Launched(
+            handles=list(self._live),
+            drawn=host,
+            started=None if events is None else events[0],
+            done=None if events is None else events[1],
+            eager_s=time.perf_counter() - started,
+        )
 
-    def _deliver(self, drawn: list[int], first_row: int) -> None:
-        """Hand each row its id, then release the rows that ended (highest first, so moves stay valid)."""
-        ended: list[int] = []
+    def _land(self, step: _Launched) -> None:
+        """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped."""
+        waited = time.perf_counter()
+        if step.done is not None and step.started is not None:
+            step.done.synchronize()
+            seconds = step.started.elapsed_time(step.done) / 1000.0
+        else:
+            seconds = step.eager_s
+        waited = time.perf_counter() - waited
+        for handle in step.handles:
+            if not handle.ended:
+                handle.steps += 1
+                handle.step_s += seconds
+                handle.wait_s += waited
+        self._deliver(step.handles, step.drawn.tolist())
+
+    def _deliver(self, handles: Sequence[GenerationHandle], drawn: list[int]) -> None:
+        """Hand each request its id, then release the requests that ended."""
+        ended: list[GenerationHandle] = []
         now = time.monotonic()
-        for offset, token_id in enumerate(drawn):
-            row = first_row + offset
-            handle = self._live[row]
+        for handle, token_id in zip(handles, drawn, strict=True):
+            if handle.ended:
+                continue
             request = handle.request
             if handle.cancelled or token_id in request.stop_ids:
-                ended.append(row)
+                ended.append(handle)
                 continue
             handle.produced += 1
             if handle.produced == 1:
                 handle.first_token = now
+            handle.last_token = now
             handle.sink.token(token_id)
             if handle.produced >= request.max_new_tokens or handle.cancelled:
-                ended.append(row)
-        for row in sorted(ended, reverse=True):
-            self._release(row)
+                ended.append(handle)
+        for handle in ended:
+            self._release(handle)
 
-    def _release(self, row: int) -> None:
-        handle = self._live[row]
+    def _release(self, handle: GenerationHandle) -> None:
+        """Free the request's slot: the last live row moves into it (queued after any launched step)."""
+        row = self._live.index(handle)
         last = len(self._live) - 1
         if row != last:
             self._decoder.move_slot(last, row)
@@ -352,6 +409,7 @@ class BatchingEngine:
                 tensor[row] = tensor[last]
             self._live[row] = self._live[last]
         self._live.pop()
+        handle.ended = True
         _finish(handle, None)
 
     def _capture(self) -> None:

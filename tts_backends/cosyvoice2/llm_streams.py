@@ -21,23 +21,37 @@ _log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Runs queued send calls on one thread, in the order they were queued."""
+    """Runs queued send calls on ``lanes`` threads; the calls of one key run on one lane, in order.
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-outbox", daemon=True)
-        self._thread.start()
+    A send is a round trip to the server that releases the GIL while it waits, so several lanes
+    send at once: with one lane, 64 streams' tokens of one decode step were sent one after another
+    and fell behind the engine. Keying by request keeps each request's responses in order.
+    """
 
-    def put(self, send: Callable[[], None]) -> None:
-        self._queue.put(send)
+    def __init__(self, name: str, lanes: int = 4) -> None:
+        self._queues: list[queue.SimpleQueue[Callable[[], None] | None]] = [queue.SimpleQueue() for _ in range(lanes)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(q,), name=f"{name}-outbox-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def put(self, key: int, send: Callable[[], None]) -> None:
+        """Queue ``send`` behind the earlier sends of ``key``, the ``id()`` of the request it answers."""
+        # Object ids are multiples of 16: the low bits would always pick the same lane.
+        self._queues[(key >> 4) % len(self._queues)].put(send)
 
     def close(self) -> None:
         """Send what is queued, then stop."""
-        self._queue.put(None)
-        self._thread.join()
+        for lane in self._queues:
+            lane.put(None)
+        for thread in self._threads:
+            thread.join()
 
-    def _run(self) -> None:
-        while (send := self._queue.get()) is not None:
+    @staticmethod
+    def _run(lane: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        while (send := lane.get()) is not None:
             try:
                 send()
             except Exception:

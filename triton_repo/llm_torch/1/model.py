@@ -3,8 +3,9 @@
 Decoupled: with ``streaming`` one response per generated id, otherwise one response with
 all of them; then the final flag. Requests are decoded together by the continuous-batching
 engine (``tts_backends/cosyvoice2/llm_engine.py``); ``execute`` only parses and submits.
-Responses leave through an outbox thread and cancellations are noticed by a watcher, so the
-engine's thread never waits on the server. A cancelled request stops at the engine's next step.
+Responses leave through outbox threads (each request's in order) and cancellations are
+noticed by a watcher, so the engine's thread never waits on the server. A cancelled request
+stops at the engine's next step.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class TritonPythonModel:
                 handle = self._llm.submit(self._generation(call), sink)
             except ValueError as exc:
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                self.outbox.put(lambda s=sender, e=error: _fail(s, e))
+                self.outbox.put(id(sender), lambda s=sender, e=error: _fail(s, e))
                 continue
             sink.attach(handle, request.is_cancelled)
 
@@ -109,12 +110,16 @@ class _Sink:
             submitted=handle.submitted,
             admitted=handle.admitted,
             first_token=handle.first_token,
+            last_token=handle.last_token,
             tokens=handle.produced,
+            steps=handle.steps,
+            step_s=handle.step_s,
+            wait_s=handle.wait_s,
         )
 
     def token(self, token_id: int) -> None:
         if self._streaming:
-            self._model.outbox.put(lambda: self._sender.send(_response([token_id])))
+            self._model.outbox.put(id(self._sender), lambda: self._sender.send(_response([token_id])))
         else:
             self._tokens.append(token_id)
 
@@ -131,7 +136,7 @@ class _Sink:
             failure = pb_utils.TritonError(
                 f"model {model.name} failed; see the server log", pb_utils.TritonError.INTERNAL
             )
-            model.outbox.put(lambda: _fail(self._sender, failure))
+            model.outbox.put(id(self._sender), lambda: _fail(self._sender, failure))
             return
         produced = self._tokens
 
@@ -140,7 +145,7 @@ class _Sink:
                 self._sender.send(_response(produced))
             self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-        model.outbox.put(send)
+        model.outbox.put(id(self._sender), send)
 
 
 def _arrays(request: Any) -> dict[str, Any]:
