@@ -17,6 +17,7 @@ from app.admission import AdmissionControl
 from app.allocator import keep_audio_buffers_in_heap
 from app.auth import ApiKeyMiddleware
 from app.backend import SpeechBackend
+from app.cuda_mps import CudaMps
 from app.dependencies import Services
 from app.embedded_triton import EmbeddedTriton
 from app.errors import install_error_handlers
@@ -69,6 +70,7 @@ def start_embedded_triton(
         workdir=workdir,
         startup_timeout=settings.embedded_startup_timeout,
         log_path=workdir / "tritonserver.log",
+        cuda_mps=CudaMps.for_mode(settings.embedded_cuda_mps, workdir / "mps"),
     )
     supervisor = TritonSupervisor(server, on_restart=on_restart)
     supervisor.start()

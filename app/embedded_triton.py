@@ -35,6 +35,8 @@ from typing import IO, Final, Self
 
 import numpy
 
+from app.cuda_mps import CudaMps
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT: Final = "pip install 'tts-gateway[embedded]'"
@@ -66,10 +68,12 @@ class EmbeddedTriton:
         startup_timeout: float = 120.0,
         log_path: Path | None = None,
         ports: tuple[int, int, int] | None = None,
+        cuda_mps: CudaMps | None = None,
     ) -> None:
         """``ports`` (gRPC, HTTP, metrics) fixes where the server listens, so that a server
         started again, or started after its clients, is found at the same address; by
-        default three free ports are picked at each start.
+        default three free ports are picked at each start. ``cuda_mps``: a daemon started
+        before each server and quit after it, so that the model processes share the GPU.
         """
         self.repository = repository
         self.workdir = workdir
@@ -80,6 +84,7 @@ class EmbeddedTriton:
         self._log: IO[bytes] | None = None
         self._fixed_ports = ports
         self._ports: tuple[int, int, int] | None = None  # grpc, http, metrics
+        self._mps = cuda_mps
 
     @property
     def grpc_url(self) -> str:
@@ -138,6 +143,8 @@ class EmbeddedTriton:
             process.wait()
             for region in regions:
                 region.unlink(missing_ok=True)
+        if self._mps is not None:
+            self._mps.stop()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -197,6 +204,8 @@ class EmbeddedTriton:
 
     def _launch(self, layout: _WheelLayout, backends: Path) -> None:
         ports = self._fixed_ports or _free_ports(self.host)
+        if self._mps is not None:
+            self._mps.start()
         command = [
             str(layout.server),
             f"--model-repository={self.repository}",
@@ -221,6 +230,8 @@ class EmbeddedTriton:
         if libdir:
             env["LD_LIBRARY_PATH"] = _prepend_path(str(libdir), env["LD_LIBRARY_PATH"])
         env["PATH"] = _prepend_path(str(Path(sys.executable).parent), env.get("PATH"))
+        if self._mps is not None:
+            env.update(self._mps.env())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         logger.info("starting tritonserver on gRPC %s:%d (log: %s)", self.host, ports[0], self.log_path)

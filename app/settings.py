@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.cuda_mps import MpsMode
 from tts_backends.model_repository import parse_overrides
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +75,11 @@ class Settings(BaseSettings):
         None, description="where the embedded server's repository and logs go (default: a temp dir)"
     )
     embedded_startup_timeout: float = Field(180.0, gt=0)
+    embedded_cuda_mps: MpsMode = Field(
+        "auto",
+        description="run the embedded server's model processes under a CUDA MPS daemon of its own, so that"
+        " they share the GPU at once (auto: when nvidia-cuda-mps-control is installed)",
+    )
 
     ref_audios_dir: Path = Field(PROJECT_ROOT / "ref_audios", description="shipped voices: NAME.wav + NAME.txt")
     voices_dir: Path = Field(Path("data/voices"), description="uploaded voices, persistent")

@@ -60,6 +60,7 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
+from app.cuda_mps import CudaMps
 from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
 from tts_backends import contract, stage_trace
 from tts_backends.cosyvoice2 import vocab
@@ -422,7 +423,7 @@ def markdown(report: dict[str, Any]) -> str:
             "| stage | " + " | ".join(f"{item['concurrency']} streams" for item in staged) + " |",
             "|---|" + "---|" * len(staged),
         ]
-        for name, meaning in gpu_stages.STAGES:
+        for name, meaning in (*gpu_stages.STAGES, *gpu_stages.ENGINE_RATES):
             cells = []
             for item in staged:
                 value = item["stages"].get(name)
@@ -445,7 +446,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(
         f"Setup: instances {setup['instances']}; torch {setup['torch']} (CUDA {setup['torch_cuda']}); checkpoint "
         f"{setup['checkpoint_s']:.0f} s, tritonserver start (load and CUDA-graph capture) {setup['startup_s']:.0f} s, "
-        f"warm-up {setup['warmup_s']:.0f} s; overrides: {', '.join(setup['overrides']) or 'none'}."
+        f"warm-up {setup['warmup_s']:.0f} s; CUDA MPS {'on' if setup.get('cuda_mps') else 'off'}; overrides: "
+        f"{', '.join(setup['overrides']) or 'none'}."
     )
     return "\n".join(lines) + "\n"
 
@@ -596,7 +598,8 @@ def run(args: argparse.Namespace) -> bool:
     trace_dir = workdir / "stage_trace"
     shutil.rmtree(trace_dir, ignore_errors=True)
     os.environ[stage_trace.ENV_VAR] = str(trace_dir)
-    triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout)
+    mps = CudaMps.for_mode(args.cuda_mps, workdir / "mps")
+    triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout, cuda_mps=mps)
     loading = time.perf_counter()
     if llm_server is not None:
         llm_server.start()
@@ -633,6 +636,7 @@ def run(args: argparse.Namespace) -> bool:
                 "audio_s_min": min(audio),
                 "audio_s_avg": round(sum(audio) / len(audio), 2),
                 "audio_s_max": max(audio),
+                "cuda_mps": mps is not None and mps.running,
                 "checkpoint_s": round(checkpoint_s, 1),
                 "startup_s": round(startup_s, 1),
                 "warmup_s": 0.0,
@@ -801,6 +805,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16, help=f"the first N of {len(PROMPTS)} prompts")
     parser.add_argument("--out", type=Path, default=None, help="report folder; default WORKDIR/report")
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2", help="checkpoint, repo, logs")
+    parser.add_argument(
+        "--cuda-mps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the models' processes under a CUDA MPS daemon, as the gateway's TTS_EMBEDDED_CUDA_MPS",
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip passes that would end later than this")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="limit of one request")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")

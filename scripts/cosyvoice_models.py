@@ -19,6 +19,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
@@ -26,6 +27,7 @@ import httpx
 import hub_download
 import trtllm_engine
 
+from app.cuda_mps import CudaMps
 from tts_backends.model_repository import (
     TemplateError,
     load_profiles,
@@ -47,6 +49,8 @@ HUGGINGFACE_ID = "yuekai/cosyvoice2_llm"
 # format and the PyTorch flow make unnecessary.
 COSYVOICE_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx")
 TRT_LLM_SOURCE = "tensorrt_llm"
+# The launched server's own MPS daemon (pipes and log), private to the container.
+MPS_DIR = Path(tempfile.gettempdir()) / "tts-cuda-mps"
 
 
 def rooted_overrides(
@@ -171,6 +175,11 @@ def cmd_launch(args: argparse.Namespace) -> None:
         return
     if shutil.which(command[0]) is None:
         raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
+    # The daemon forks and outlives this exec; the container's end takes it down with the server.
+    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR)
+    if mps is not None:
+        mps.start()
+        os.environ.update(mps.env())
     os.execvp(command[0], command)
 
 
@@ -218,6 +227,12 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--grpc-port", type=int, default=8001)
     launch.add_argument("--metrics-port", type=int, default=8002)
     launch.add_argument("--dry-run", action="store_true", help="render, then print the command")
+    launch.add_argument(
+        "--cuda-mps",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="start a CUDA MPS daemon for the server's model processes (auto: when nvidia-cuda-mps-control exists)",
+    )
     _download_options(launch)
     _engine_options(launch)
     launch.set_defaults(func=cmd_launch)

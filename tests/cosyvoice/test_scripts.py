@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from app.cuda_mps import PIPE_VARIABLE
+from tests.unit.test_cuda_mps import calls, stand_in
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -347,20 +351,15 @@ def test_bad_override_is_reported_not_raised(tmp_path: Path, capsys: pytest.Capt
     assert "unknown keys ['nope']" in capsys.readouterr().err
 
 
+def launch_command(repo: Path, *options: str) -> list[str]:
+    """``cosyvoice_models.py launch`` of the CPU profile into ``repo``."""
+    script = str(SCRIPTS / "cosyvoice_models.py")
+    return [sys.executable, script, "launch", "--profile", "cosyvoice2-cpu", "--repo", str(repo), *options]
+
+
 def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) -> None:
     result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPTS / "cosyvoice_models.py"),
-            "launch",
-            "--profile",
-            "cosyvoice2-cpu",
-            "--repo",
-            str(tmp_path / "repo"),
-            "--grpc-port",
-            "9001",
-            "--dry-run",
-        ],
+        launch_command(tmp_path / "repo", "--grpc-port", "9001", "--dry-run"),
         check=True,
         capture_output=True,
         text=True,
@@ -374,3 +373,23 @@ def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) ->
         "--exit-on-error=true",
     ]
     assert (tmp_path / "repo" / "llm" / "config.pbtxt").is_file()
+
+
+def test_launch_starts_the_servers_cuda_mps_daemon_and_execs_the_server_under_it(tmp_path: Path) -> None:
+    # Stand-ins for the NVIDIA control program (no driver here) and for tritonserver, which only says
+    # where its MPS clients would look for the daemon.
+    bin_dir = tmp_path / "bin"
+    stand_in(bin_dir)
+    server = bin_dir / "fake-tritonserver"
+    server.write_text(f'#!/bin/sh\necho "pipe=${PIPE_VARIABLE}"\n')
+    server.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
+    env.pop(PIPE_VARIABLE, None)
+    command = launch_command(tmp_path / "repo", "--tritonserver", str(server))
+    result = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    pipe = tmp_path / "tts-cuda-mps" / "pipe"
+    assert result.stdout.strip() == f"pipe={pipe}"
+    assert [line.split()[0] for line in calls(bin_dir)] == ["args=-d"]
+    off = subprocess.run([*command, "--cuda-mps", "off"], check=True, capture_output=True, text=True, env=env)
+    assert off.stdout.strip() == "pipe="
+    assert len(calls(bin_dir)) == 1

@@ -26,8 +26,10 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import app.embedded_triton as embedded_triton
+from app.cuda_mps import PIPE_VARIABLE, CudaMps
 from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
 from tests.e2e.gateway_process import crash, free_ports, model_processes
+from tests.unit.test_cuda_mps import calls, stand_in
 from tts_backends import contract
 
 pytestmark = pytest.mark.triton
@@ -309,6 +311,39 @@ def test_failed_start_reports_the_log_tail(tmp_path: Path) -> None:
         server.start()
     assert "voice file is corrupt" in str(excinfo.value)
     assert not server.is_running()
+
+
+def test_model_processes_reach_the_cuda_mps_daemon_started_for_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No GPU here: the control program is the recording stand-in of tests/unit/test_cuda_mps.py. What is
+    # real is the server and its model process, which must see the daemon's pipes (an MPS client finds
+    # its daemon through them), while the daemon is started before the server and quit after it.
+    bin_dir = tmp_path / "bin"
+    monkeypatch.setenv("PATH", f"{stand_in(bin_dir).parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    write_python_model(
+        tmp_path / "models",
+        "pipes",
+        "import os\n"
+        "import numpy as np\n"
+        "import triton_python_backend_utils as pb\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        f"        seen = np.array([len(os.environ.get('{PIPE_VARIABLE}', ''))], np.float32)\n"
+        "        return [pb.InferenceResponse([pb.Tensor('y', seen)]) for _ in requests]\n",
+    )
+    mps = CudaMps.for_mode("auto", tmp_path / "mps")
+    assert mps is not None
+    pipe = tmp_path / "mps" / "pipe"
+    with EmbeddedTriton(tmp_path / "models", workdir=tmp_path / "work", cuda_mps=mps) as server:
+        assert [line.split()[0] for line in calls(bin_dir)] == ["args=-d"]
+        with grpcclient_sync.InferenceServerClient(server.grpc_url) as client:
+            x = grpcclient_sync.InferInput("x", [1], "FP32")
+            x.set_data_from_numpy(np.zeros(1, np.float32))
+            y = client.infer("pipes", [x]).as_numpy("y")
+        assert y is not None and int(y[0]) == len(str(pipe))
+    assert calls(bin_dir)[-1] == f"args= pipe={pipe} log={tmp_path / 'mps' / 'log'} input=quit"
 
 
 def test_slow_start_times_out_with_the_log_tail(empty_repository: Path, tmp_path: Path) -> None:

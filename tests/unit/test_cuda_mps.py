@@ -1,0 +1,91 @@
+"""The CUDA MPS daemon around the embedded Triton: when it is started, how, and what its clients are told.
+
+No GPU and no NVIDIA driver here: the control program is a stand-in script that records how it was
+called (the real one forks the daemon and returns, as the stand-in returns). That the model
+processes of a real tritonserver reach the daemon's pipes is tested in tests/triton.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from app.cuda_mps import CONTROL, LOG_VARIABLE, PIPE_VARIABLE, CudaMps, CudaMpsError
+
+
+def stand_in(directory: Path, status: int = 0) -> Path:
+    """A control program that appends its arguments, pipe directory and input to ``calls.log``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    program = directory / CONTROL
+    program.write_text(
+        "#!/bin/sh\n"
+        f'echo "args=$* pipe=${PIPE_VARIABLE} log=${LOG_VARIABLE} input=$(cat)" >> "{directory}/calls.log"\n'
+        f"exit {status}\n"
+    )
+    program.chmod(program.stat().st_mode | stat.S_IEXEC)
+    return program
+
+
+def calls(directory: Path) -> list[str]:
+    log = directory / "calls.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_off_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
+    assert CudaMps.for_mode("off", tmp_path / "mps") is None
+
+
+def test_auto_needs_the_control_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    assert CudaMps.for_mode("auto", tmp_path / "mps") is None
+    with pytest.raises(CudaMpsError, match="not on PATH"):
+        CudaMps.for_mode("on", tmp_path / "mps")
+
+
+def test_auto_leaves_a_process_already_under_mps_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
+    monkeypatch.setenv(PIPE_VARIABLE, "/run/nvidia-mps")
+    assert CudaMps.for_mode("auto", tmp_path / "mps") is None
+    assert CudaMps.for_mode("on", tmp_path / "mps") is not None
+
+
+def test_start_runs_a_daemon_of_its_own_and_stop_quits_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    monkeypatch.setenv("PATH", f"{stand_in(bin_dir).parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    mps = CudaMps.for_mode("auto", tmp_path / "mps")
+    assert mps is not None
+    assert mps.env() == {}
+    mps.start()
+    pipe, log = tmp_path / "mps" / "pipe", tmp_path / "mps" / "log"
+    assert pipe.is_dir() and log.is_dir()
+    assert mps.env() == {PIPE_VARIABLE: str(pipe), LOG_VARIABLE: str(log)}
+    # No daemon had been started in these directories, so nothing was quit before the start.
+    assert calls(bin_dir) == [f"args=-d pipe={pipe} log={log} input="]
+    mps.stop()
+    assert calls(bin_dir)[1:] == [f"args= pipe={pipe} log={log} input=quit"]
+    assert mps.env() == {}
+    # A second start first quits whatever a crashed owner left running in the same directories.
+    mps.start()
+    assert calls(bin_dir)[2:] == [f"args= pipe={pipe} log={log} input=quit", f"args=-d pipe={pipe} log={log} input="]
+
+
+def test_a_daemon_that_does_not_start_is_an_error_only_when_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin", status=1).parent))
+    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    required = CudaMps.for_mode("on", tmp_path / "on")
+    assert required is not None
+    with pytest.raises(CudaMpsError, match="exited with status 1"):
+        required.start()
+    optional = CudaMps.for_mode("auto", tmp_path / "auto")
+    assert optional is not None
+    optional.start()
+    assert not optional.running
+    assert optional.env() == {}
