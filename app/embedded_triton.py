@@ -202,6 +202,26 @@ class EmbeddedTriton:
         staged.replace(python_backend / layout.stub.name)
         return python_backend.parent
 
+    def _libpython_dir(self) -> Path | None:
+        """A directory holding only this interpreter's libpython, for the stub's library path.
+
+        The stub embeds libpython and must load this interpreter's, not another Python of the same
+        version on the system path (a mismatch breaks C extensions such as ssl). Putting the
+        interpreter's whole ``LIBDIR`` first would do that too, but for a system Python that is
+        ``/usr/lib/<arch>``, and every library there would then shadow the ones the models' packages
+        load through their own run paths: on the H100 machine (Ubuntu's Python 3.12) the LLM's decode
+        step took 6.2 ms in its stub that way and 3.4 ms with this directory alone.
+        """
+        libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+        if not libdir or not soname or not (Path(libdir) / soname).is_file():
+            return None
+        directory = self.workdir / "libpython"
+        directory.mkdir(parents=True, exist_ok=True)
+        link = directory / soname
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path(libdir) / soname)
+        return directory
+
     def _launch(self, layout: _WheelLayout, backends: Path) -> None:
         ports = self._fixed_ports or _free_ports(self.host)
         if self._mps is not None:
@@ -224,11 +244,9 @@ class EmbeddedTriton:
         ]
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))
-        # The stub embeds libpython: make it load this interpreter's, not another Python of the
-        # same version on the system path (a mismatch breaks C extensions such as ssl).
-        libdir = sysconfig.get_config_var("LIBDIR")
-        if libdir:
-            env["LD_LIBRARY_PATH"] = _prepend_path(str(libdir), env["LD_LIBRARY_PATH"])
+        libpython = self._libpython_dir()
+        if libpython is not None:
+            env["LD_LIBRARY_PATH"] = _prepend_path(str(libpython), env["LD_LIBRARY_PATH"])
         env["PATH"] = _prepend_path(str(Path(sys.executable).parent), env.get("PATH"))
         if self._mps is not None:
             env.update(self._mps.env())

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 import uuid
@@ -284,6 +285,24 @@ def test_stop_is_idempotent_and_ends_the_process(empty_repository: Path, tmp_pat
     assert is_gone(pid)
     with pytest.raises(EmbeddedTritonError, match="not running"):
         _ = server.http_url
+
+
+def test_the_loader_path_gets_this_interpreters_libpython_and_not_its_whole_libdir(
+    empty_repository: Path, tmp_path: Path
+) -> None:
+    # A system Python's LIBDIR is /usr/lib/<arch>: first on the path, its libraries would shadow the
+    # CUDA libraries that torch finds through its own run paths in every model process.
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not libdir or not (Path(libdir) / soname).is_file():
+        pytest.skip("this interpreter has no shared libpython")
+    with EmbeddedTriton(empty_repository, workdir=tmp_path / "work") as server:
+        assert server.pid is not None
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+    path = next(e for e in environ if e.startswith(b"LD_LIBRARY_PATH=")).decode().split("=", 1)[1].split(os.pathsep)
+    assert libdir not in path
+    first = Path(path[0])
+    assert [entry.name for entry in first.iterdir()] == [soname]
+    assert (first / soname).resolve() == (Path(libdir) / soname).resolve()
 
 
 def write_python_model(repository: Path, name: str, source: str) -> None:
