@@ -11,8 +11,8 @@ import pytest
 
 from tts_backends.cosyvoice2 import tiny_frontend, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
-from tts_backends.cosyvoice2.llm_engine import GenerationHandle
-from tts_backends.cosyvoice2.llm_streams import Outbox
+from tts_backends.cosyvoice2.llm_engine import Generation, GenerationHandle
+from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -183,3 +183,32 @@ def test_outbox_keeps_each_requests_order_while_another_request_waits() -> None:
     release.set()
     outbox.close()
     assert all(log == list(range(50)) for log in sent.values())
+
+
+def test_a_forgotten_request_is_never_asked_about_again() -> None:
+    # Asking Triton about a request whose final response was sent reads freed memory in the server:
+    # forget() must wait for a check under way and no check may follow it.
+    watch = CancellationWatch("test", interval_s=0.001)
+    asking, answer = threading.Event(), threading.Event()
+    asked_after_forget: list[bool] = []
+    forgotten = threading.Event()
+
+    def is_cancelled() -> bool:
+        asked_after_forget.append(forgotten.is_set())
+        asking.set()
+        answer.wait(5)
+        return False
+
+    handle = GenerationHandle(Generation((1,), 1, 0, frozenset(), 1.0, 1.0, 0, 1.0), Recorder())
+    watch.watch(handle, is_cancelled)
+    assert asking.wait(5)
+    forgetting = threading.Thread(target=lambda: (watch.forget(handle), forgotten.set()))
+    forgetting.start()
+    time.sleep(0.05)
+    assert not forgotten.is_set()  # the check under way holds it
+    answer.set()
+    forgetting.join(5)
+    assert forgotten.is_set()
+    time.sleep(0.05)
+    watch.close()
+    assert asked_after_forget and not any(asked_after_forget)

@@ -59,7 +59,12 @@ class Outbox:
 
 
 class CancellationWatch:
-    """Cancels engine handles whose Triton request was cancelled, checking every ``interval_s``."""
+    """Cancels engine handles whose Triton request was cancelled, checking every ``interval_s``.
+
+    Asking about a request whose final response was sent reaches freed memory in the server
+    (the response factory is gone), so :meth:`forget` returns only once no check of that request
+    runs, and none runs after it: forget a request before its final response is sent.
+    """
 
     def __init__(self, name: str, interval_s: float = 0.02) -> None:
         self._interval_s = interval_s
@@ -74,6 +79,7 @@ class CancellationWatch:
             self._watched[handle] = is_cancelled
 
     def forget(self, handle: GenerationHandle) -> None:
+        """Stop checking ``handle``; waits for a check of it that is under way."""
         with self._lock:
             self._watched.pop(handle, None)
 
@@ -84,11 +90,18 @@ class CancellationWatch:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             with self._lock:
-                watched = list(self._watched.items())
-            for handle, is_cancelled in watched:
-                try:
-                    if is_cancelled():
+                handles = list(self._watched)
+            for handle in handles:
+                # Held across the check, so that forget() cannot return while it runs.
+                with self._lock:
+                    is_cancelled = self._watched.get(handle)
+                    if is_cancelled is None:
+                        continue
+                    try:
+                        cancelled = is_cancelled()
+                    except Exception:
+                        _log.exception("asking whether a request was cancelled failed")
+                        continue
+                    if cancelled:
                         handle.cancel()
-                        self.forget(handle)
-                except Exception:
-                    _log.exception("asking whether a request was cancelled failed")
+                        del self._watched[handle]

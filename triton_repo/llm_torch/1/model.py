@@ -129,18 +129,30 @@ class _Sink:
             self._done = True
             handle = self._handle
             if handle is not None:
-                model.watch.forget(handle)
                 self._record(handle)
+
+        def unwatch() -> None:
+            # On the outbox lane, before the final response: the watcher must not ask about the
+            # request once that is sent (the engine's thread does not wait for the watcher).
+            if handle is not None:
+                model.watch.forget(handle)
+
         if error is not None:
             pb_utils.Logger.log_error(f"{model.name}: generation failed\n{''.join(traceback.format_exception(error))}")
             failure = pb_utils.TritonError(
                 f"model {model.name} failed; see the server log", pb_utils.TritonError.INTERNAL
             )
-            model.outbox.put(id(self._sender), lambda: _fail(self._sender, failure))
+
+            def fail() -> None:
+                unwatch()
+                _fail(self._sender, failure)
+
+            model.outbox.put(id(self._sender), fail)
             return
         produced = self._tokens
 
         def send() -> None:
+            unwatch()
             if not self._streaming and not (handle is not None and handle.cancelled):
                 self._sender.send(_response(produced))
             self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
