@@ -76,7 +76,7 @@ class Settings(BaseSettings):
     )
     embedded_startup_timeout: float = Field(180.0, gt=0)
     embedded_cuda_mps: MpsMode = Field(
-        "auto",
+        "off",
         description="run the embedded server's model processes under a CUDA MPS daemon of its own, so that"
         " they share the GPU at once (auto: when nvidia-cuda-mps-control is installed)",
     )

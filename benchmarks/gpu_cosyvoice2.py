@@ -808,7 +808,7 @@ def main() -> int:
     parser.add_argument(
         "--cuda-mps",
         choices=("auto", "on", "off"),
-        default="auto",
+        default="off",
         help="the models' processes under a CUDA MPS daemon, as the gateway's TTS_EMBEDDED_CUDA_MPS",
     )
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip passes that would end later than this")
