@@ -212,3 +212,36 @@ def test_a_forgotten_request_is_never_asked_about_again() -> None:
     time.sleep(0.05)
     watch.close()
     assert asked_after_forget and not any(asked_after_forget)
+
+
+def test_a_gate_holding_the_engine_back_delays_tokens_but_does_not_change_them(tmp_path: Path) -> None:
+    class Gate:
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+            self.waits = 0
+
+        def busy(self, live_rows: int) -> bool:
+            self.asked.append(live_rows)
+            return len(self.asked) % 3 == 0
+
+        def wait(self) -> float:
+            self.waits += 1
+            time.sleep(0.002)
+            return 0.002
+
+    gate = Gate()
+    directory = tiny_frontend.write_tiny_llm(tmp_path / "cosyvoice2_llm")
+    model = TorchSpeechLLM(directory, max_slots=4, max_seq_len=128, gate=gate)
+    try:
+        runs = [submit(model, index, SAMPLED) for index in range(3)]
+        for recorder, _ in runs:
+            assert recorder.done.wait(60) and recorder.error is None
+        gated = [recorder.tokens for recorder, _ in runs]
+    finally:
+        model.close()
+    ungated = TorchSpeechLLM(directory, max_slots=4, max_seq_len=128)
+    try:
+        assert gated == [alone(ungated, index, SAMPLED) for index in range(3)]
+    finally:
+        ungated.close()
+    assert gate.waits > 0 and set(gate.asked) <= {1, 2, 3}

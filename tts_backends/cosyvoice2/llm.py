@@ -31,6 +31,7 @@ from .llm_engine import (
     BatchingEngine,
     Generation,
     GenerationHandle,
+    StepGate,
     TokenSink,
     generate,
 )
@@ -86,6 +87,7 @@ class TorchSpeechLLM:
         max_seq_len: int = 2048,
         cuda_graphs: bool | None = None,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
+        gate: StepGate | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -103,7 +105,7 @@ class TorchSpeechLLM:
             model, slots=max_slots, max_len=max_seq_len, columns=torch.tensor(COLUMN_IDS, dtype=torch.long)
         )
         graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.engine = BatchingEngine(decoder, cuda_graphs=graphs, buckets=buckets)
+        self.engine = BatchingEngine(decoder, cuda_graphs=graphs, buckets=buckets, gate=gate)
 
     def close(self) -> None:
         """Stop the engine; requests still in flight end with an error."""

@@ -49,6 +49,18 @@ DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
 
 
+class StepGate(Protocol):
+    """Decides whether the engine leaves the GPU to another process before its next step."""
+
+    def busy(self, live_rows: int) -> bool:
+        """Whether to wait before a step for ``live_rows`` requests."""
+        ...
+
+    def wait(self) -> float:
+        """Block until the GPU is left to the engine again (bounded); returns the seconds waited."""
+        ...
+
+
 class TokenSink(Protocol):
     """Where a request's tokens go; both methods are called from the engine's thread."""
 
@@ -173,12 +185,14 @@ class BatchingEngine:
         cuda_graphs: bool,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_prefill_rows: int = 8,
+        gate: StepGate | None = None,
     ) -> None:
         self._decoder = decoder
         self._device = decoder.device
         self.slots = decoder.slots
         self._buckets = sorted({b for b in buckets if b <= self.slots} | {self.slots})
         self._max_prefill_rows = max_prefill_rows
+        self._gate = gate
         self._columns = torch.tensor(COLUMN_IDS, device=self._device)
         self._rows = _Rows(self.slots, len(COLUMN_IDS), self._device)
         self._live: list[GenerationHandle] = []
@@ -243,6 +257,12 @@ class BatchingEngine:
             try:
                 if admitted:
                     self._prefill(admitted)
+                if self._live and self._gate is not None and self._gate.busy(len(self._live)):
+                    # Hand out the step in flight before leaving the GPU to the other process.
+                    if launched is not None:
+                        self._land(launched)
+                        launched = None
+                    self._gate.wait()
                 previous, launched = launched, self._launch() if self._live else None
                 if previous is not None:
                     self._land(previous)

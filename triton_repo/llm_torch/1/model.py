@@ -19,6 +19,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from tts_backends.cosyvoice2 import tensors, vocab
+from tts_backends.cosyvoice2.gpu_turns import GpuTurns, YieldToFirstChunks
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.llm_engine import GenerationHandle
 from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox
@@ -32,6 +33,8 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self.name = args["model_name"]
         graphs = params["cuda_graphs"].lower()
+        # On a GPU shared with token2wav, a first chunk being converted goes before decoding ahead.
+        self._turns = GpuTurns.of_server() if params["device"].startswith("cuda") else None
         self._llm = TorchSpeechLLM(
             Path(params["llm_dir"]),
             device=params["device"],
@@ -39,6 +42,7 @@ class TritonPythonModel:
             max_slots=int(params["max_slots"]),
             max_seq_len=int(params["max_seq_len"]),
             cuda_graphs=None if graphs == "auto" else graphs == "true",
+            gate=None if self._turns is None else YieldToFirstChunks(self._turns),
         )
         self.outbox = Outbox(self.name)
         self.watch = CancellationWatch(self.name)
@@ -61,6 +65,8 @@ class TritonPythonModel:
         self._llm.close()
         self.watch.close()
         self.outbox.close()
+        if self._turns is not None:
+            self._turns.remove()
 
     def _generation(self, call: LLMRequest) -> Any:
         stops = set(vocab.STOP_IDS)

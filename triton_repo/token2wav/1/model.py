@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 
 from tts_backends.cosyvoice2 import tensors
 from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.gpu_turns import GpuTurns
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
 from tts_backends.stage_trace import StageTrace
 
@@ -49,6 +51,9 @@ class TritonPythonModel:
             prefix_frames=int(params["prefix_frames"]),
         )
         self._trace = StageTrace.from_env("token2wav")
+        # Marks first chunks on the GPU, so that the LLM's process leaves it to them (gpu_turns.py).
+        self._turns = GpuTurns.of_server() if device.startswith("cuda") else None
+        self._turn_slot = int(args.get("model_instance_device_id", 0) or 0)
         self._token2wav.sync_timing = self._trace.enabled
 
     def execute(self, requests: list[Any]) -> list[Any]:
@@ -75,8 +80,11 @@ class TritonPythonModel:
             )
             calls.append((index, conversion))
         if calls:
+            first_chunk = any(call.token_offset == 0 for _, call in calls)
+            holding = self._turns.hold(self._turn_slot) if self._turns is not None and first_chunk else nullcontext()
             try:
-                results = self._token2wav.convert([call for _, call in calls])
+                with holding:
+                    results = self._token2wav.convert([call for _, call in calls])
             except Exception:
                 pb_utils.Logger.log_error(f"{self._name}: conversion failed\n{traceback.format_exc()}")
                 failure = f"model {self._name} failed; see the server log"

@@ -1,0 +1,78 @@
+"""The marks token2wav leaves for the LLM's process: seen across processes, bounded, and ignored once stale."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tts_backends.cosyvoice2.gpu_turns import GpuTurns, YieldToFirstChunks
+
+
+def test_a_mark_held_in_another_process_is_seen_and_waited_for(tmp_path: Path) -> None:
+    path = tmp_path / "turns"
+    turns = GpuTurns(path)
+    assert not turns.held(stale_s=1.0)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+                import sys, time
+                from pathlib import Path
+                from tts_backends.cosyvoice2.gpu_turns import GpuTurns
+                with GpuTurns(Path({str(path)!r})).hold(3):
+                    print("holding", flush=True)
+                    time.sleep(0.3)
+            """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+    assert turns.held(stale_s=5.0)
+    waited = turns.wait(max_wait_s=5.0, stale_s=5.0)
+    holder.wait(10)
+    assert 0.1 < waited < 2.0  # until the holder let go, not the 5 s bound
+    assert not turns.held(stale_s=5.0)
+    turns.remove()
+    assert not path.exists()
+
+
+def test_waiting_is_bounded_and_a_stale_mark_is_ignored(tmp_path: Path) -> None:
+    turns = GpuTurns(tmp_path / "turns")
+    with turns.hold():
+        started = time.monotonic()
+        assert 0.05 <= turns.wait(max_wait_s=0.05, stale_s=5.0) < 1.0
+        time.sleep(0.06)
+        # A holder that died keeps its mark forever; past stale_s it no longer counts.
+        assert not turns.held(stale_s=0.05)
+        assert turns.wait(max_wait_s=5.0, stale_s=0.05) < 0.05
+        assert time.monotonic() - started < 1.0
+    turns.close()
+
+
+def test_the_llm_yields_only_while_it_decodes_for_a_few_requests(tmp_path: Path) -> None:
+    turns = GpuTurns(tmp_path / "turns")
+    gate = YieldToFirstChunks(turns, max_rows=4, max_wait_s=0.01)
+    assert not gate.busy(1)
+    with turns.hold():
+        assert gate.busy(1) and gate.busy(4)
+        assert not gate.busy(5)
+    assert not gate.busy(1)
+    turns.close()
+
+
+def test_the_servers_model_processes_share_one_file() -> None:
+    a, b = GpuTurns.of_server(4242), GpuTurns.of_server(4242)
+    try:
+        assert a.path == b.path and a.path.name == "tts-gpu-turns-4242"
+        assert GpuTurns.of_server(4243).path != a.path
+        with a.hold():
+            assert b.held(stale_s=5.0)
+    finally:
+        a.close()
+        b.remove()
+        GpuTurns.of_server(4243).remove()
