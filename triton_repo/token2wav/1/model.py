@@ -101,6 +101,11 @@ class TritonPythonModel:
             self._record(calls, started)
         return responses
 
+    def finalize(self) -> None:
+        # Whichever of the two processes ends last leaves no file behind (removing is idempotent).
+        if self._turns is not None:
+            self._turns.remove()
+
     def _record(self, calls: list[tuple[int, Conversion]], started: float) -> None:
         if not self._trace.enabled:
             return
