@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from tts_backends.cosyvoice2.gpu_turns import GpuTurns, YieldToFirstChunks
 
@@ -65,14 +69,22 @@ def test_the_llm_yields_only_while_it_decodes_for_a_few_requests(tmp_path: Path)
     turns.close()
 
 
-def test_the_servers_model_processes_share_one_file() -> None:
-    a, b = GpuTurns.of_server(4242), GpuTurns.of_server(4242)
-    try:
-        assert a.path == b.path and a.path.name == "tts-gpu-turns-4242"
-        assert GpuTurns.of_server(4243).path != a.path
-        with a.hold():
-            assert b.held(stale_s=5.0)
-    finally:
-        a.close()
-        b.remove()
-        GpuTurns.of_server(4243).remove()
+def test_a_servers_processes_share_one_file_per_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    a, b = GpuTurns.of_server(0, server_pid=4242), GpuTurns.of_server(0, server_pid=4242)
+    other_gpu, other_server = GpuTurns.of_server(1, server_pid=4242), GpuTurns.of_server(0, server_pid=4243)
+    assert a.path == b.path and a.path.parent == tmp_path
+    with a.hold():
+        assert b.held(stale_s=5.0)
+        assert not other_gpu.held(stale_s=5.0) and not other_server.held(stale_s=5.0)
+    for turns in (a, b, other_gpu, other_server):
+        turns.remove()
+
+
+def test_a_mark_from_the_future_does_not_count(tmp_path: Path) -> None:
+    # A stamp of a process from an earlier boot, in a file that survived it, lies ahead of this boot's clock.
+    turns = GpuTurns(tmp_path / "turns")
+    struct.pack_into("<q", turns._map, 8, time.monotonic_ns() + 3600 * 10**9)
+    assert not turns.held(stale_s=5.0)
+    assert turns.wait(max_wait_s=1.0, stale_s=5.0) < 0.5
+    turns.close()

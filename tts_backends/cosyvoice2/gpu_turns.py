@@ -11,7 +11,7 @@ when it decodes for a few requests only, waits before its next step while the ma
 The mark is a ``time.monotonic_ns()`` stamp per token2wav instance (0: none); a stamp older than
 ``stale_s`` is ignored, so a token2wav process that died holding it does not stall the LLM, and
 the LLM waits at most ``max_wait_s`` per step. Both processes are children of one tritonserver;
-the file is named after it, so separate servers on one machine do not see each other's marks.
+the file is named after it and the GPU, so separate servers or GPUs do not see each other's marks.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ class GpuTurns:
             os.close(fd)
 
     @classmethod
-    def of_server(cls, server_pid: int | None = None) -> GpuTurns:
-        """The marks shared by the model processes of the server ``server_pid`` (default: this one's parent)."""
+    def of_server(cls, gpu: int, server_pid: int | None = None) -> GpuTurns:
+        """The marks shared on GPU ``gpu`` by the model processes of the server ``server_pid`` (default:
+        this process's parent)."""
         pid = os.getppid() if server_pid is None else server_pid
-        return cls(Path(tempfile.gettempdir()) / f"tts-gpu-turns-{pid}")
+        return cls(Path(tempfile.gettempdir()) / f"tts-gpu-turns-{pid}-gpu{gpu}")
 
     @contextmanager
     def hold(self, instance: int = 0) -> Iterator[None]:
@@ -61,9 +62,11 @@ class GpuTurns:
             _STAMP.pack_into(self._map, offset, 0)
 
     def held(self, stale_s: float) -> bool:
-        """Whether a mark younger than ``stale_s`` stands."""
-        oldest = time.monotonic_ns() - int(stale_s * 1e9)
-        return any(stamp > oldest for (stamp,) in _STAMP.iter_unpack(self._map))
+        """Whether a mark younger than ``stale_s`` stands (one from the future, left by a process of an
+        earlier boot in a file that survived it, does not count)."""
+        now = time.monotonic_ns()
+        oldest = now - int(stale_s * 1e9)
+        return any(oldest < stamp <= now for (stamp,) in _STAMP.iter_unpack(self._map))
 
     def wait(self, max_wait_s: float, stale_s: float) -> float:
         """Wait while a mark stands, at most ``max_wait_s``; returns the seconds waited."""

@@ -240,6 +240,9 @@ class BatchingEngine:
         self._thread.join()
 
     def _run(self) -> None:
+        if self._cuda:
+            # Events, copies and replays of this thread must all go to the model's device.
+            torch.cuda.set_device(self._device)
         launched: _Launched | None = None
         while True:
             with self._wake:
@@ -262,7 +265,8 @@ class BatchingEngine:
                     if launched is not None:
                         self._land(launched)
                         launched = None
-                    self._gate.wait()
+                    if self._live:
+                        self._gate.wait()
                 previous, launched = launched, self._launch() if self._live else None
                 if previous is not None:
                     self._land(previous)
@@ -272,8 +276,9 @@ class BatchingEngine:
                 failed = [*admitted, *self._live]
                 self._live.clear()
                 for handle in dict.fromkeys(failed):
-                    handle.ended = True
-                    _finish(handle, exc)
+                    if not handle.ended:  # one that ended in this round was told so already
+                        handle.ended = True
+                        _finish(handle, exc)
         for handle in pending:
             _finish(handle, RuntimeError("the engine stopped"))
 

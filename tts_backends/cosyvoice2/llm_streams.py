@@ -10,6 +10,7 @@ request at its next step without asking anything itself. Both take plain callabl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -21,11 +22,12 @@ _log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Runs queued send calls on ``lanes`` threads; the calls of one key run on one lane, in order.
+    """Runs queued send calls on ``lanes`` threads; the calls queued on one lane run in order.
 
     A send is a round trip to the server that releases the GIL while it waits, so several lanes
     send at once: with one lane, 64 streams' tokens of one decode step were sent one after another
-    and fell behind the engine. Keying by request keeps each request's responses in order.
+    and fell behind the engine. Each request takes one lane (:meth:`next_lane`, in turn) for all
+    its responses, which keeps them in order.
     """
 
     def __init__(self, name: str, lanes: int = 4) -> None:
@@ -36,11 +38,15 @@ class Outbox:
         ]
         for thread in self._threads:
             thread.start()
+        self._turns = itertools.count()
 
-    def put(self, key: int, send: Callable[[], None]) -> None:
-        """Queue ``send`` behind the earlier sends of ``key``, the ``id()`` of the request it answers."""
-        # Object ids are multiples of 16: the low bits would always pick the same lane.
-        self._queues[(key >> 4) % len(self._queues)].put(send)
+    def next_lane(self) -> int:
+        """The lane of a new request: each in turn (a lane per request, not per hash of anything)."""
+        return next(self._turns) % len(self._queues)
+
+    def put(self, lane: int, send: Callable[[], None]) -> None:
+        """Queue ``send`` on ``lane``, behind the sends queued there before it."""
+        self._queues[lane % len(self._queues)].put(send)
 
     def close(self) -> None:
         """Send what is queued, then stop."""

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from tts_backends.cosyvoice2 import tensors, vocab
@@ -34,7 +35,8 @@ class TritonPythonModel:
         self.name = args["model_name"]
         graphs = params["cuda_graphs"].lower()
         # On a GPU shared with token2wav, a first chunk being converted goes before decoding ahead.
-        self._turns = GpuTurns.of_server() if params["device"].startswith("cuda") else None
+        device = torch.device(params["device"])
+        self._turns = GpuTurns.of_server(device.index or 0) if device.type == "cuda" else None
         self._llm = TorchSpeechLLM(
             Path(params["llm_dir"]),
             device=params["device"],
@@ -57,7 +59,7 @@ class TritonPythonModel:
                 handle = self._llm.submit(self._generation(call), sink)
             except ValueError as exc:
                 error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
-                self.outbox.put(id(sender), lambda s=sender, e=error: _fail(s, e))
+                self.outbox.put(self.outbox.next_lane(), lambda s=sender, e=error: _fail(s, e))
                 continue
             sink.attach(handle, request.is_cancelled)
 
@@ -96,6 +98,7 @@ class _Sink:
         self._sender = sender
         self._request_id = request_id
         self._streaming = streaming
+        self._lane = model.outbox.next_lane()
         self._tokens: list[int] = []
         self._lock = threading.Lock()
         self._handle: GenerationHandle | None = None
@@ -125,7 +128,7 @@ class _Sink:
 
     def token(self, token_id: int) -> None:
         if self._streaming:
-            self._model.outbox.put(id(self._sender), lambda: self._sender.send(_response([token_id])))
+            self._model.outbox.put(self._lane, lambda: self._sender.send(_response([token_id])))
         else:
             self._tokens.append(token_id)
 
@@ -153,7 +156,7 @@ class _Sink:
                 unwatch()
                 _fail(self._sender, failure)
 
-            model.outbox.put(id(self._sender), fail)
+            model.outbox.put(self._lane, fail)
             return
         produced = self._tokens
 
@@ -163,7 +166,7 @@ class _Sink:
                 self._sender.send(_response(produced))
             self._sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-        model.outbox.put(id(self._sender), send)
+        model.outbox.put(self._lane, send)
 
 
 def _arrays(request: Any) -> dict[str, Any]:

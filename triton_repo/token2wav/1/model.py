@@ -52,7 +52,8 @@ class TritonPythonModel:
         )
         self._trace = StageTrace.from_env("token2wav")
         # Marks first chunks on the GPU, so that the LLM's process leaves it to them (gpu_turns.py).
-        self._turns = GpuTurns.of_server() if device.startswith("cuda") else None
+        gpu = torch.device(device)
+        self._turns = GpuTurns.of_server(gpu.index or 0) if gpu.type == "cuda" else None
         self._turn_slot = int(args.get("model_instance_device_id", 0) or 0)
         self._token2wav.sync_timing = self._trace.enabled
 
