@@ -170,8 +170,8 @@ class _Launched:
 
     handles: list[GenerationHandle]
     drawn: Tensor
-    started: torch.cuda.Event | None
-    done: torch.cuda.Event | None
+    # On CUDA the events around the step (start, end); on the CPU the step already ran, in ``eager_s``.
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
     eager_s: float
 
 
@@ -379,20 +379,15 @@ class BatchingEngine:
         host.copy_(self._rows.drawn[:live], non_blocking=True)
         if events is not None:
             events[1].record()
-        return _Launched(
-            handles=list(self._live),
-            drawn=host,
-            started=None if events is None else events[0],
-            done=None if events is None else events[1],
-            eager_s=time.perf_counter() - started,
-        )
+        return _Launched(handles=list(self._live), drawn=host, events=events, eager_s=time.perf_counter() - started)
 
     def _land(self, step: _Launched) -> None:
         """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped."""
         waited = time.perf_counter()
-        if step.done is not None and step.started is not None:
-            step.done.synchronize()
-            seconds = step.started.elapsed_time(step.done) / 1000.0
+        if step.events is not None:
+            started, done = step.events
+            done.synchronize()
+            seconds = started.elapsed_time(done) / 1000.0
         else:
             seconds = step.eager_s
         waited = time.perf_counter() - waited
