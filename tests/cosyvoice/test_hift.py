@@ -155,3 +155,35 @@ def test_bfloat16_weights_still_return_float32_audio(
 def test_the_cosyvoice1_sample_rate_is_refused(cfg: HiftConfig) -> None:
     with pytest.raises(ValueError, match=r"22\.05 kHz"):
         HiFTGenerator(dataclasses.replace(cfg, sampling_rate=22050))
+
+
+def test_the_inverse_stft_is_torch_istft(vocoder: HiFTGenerator) -> None:
+    """Written out as inverse FFT and overlap-add (a CUDA graph can record it), it computes what torch.istft does."""
+    generator = torch.Generator().manual_seed(2)
+    bins = vocoder.n_fft // 2 + 1
+    magnitude = torch.rand(3, bins, 41, generator=generator) * 5
+    phase = torch.rand(3, bins, 41, generator=generator) * 6
+    spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+    expected = torch.istft(
+        spectrum, vocoder.n_fft, vocoder.hop_len, vocoder.n_fft, window=torch.hann_window(vocoder.n_fft)
+    )
+    actual = vocoder._inverse_stft(magnitude, phase)
+    assert actual.shape == expected.shape == (3, 40 * vocoder.hop_len)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_vocoding_with_noise_drawn_first_is_inference(vocoder: HiFTGenerator, mel: torch.Tensor) -> None:
+    """Per-row generators draw in the order inference draws: the excitation's noise can be made apart."""
+    batch = torch.cat([mel, mel.flip(2)])
+    seeds = [3, 4]
+    expected_wav, expected_source = vocoder.inference(
+        batch, generator=[torch.Generator().manual_seed(seed) for seed in seeds]
+    )
+    noise = vocoder.draw_noise(2, FRAMES, [torch.Generator().manual_seed(seed) for seed in seeds])
+    with torch.inference_mode():
+        wav, source = vocoder.vocode(batch, noise)
+    torch.testing.assert_close(wav, expected_wav, rtol=0, atol=0)
+    torch.testing.assert_close(source, expected_source, rtol=0, atol=0)
+    # Each row draws what it draws alone.
+    alone, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(wav[:1], alone, rtol=0, atol=1e-6)

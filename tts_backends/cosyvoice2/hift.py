@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,13 @@ Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 _SNAKE_EPS = 1e-9
 _MAX_MAGNITUDE = 1e2
+
+
+class ExcitationNoise(NamedTuple):
+    """The excitation's random draws, made apart from vocoding so that a recorded CUDA graph holds no RNG."""
+
+    phase: Tensor  # [B, harmonics] initial phase of every overtone, in cycles (the fundamental's is ignored)
+    gaussian: Tensor  # [B, harmonics, samples] standard normal noise
 
 
 def _draw(generator: Generators, rows: int, draw: Callable[[int, torch.Generator | None], Tensor]) -> Tensor:
@@ -118,6 +125,7 @@ class HarmonicSource(nn.Module):
 
     Two random draws make the excitation stochastic, in upstream's order so that equal RNG
     states give equal output: a random initial phase per overtone, then the additive noise.
+    :meth:`draw_noise` makes them; :meth:`forward` is deterministic given them.
     """
 
     def __init__(
@@ -138,25 +146,41 @@ class HarmonicSource(nn.Module):
         self.voiced_threshold = voiced_threshold
         self.l_linear = nn.Linear(nb_harmonics + 1, 1)
 
-    def forward(self, f0: Tensor, generator: Generators = None) -> Tensor:
-        """``f0`` [B, T] in Hz -> excitation [B, 1, T * upsample_scale].
+    def draw_noise(self, rows: int, samples: int, generator: Generators, device: torch.device) -> ExcitationNoise:
+        """The random draws of ``rows`` excitations of ``samples`` samples.
 
         ``generator`` is one generator for the whole batch or one per row (each row then draws
-        exactly what it would draw alone).
+        exactly what it would draw alone); ``None`` draws from torch's global RNG.
         """
+        harmonics = self.nb_harmonics + 1
+        phase = _draw(
+            generator,
+            rows,
+            lambda n, g: torch.rand(n, harmonics, generator=g, device=device, dtype=torch.float32),
+        )
+        # Upstream fills this noise through a [B, samples, harmonics] view of [B, harmonics, samples]
+        # memory, and torch's normal_ orders its draws differently for such strided views.
+        gaussian = _draw(
+            generator,
+            rows,
+            lambda n, g: (
+                torch.empty(n, harmonics, samples, device=device, dtype=torch.float32)
+                .transpose(1, 2)
+                .normal_(generator=g)
+                .transpose(1, 2)
+            ),
+        )
+        return ExcitationNoise(phase, gaussian)
+
+    def forward(self, f0: Tensor, noise: ExcitationNoise) -> Tensor:
+        """``f0`` [B, T] in Hz and the draws of :meth:`draw_noise` -> excitation [B, 1, T * upsample_scale]."""
         scale = float(self.upsample_scale)
         f0 = F.interpolate(f0.float()[:, None], scale_factor=scale, mode="nearest")
         orders = torch.arange(1, self.nb_harmonics + 2, dtype=torch.float32, device=f0.device)[None, :, None]
         # [B, harmonics, samples]; the per-sample phase increment in cycles.
         increments = (f0 * orders / self.sampling_rate) % 1
-
-        harmonics = self.nb_harmonics + 1
-        initial_phase = _draw(
-            generator,
-            f0.shape[0],
-            lambda rows, g: torch.rand(rows, harmonics, generator=g, device=f0.device, dtype=torch.float32),
-        )
-        initial_phase[:, 0] = 0
+        # The fundamental starts at phase 0; the draws are left as they are (they may be a graph's inputs).
+        initial_phase = torch.cat([torch.zeros_like(noise.phase[:, :1]), noise.phase[:, 1:]], dim=1)
         increments[:, :, 0] = increments[:, :, 0] + initial_phase
 
         per_frame = F.interpolate(increments, scale_factor=1 / scale, mode="linear")
@@ -166,21 +190,7 @@ class HarmonicSource(nn.Module):
 
         voiced = (f0 > self.voiced_threshold).float()
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        # Upstream fills this noise through a [B, samples, harmonics] view of [B, harmonics, samples]
-        # memory, and torch's normal_ orders its draws differently for such strided views.
-        samples = sines.shape[2]
-        gaussian = _draw(
-            generator,
-            f0.shape[0],
-            lambda rows, g: (
-                torch.empty(rows, harmonics, samples, device=f0.device, dtype=sines.dtype)
-                .transpose(1, 2)
-                .normal_(generator=g)
-                .transpose(1, 2)
-            ),
-        )
-        noise = noise_amp * gaussian
-        excitation = (sines * voiced + noise).transpose(1, 2)
+        excitation = (sines * voiced + noise_amp * noise.gaussian).transpose(1, 2)
         merged = torch.tanh(self.l_linear(excitation.to(self.l_linear.weight.dtype)))
         return merged.transpose(1, 2)
 
@@ -289,9 +299,25 @@ class HiFTGenerator(nn.Module):
         return torch.cat([spec.real, spec.imag], dim=1)
 
     def _inverse_stft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
+        """``torch.istft`` (centred, one-sided, Hann window) written out as inverse FFT and overlap-add.
+
+        ``torch.istft`` checks its window envelope on the host (a device sync), which a CUDA graph
+        cannot record; the Hann window at this hop never fails that check, so it is left out here.
+        """
         magnitude = magnitude.clamp(max=_MAX_MAGNITUDE)
         spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        return torch.istft(spectrum, self.n_fft, self.hop_len, self.n_fft, window=self._window(magnitude.device))
+        window = self._window(magnitude.device)
+        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1) * window[None, :, None]
+        windows = (window * window)[None, :, None].expand(1, self.n_fft, frames.shape[2])
+        signal, envelope = (self._overlap_add(tensor) for tensor in (frames, windows))
+        half = self.n_fft // 2
+        return signal[:, half:-half] / envelope[:, half:-half]
+
+    def _overlap_add(self, frames: Tensor) -> Tensor:
+        """Frames [B, n_fft, T] laid ``hop_len`` apart and summed -> [B, (T - 1) * hop_len + n_fft]."""
+        length = (frames.shape[2] - 1) * self.hop_len + self.n_fft
+        summed = F.fold(frames, output_size=(1, length), kernel_size=(1, self.n_fft), stride=(1, self.hop_len))
+        return summed.reshape(frames.shape[0], length)
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """Mel [B, 80, T] and excitation [B, 1, T * samples_per_frame] -> waveform [B, T * samples_per_frame]."""
@@ -315,6 +341,23 @@ class HiFTGenerator(nn.Module):
         wav = self._inverse_stft(magnitude, phase)
         return wav.clamp(-self.audio_limit, self.audio_limit)
 
+    def vocode(self, mel: Tensor, noise: ExcitationNoise, cache_source: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`inference` with the excitation's draws given: deterministic, and free of host syncs.
+
+        ``mel`` must already be on the model's device and in its dtype.
+        """
+        f0 = self.f0_predictor(mel)
+        source = self.m_source(f0, noise)
+        if cache_source is not None and cache_source.shape[2] > 0:
+            cached = cache_source.shape[2]
+            source = torch.cat([cache_source.to(source), source[:, :, cached:]], dim=2)
+        return self.decode(mel, source), source
+
+    def draw_noise(self, rows: int, frames: int, generator: Generators = None) -> ExcitationNoise:
+        """The excitation's draws for ``rows`` mels of ``frames`` frames (see :meth:`HarmonicSource.draw_noise`)."""
+        samples = frames * self.samples_per_frame
+        return self.m_source.draw_noise(rows, samples, generator, self.conv_pre.bias.device)
+
     def inference(
         self, mel: Tensor, cache_source: Tensor | None = None, *, generator: Generators = None
     ) -> tuple[Tensor, Tensor]:
@@ -328,9 +371,4 @@ class HiFTGenerator(nn.Module):
         reference = self.conv_pre.bias
         with torch.inference_mode():
             mel = mel.to(device=reference.device, dtype=reference.dtype)
-            f0 = self.f0_predictor(mel)
-            source = self.m_source(f0, generator)
-            if cache_source is not None and cache_source.shape[2] > 0:
-                cached = cache_source.shape[2]
-                source = torch.cat([cache_source.to(source), source[:, :, cached:]], dim=2)
-            return self.decode(mel, source), source
+            return self.vocode(mel, self.draw_noise(mel.shape[0], mel.shape[2], generator), cache_source)
