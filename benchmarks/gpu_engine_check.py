@@ -9,7 +9,10 @@ On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``)
 - token2wav: the graph-replayed flow solve against the eager one (relative error of the mel), the
   same for a streaming chunk solved after the recorded voice prefix, the time to record a voice's
   prefix, and the time of one batched conversion of 1 / 4 / 16 / 32 first chunks and of later
-  chunks (100 tokens in), with the prefix cache and without.
+  chunks (100 tokens in), with the prefix cache and without;
+- HiFT: first chunks (30 mel frames) of 1 / 4 / 16 streams vocoded from the recorded graphs against
+  HiFT itself eagerly with the same noise (relative error of the waveform), both timed, and the
+  time the graphs took to record.
 
     python benchmarks/gpu_engine_check.py --out /tmp/check   # about a minute after the checkpoint
     # token2wav alone, small graph buckets (writes only the flow and HiFT weights): ~1 minute
@@ -21,6 +24,7 @@ On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import threading
@@ -34,6 +38,8 @@ import torch
 
 from tts_backends.cosyvoice2 import config, vocab
 from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.hift_graphs import HiftGraphs
+from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.random_checkpoint import (
     CONFIG_FILENAME,
@@ -48,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
+# The GPU profiles' hop schedule (first_hop_tokens, then base_hop_tokens doubling up to max_hop_tokens).
+HIFT_HOPS = (15, 25, 50, 100)
 
 
 def prompt_ids(seed: int, length: int = 150) -> list[int]:
@@ -103,6 +111,7 @@ def check_token2wav(
     cpu: bool = False,
     graph_rows: int = 32,
     graph_frames: int = 1536,
+    hift_graph_rows: int = 16,
     counts: Any = (1, 4, 16, 32),
 ) -> None:
     started = time.monotonic()
@@ -114,6 +123,8 @@ def check_token2wav(
         graph_frames=graph_frames,
         prefix_cache_mb=2048,
         prefix_frames=300,
+        hift_graph_rows=hift_graph_rows,
+        hift_graph_hops=HIFT_HOPS,
     )
     report["token2wav_load_and_capture_s"] = round(time.monotonic() - started, 1)
     rng = np.random.default_rng(0)
@@ -152,6 +163,44 @@ def check_token2wav(
                 report[f"token2wav_{name}_chunks_{count}_{label}_ms"] = ms
                 report[f"token2wav_{name}_chunks_{count}_{label}_split"] = split
     graphs.prefix_cache = cache
+    check_hift(graphs, report, rows=hift_graph_rows, counts=[count for count in counts if count <= hift_graph_rows])
+
+
+def check_hift(t2w: Token2Wav, report: dict[str, Any], *, rows: int, counts: list[int]) -> None:
+    """HiFT from its graphs against HiFT eagerly on first chunks (30 mel frames), with the same noise."""
+    hift = t2w.hift
+    graphs = t2w.hift_graphs
+    if graphs is None:  # the CPU: the same static buffers, replayed eagerly
+        ratio = t2w.flow.cfg.token_mel_ratio
+        graphs = HiftGraphs(
+            hift, max_rows=rows, hops=HIFT_HOPS, token_mel_ratio=ratio, cache_frames=DEFAULT_MEL_CACHE_FRAMES
+        )
+    report["hift_graphs_capture_s"] = round(graphs.capture_s, 1)
+    reference = hift.conv_pre.bias
+    frames = HIFT_HOPS[0] * t2w.flow.cfg.token_mel_ratio
+    for count in counts:
+        generator = torch.Generator(device=reference.device).manual_seed(count)
+        mel = torch.randn(count, 80, frames, generator=generator, device=reference.device, dtype=reference.dtype)
+        noise = hift.draw_noise(count, frames, generator)
+        with torch.inference_mode():
+            runs = {
+                "eager": functools.partial(hift.vocode, mel, noise),
+                "graph": functools.partial(graphs, mel, noise, None),
+            }
+            outputs = {}
+            for label, run in runs.items():
+                outputs[label] = run()
+                timings = []
+                for _ in range(5):
+                    _synchronize()
+                    started = time.monotonic()
+                    run()
+                    _synchronize()
+                    timings.append(time.monotonic() - started)
+                report[f"hift_first_chunks_{count}_{label}_ms"] = round(1000 * float(np.median(timings)), 2)
+        eager, graphed = outputs["eager"], outputs["graph"]
+        assert graphed is not None, f"no HiFT graph for {count} first chunks"
+        report[f"hift_graph_vs_eager_rel_error_{count}"] = _relative(graphed[0], eager[0])
 
 
 def _first_then_later(
@@ -211,6 +260,7 @@ def main() -> int:
     )
     parser.add_argument("--graph-rows", type=int, default=32)
     parser.add_argument("--graph-frames", type=int, default=1536)
+    parser.add_argument("--hift-graph-rows", type=int, default=16)
     parser.add_argument("--counts", default="1,4,16,32", help="batch sizes of the token2wav timings")
     args = parser.parse_args()
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
@@ -231,6 +281,7 @@ def main() -> int:
                 cpu=args.cpu,
                 graph_rows=args.graph_rows,
                 graph_frames=args.graph_frames,
+                hift_graph_rows=args.hift_graph_rows,
                 counts=counts,
             )
         )

@@ -230,3 +230,21 @@ def test_token2wav_runs_as_one_instance_everywhere(rendered: dict[str, dict[str,
 def test_token2wav_instances_cannot_be_overridden(tmp_path: Path) -> None:
     with pytest.raises(TemplateError, match=r"token2wav.*unknown keys \['instance_count'\]"):
         render_repository(SOURCE, "gpu-torch", tmp_path / "repo", {"token2wav": {"instance_count": "4"}})
+
+
+def test_token2wav_records_hift_for_the_hops_the_orchestrators_make(
+    rendered: dict[str, dict[str, mc.ModelConfig]],
+) -> None:
+    """Every non-final chunk of the first 20 is a shape token2wav's HiFT graphs hold (else it runs eagerly)."""
+    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+
+    checked = 0
+    for profile, configs in rendered.items():
+        if "token2wav" not in configs:
+            continue
+        hops = {int(hop) for hop in _params(configs["token2wav"])["hift_graph_hops"].split(",")}
+        for name in ("cosyvoice2", "cosyvoice2_stream"):
+            schedule = PipelineSettings.from_parameters(_params(configs[name])).hop_schedule
+            assert {schedule.next_hop(index) for index in range(20)} <= hops, (profile, name)
+            checked += 1
+    assert checked >= 2 * len(COSYVOICE_PROFILES)

@@ -35,7 +35,7 @@ from tts_backends.cosyvoice2.flow_prefix import PrefixRecorder, PrefixReplay, Vo
 _log = logging.getLogger(__name__)
 
 
-class _EagerReplay:
+class EagerReplay:
     """Stands in for a CUDA graph where there is none: replaying runs the recorded call again."""
 
     def __init__(self, solve: Callable[[], None]) -> None:
@@ -73,7 +73,7 @@ class FlowSolverGraphs:
         self._prefix = self._prefix_buffers(decoder, n_timesteps, mel_bins, device, dtype)
         self._prefix_visible = torch.zeros(prefix_frames, device=device, dtype=torch.bool)
         self._loaded: VoicePrefix | None = None
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | _EagerReplay] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | EagerReplay] = {}
         # The static buffers serve one replay at a time.
         self._lock = threading.Lock()
         started = time.monotonic()
@@ -177,7 +177,7 @@ class FlowSolverGraphs:
         families = [False, True] if self.prefix_frames > 0 else [False]
         if device.type != "cuda":
             for key in itertools.product(self._rows, self._frames, families):
-                self._graphs[key] = _EagerReplay(functools.partial(self._solve, decoder, n_timesteps, *key))
+                self._graphs[key] = EagerReplay(functools.partial(self._solve, decoder, n_timesteps, *key))
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)

@@ -37,6 +37,7 @@ from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.flow_prefix import VoicePrefix, VoicePrefixCache, frames_within, prefix_nbytes, voice_key
 from tts_backends.cosyvoice2.hift import HiFTGenerator
+from tts_backends.cosyvoice2.hift_graphs import HiftGraphs
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
 DEFAULT_STATE_TTL_S = 300.0
@@ -110,6 +111,7 @@ class Token2Wav:
         solver: MelSolver | None = None,
         prefix_cache: VoicePrefixCache | None = None,
         prefix_limit: int = NOISE_FRAMES,
+        hift_graphs: HiftGraphs | None = None,
     ) -> None:
         if state_ttl_s <= 0:
             raise ValueError("state_ttl_s must be positive")
@@ -126,6 +128,7 @@ class Token2Wav:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self.solver = solver
+        self.hift_graphs = hift_graphs
         self.prefix_cache = prefix_cache
         self.prefix_limit = prefix_limit
         if prefix_cache is not None:
@@ -149,6 +152,8 @@ class Token2Wav:
         graph_frame_step: int = 128,
         prefix_cache_mb: int = 0,
         prefix_frames: int = 300,
+        hift_graph_rows: int = 0,
+        hift_graph_hops: Sequence[int] = (),
     ) -> Token2Wav:
         """Load ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt`` from ``model_dir``.
 
@@ -158,6 +163,8 @@ class Token2Wav:
         batches of up to that many calls and ``graph_frames`` mel frames (:class:`FlowSolverGraphs`).
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
+        ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
+        ``hift_graph_hops`` tokens, batched up to that many (:class:`HiftGraphs`).
         """
         device = torch.device(device)
         cfg = load_config(model_dir / "cosyvoice2.yaml")
@@ -178,6 +185,15 @@ class Token2Wav:
                 dtype=dtype,
                 prefix_frames=prefix_frames,
             )
+        hift_graphs = None
+        if hift_graph_rows > 0 and hift_graph_hops and device.type == "cuda":
+            hift_graphs = HiftGraphs(
+                hift,
+                max_rows=hift_graph_rows,
+                hops=hift_graph_hops,
+                token_mel_ratio=cfg.flow.token_mel_ratio,
+                cache_frames=DEFAULT_MEL_CACHE_FRAMES,
+            )
         return cls(
             flow,
             hift,
@@ -187,6 +203,7 @@ class Token2Wav:
             solver=solver,
             prefix_cache=prefix_cache,
             prefix_limit=prefix_frames,
+            hift_graphs=hift_graphs,
         )
 
     @property
@@ -381,13 +398,17 @@ class Token2Wav:
             cached = 0 if cache_source is None else cache_source.shape[2]
             groups.setdefault((mel.shape[2], cached), []).append(index)
         out: list[tuple[Tensor, Tensor]] = [(torch.zeros(0), torch.zeros(1, 1, 0))] * len(calls)
+        dtype = self.hift.conv_pre.bias.dtype
         for (frames, cached), members in groups.items():
             if frames == 0:
                 continue
-            mel = torch.cat([calls[i][0] for i in members])
+            mel = torch.cat([calls[i][0] for i in members]).to(device=self._device, dtype=dtype)
             sources = [calls[i][1] for i in members]
             cache = None if cached == 0 else torch.cat([s for s in sources if s is not None])
-            wav, source = self.hift.inference(mel, cache, generator=[calls[i][2] for i in members])
+            # Drawn here, each call from its own generator, whether a graph or HiFT itself vocodes.
+            noise = self.hift.draw_noise(len(members), frames, [calls[i][2] for i in members])
+            graphed = None if self.hift_graphs is None else self.hift_graphs(mel, noise, cache)
+            wav, source = graphed if graphed is not None else self.hift.vocode(mel, noise, cache)
             for row, index in enumerate(members):
                 out[index] = (wav[row], source[row : row + 1])
         return out

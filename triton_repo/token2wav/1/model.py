@@ -49,6 +49,8 @@ class TritonPythonModel:
             graph_frames=int(params["graph_frames"]),
             prefix_cache_mb=int(params["prefix_cache_mb"]),
             prefix_frames=int(params["prefix_frames"]),
+            hift_graph_rows=int(params["hift_graph_rows"]),
+            hift_graph_hops=[int(hop) for hop in params["hift_graph_hops"].split(",") if hop.strip()],
         )
         self._trace = StageTrace.from_env("token2wav")
         # Marks first chunks on the GPU, so that the LLM's process leaves it to them (gpu_turns.py).
