@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from tts_backends.cosyvoice2 import tiny_frontend, vocab
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.llm_engine import Generation, GenerationHandle
-from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox
+from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox, TokenStream
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -186,6 +186,56 @@ def test_outbox_keeps_each_requests_order_while_another_request_waits() -> None:
     release.set()
     outbox.close()
     assert all(log == list(range(50)) for log in sent)
+
+
+def test_a_token_stream_sends_a_response_per_token_while_its_lane_keeps_up() -> None:
+    outbox = Outbox("test", lanes=1)
+    sent: list[list[int]] = []
+    stream = TokenStream(outbox, 0, sent.append)
+    for token in range(5):
+        stream.push(token)
+        deadline = time.monotonic() + 5
+        while len(sent) <= token and time.monotonic() < deadline:
+            time.sleep(0.001)
+    outbox.close()
+    assert sent == [[0], [1], [2], [3], [4]]
+
+
+def test_tokens_that_queue_behind_a_busy_lane_leave_in_one_response_before_the_final_one() -> None:
+    outbox = Outbox("test", lanes=1)
+    sent: list[object] = []
+    stream = TokenStream(outbox, 0, sent.append)
+    blocked, release = threading.Event(), threading.Event()
+    outbox.put(0, lambda: (blocked.set(), release.wait(10)))
+    assert blocked.wait(5)
+    for token in range(50):
+        stream.push(token)
+    outbox.put(0, lambda: sent.append("final"))
+    release.set()
+    stream_after = threading.Event()
+    outbox.put(0, stream_after.set)
+    assert stream_after.wait(5)
+    stream.push(50)
+    outbox.close()
+    assert sent == [list(range(50)), "final", [50]]
+
+
+def test_a_token_stream_keeps_every_token_in_order_under_load() -> None:
+    outbox = Outbox("test", lanes=2)
+    logs: list[list[list[int]]] = [[], []]
+
+    def slow(log: list[list[int]]) -> Callable[[list[int]], None]:
+        return lambda tokens: (log.append(tokens), time.sleep(0.0002))
+
+    streams = [TokenStream(outbox, lane, slow(log)) for lane, log in enumerate(logs)]
+    for token in range(3000):
+        for stream in streams:
+            stream.push(token)
+    outbox.close()
+    for log in logs:
+        assert [token for tokens in log for token in tokens] == list(range(3000))
+        assert all(log)
+        assert len(log) < 3000  # the lane fell behind and caught up with shared responses
 
 
 def test_a_forgotten_request_is_never_asked_about_again() -> None:

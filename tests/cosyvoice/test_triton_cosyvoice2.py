@@ -243,3 +243,52 @@ def test_cancelled_stream_stops_converting(server: CosyVoiceServer, voices: tupl
 
     # The server is free again: a new request completes.
     assert _offline(server, SHORT_TEXT, voices[0], seed=1).size > 0
+
+
+def _llm_ids(server: CosyVoiceServer, *, streaming: bool) -> list[list[int]]:
+    """The ids of each response of the ``llm`` model to one seeded request (its TensorRT-LLM tensors)."""
+    from tts_backends.cosyvoice2 import tensors, vocab
+    from tts_backends.cosyvoice2.pipeline import LLMRequest
+
+    request = LLMRequest(
+        input_ids=[vocab.SOS_ID, 300, 301, 302, vocab.TASK_ID_ID],
+        max_new_tokens=40,
+        min_new_tokens=40,
+        end_id=None,
+        temperature=0.8,
+        top_p=0.95,
+        top_k=50,
+        repetition_penalty=1.1,
+        seed=11,
+        streaming=streaming,
+    )
+    responses: queue.Queue[grpcclient.InferResult | InferenceServerException] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.triton.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put(error or result))
+    try:
+        inputs = []
+        for name, array in tensors.llm_inputs(request).items():
+            tensor = grpcclient.InferInput(name, list(array.shape), tensors.LLM_INPUT_DTYPES[name])
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+        ids = []
+        while True:
+            item = responses.get(timeout=120)
+            if isinstance(item, InferenceServerException):
+                raise item
+            if item.get_response().parameters["triton_final_response"].bool_param:
+                return ids
+            ids.append(tensors.parse_llm_outputs(item.as_numpy("output_ids"), item.as_numpy("sequence_length")))
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_the_llm_streams_its_tokens_in_order_each_response_carrying_new_ones(server: CosyVoiceServer) -> None:
+    """What the orchestrator reads: streamed, a response per token (several share one when the lane is behind)."""
+    whole = _llm_ids(server, streaming=False)
+    streamed = _llm_ids(server, streaming=True)
+    assert len(whole) == 1 and len(whole[0]) == 40
+    assert all(streamed)
+    assert [token for response in streamed for token in response] == whole[0]

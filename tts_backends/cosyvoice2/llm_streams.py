@@ -1,8 +1,9 @@
 """What the LLM's Triton model needs around the engine: sending responses and noticing cancellations.
 
 The engine's thread must not wait on Triton: every response a Python-backend model sends and every
-``is_cancelled()`` it asks is a round trip to the server process. :class:`Outbox` sends from a
-thread of its own, in order; :class:`CancellationWatch` asks each request in flight every
+``is_cancelled()`` it asks is a round trip to the server process. :class:`Outbox` sends from
+threads of its own, each request's in order; :class:`TokenStream` puts the tokens that queued
+while a request's lane was busy into one response; :class:`CancellationWatch` asks each request in flight every
 ``interval_s`` and cancels its engine handle when Triton says so, so that the engine drops the
 request at its next step without asking anything itself. Both take plain callables, so they run
 (and are tested) without Triton.
@@ -62,6 +63,36 @@ class Outbox:
                 send()
             except Exception:
                 _log.exception("sending a response failed")
+
+
+class TokenStream:
+    """One streamed request's tokens on its outbox lane: a response per token while the lane keeps up.
+
+    When the lane falls behind (many streams' tokens of one step wait for their round trips), the
+    tokens a request made meanwhile leave together in the one response already queued for it,
+    instead of a response each: the backlog then shrinks instead of growing, and the consumer
+    has fewer responses to take. A response carrying several new tokens is what the
+    ``tensorrt_llm`` backend's streaming sends too; the orchestrator reads every token of each.
+    """
+
+    def __init__(self, outbox: Outbox, lane: int, send: Callable[[list[int]], None]) -> None:
+        self._outbox = outbox
+        self._lane = lane
+        self._send = send
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
+
+    def push(self, token_id: int) -> None:
+        with self._lock:
+            self._pending.append(token_id)
+            if len(self._pending) > 1:
+                return  # the send queued for the first of them takes this one too
+        self._outbox.put(self._lane, self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            tokens, self._pending = self._pending, []
+        self._send(tokens)
 
 
 class CancellationWatch:

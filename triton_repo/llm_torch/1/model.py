@@ -1,7 +1,8 @@
 """Triton adapter for the CosyVoice2 speech LLM on PyTorch, speaking the TensorRT-LLM backend's tensors.
 
-Decoupled: with ``streaming`` one response per generated id, otherwise one response with
-all of them; then the final flag. Requests are decoded together by the continuous-batching
+Decoupled: with ``streaming`` one response per generated id (the ids that queued while the
+request's outbox lane was busy share one), otherwise one response with all of them; then the
+final flag. Requests are decoded together by the continuous-batching
 engine (``tts_backends/cosyvoice2/llm_engine.py``); ``execute`` only parses and submits.
 Responses leave through outbox threads (each request's in order) and cancellations are
 noticed by a watcher, so the engine's thread never waits on the server. A cancelled request
@@ -23,7 +24,7 @@ from tts_backends.cosyvoice2 import tensors, vocab
 from tts_backends.cosyvoice2.gpu_turns import GpuTurns, YieldToFirstChunks
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
 from tts_backends.cosyvoice2.llm_engine import GenerationHandle
-from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox
+from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox, TokenStream
 from tts_backends.cosyvoice2.pipeline import LLMRequest
 from tts_backends.stage_trace import StageTrace
 
@@ -99,6 +100,9 @@ class _Sink:
         self._request_id = request_id
         self._streaming = streaming
         self._lane = model.outbox.next_lane()
+        self._stream = (
+            TokenStream(model.outbox, self._lane, lambda ids: sender.send(_response(ids))) if streaming else None
+        )
         self._tokens: list[int] = []
         self._lock = threading.Lock()
         self._handle: GenerationHandle | None = None
@@ -127,8 +131,8 @@ class _Sink:
         )
 
     def token(self, token_id: int) -> None:
-        if self._streaming:
-            self._model.outbox.put(self._lane, lambda: self._sender.send(_response([token_id])))
+        if self._stream is not None:
+            self._stream.push(token_id)
         else:
             self._tokens.append(token_id)
 
