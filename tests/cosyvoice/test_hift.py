@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
-from tts_backends.cosyvoice2.hift import HiFTGenerator
+from tts_backends.cosyvoice2.hift import HiFTGenerator, _fourier_bases
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -157,8 +157,25 @@ def test_the_cosyvoice1_sample_rate_is_refused(cfg: HiftConfig) -> None:
         HiFTGenerator(dataclasses.replace(cfg, sampling_rate=22050))
 
 
+def test_the_source_spectrum_is_torch_stft(vocoder: HiFTGenerator) -> None:
+    """Written out as a DFT matrix (a CUDA graph can record it), it computes what torch.stft does."""
+    source = torch.randn(2, 1, 960, generator=torch.Generator().manual_seed(3))
+    spectrum = torch.stft(
+        source.squeeze(1),
+        vocoder.n_fft,
+        vocoder.hop_len,
+        vocoder.n_fft,
+        window=torch.hann_window(vocoder.n_fft),
+        return_complex=True,
+    )
+    expected = torch.cat([spectrum.real, spectrum.imag], dim=1)
+    actual = vocoder._source_spectrum(source)
+    assert actual.shape == expected.shape == (2, vocoder.n_fft + 2, 960 // vocoder.hop_len + 1)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+
+
 def test_the_inverse_stft_is_torch_istft(vocoder: HiFTGenerator) -> None:
-    """Written out as inverse FFT and overlap-add (a CUDA graph can record it), it computes what torch.istft does."""
+    """Written out as inverse DFT matrices and overlap-add, it computes what torch.istft does."""
     generator = torch.Generator().manual_seed(2)
     bins = vocoder.n_fft // 2 + 1
     magnitude = torch.rand(3, bins, 41, generator=generator) * 5
@@ -187,3 +204,14 @@ def test_vocoding_with_noise_drawn_first_is_inference(vocoder: HiFTGenerator, me
     # Each row draws what it draws alone.
     alone, _ = vocoder.inference(mel, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(wav[:1], alone, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_fft", [15, 16])
+def test_the_fourier_bases_are_rfft_and_irfft(n_fft: int) -> None:
+    window, forward, inverse_real, inverse_imag = _fourier_bases(n_fft, torch.device("cpu"))
+    frames = torch.randn(5, n_fft, generator=torch.Generator().manual_seed(n_fft), dtype=torch.float32)
+    spectrum = torch.fft.rfft(frames)
+    torch.testing.assert_close(frames @ forward, torch.cat([spectrum.real, spectrum.imag], dim=1), atol=1e-5, rtol=0)
+    inverse = spectrum.real @ inverse_real + spectrum.imag @ inverse_imag
+    torch.testing.assert_close(inverse, torch.fft.irfft(spectrum, n=n_fft), atol=1e-6, rtol=0)
+    torch.testing.assert_close(window, torch.hann_window(n_fft), atol=1e-6, rtol=0)

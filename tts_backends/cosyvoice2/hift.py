@@ -19,6 +19,7 @@ written with the legacy ``weight_g``/``weight_v`` names load too (torch converts
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,6 +58,36 @@ def _draw(generator: Generators, rows: int, draw: Callable[[int, torch.Generator
 
 def _same_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size - 1) * dilation // 2
+
+
+@functools.cache
+def _fourier_bases(n_fft: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """HiFT's short-time Fourier transforms as matrices: the window and the forward and inverse real DFT.
+
+    At 16 points a product with these matrices is as cheap as an FFT, and it is what lets a CUDA
+    graph record HiFT: ``torch.istft`` checks its window envelope on the host (a device sync), and
+    a cuFFT plan that a graph recorded could be evicted from torch's plan cache while the graph
+    lives (the Hann window at hop 4 never fails the envelope check, so it is not repeated).
+    Returns the periodic Hann window [n_fft] (as scipy's ``get_window("hann")``), the forward basis
+    [n_fft, 2 * bins] (real parts, then imaginary) and the inverse bases of the real and imaginary
+    parts [bins, n_fft], which ignore the imaginary parts of the first and last bin as ``irfft`` does.
+    """
+    with torch.inference_mode(False):  # cached across calls: not inference tensors
+        window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64)
+        bins = n_fft // 2 + 1
+        angle = 2 * math.pi * torch.outer(torch.arange(n_fft, dtype=torch.float64), torch.arange(bins).double()) / n_fft
+        forward = torch.cat([torch.cos(angle), -torch.sin(angle)], dim=1)
+        # Every bin but the first and the last stands for itself and its conjugate mirror.
+        weights = torch.full((bins, 1), 2.0, dtype=torch.float64)
+        weights[0] = 1.0
+        if n_fft % 2 == 0:
+            weights[-1] = 1.0  # the Nyquist bin is its own mirror
+        inverse_real = weights * torch.cos(angle.T) / n_fft
+        inverse_imag = -weights * torch.sin(angle.T) / n_fft
+        window, forward, inverse_real, inverse_imag = (
+            t.to(device=device, dtype=torch.float32) for t in (window, forward, inverse_real, inverse_imag)
+        )
+    return window, forward, inverse_real, inverse_imag
 
 
 class Snake(nn.Module):
@@ -125,7 +156,9 @@ class HarmonicSource(nn.Module):
 
     Two random draws make the excitation stochastic, in upstream's order so that equal RNG
     states give equal output: a random initial phase per overtone, then the additive noise.
-    :meth:`draw_noise` makes them; :meth:`forward` is deterministic given them.
+    :meth:`draw_noise` makes them; :meth:`forward` is deterministic given them. (The initial phase
+    is added at each overtone's first sample, which the frame-rate resampling never reads: it
+    changes nothing, in upstream's code too, but drawing it keeps the noise after it in step.)
     """
 
     def __init__(
@@ -283,31 +316,20 @@ class HiFTGenerator(nn.Module):
             if parametrize.is_parametrized(module, "weight"):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
-    def _window(self, device: torch.device) -> Tensor:
-        # Periodic Hann, computed in float64 like scipy's get_window("hann", fftbins=True).
-        return torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64, device=device).float()
-
     def _source_spectrum(self, source: Tensor) -> Tensor:
-        spec = torch.stft(
-            source.squeeze(1).float(),
-            self.n_fft,
-            self.hop_len,
-            self.n_fft,
-            window=self._window(source.device),
-            return_complex=True,
-        )
-        return torch.cat([spec.real, spec.imag], dim=1)
+        """``torch.stft`` of the excitation (centred, reflect-padded, Hann window): real then imaginary bins."""
+        window, forward, _, _ = _fourier_bases(self.n_fft, source.device)
+        half = self.n_fft // 2
+        padded = F.pad(source.float(), (half, half), mode="reflect").squeeze(1)
+        frames = padded.unfold(1, self.n_fft, self.hop_len) * window  # [B, frames, n_fft]
+        return (frames @ forward).transpose(1, 2)
 
     def _inverse_stft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
-        """``torch.istft`` (centred, one-sided, Hann window) written out as inverse FFT and overlap-add.
-
-        ``torch.istft`` checks its window envelope on the host (a device sync), which a CUDA graph
-        cannot record; the Hann window at this hop never fails that check, so it is left out here.
-        """
+        """``torch.istft`` (centred, one-sided, Hann window) of the spectrum ``magnitude * exp(i * phase)``."""
+        window, _, inverse_real, inverse_imag = _fourier_bases(self.n_fft, magnitude.device)
         magnitude = magnitude.clamp(max=_MAX_MAGNITUDE)
-        spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        window = self._window(magnitude.device)
-        frames = torch.fft.irfft(spectrum, n=self.n_fft, dim=1) * window[None, :, None]
+        real, imag = (magnitude * torch.cos(phase)).transpose(1, 2), (magnitude * torch.sin(phase)).transpose(1, 2)
+        frames = ((real @ inverse_real + imag @ inverse_imag) * window).transpose(1, 2)  # [B, n_fft, frames]
         windows = (window * window)[None, :, None].expand(1, self.n_fft, frames.shape[2])
         signal, envelope = (self._overlap_add(tensor) for tensor in (frames, windows))
         half = self.n_fft // 2

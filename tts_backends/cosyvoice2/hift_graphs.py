@@ -6,14 +6,19 @@ HiFT is not mask-aware (its convolutions see past the end of a mel), so frames c
 as the flow's graphs pad them: a graph is recorded per exact chunk shape. Streaming makes few
 shapes, since every non-final chunk converts one of the hop schedule's hops (``hops``, in
 tokens): its mel is ``token_mel_ratio`` frames a token, after the ``cache_frames`` mel frames
-carried from the previous chunk (none for a stream's first chunk). Rows are padded up to powers
-of two, which changes nothing (rows never mix). Final chunks and offline requests run eagerly.
+carried from the previous chunk (none for a stream's first chunk). Graphs are recorded for
+batches of a power of two up to ``max_rows`` rows, a batch padded up to the next (rows never mix,
+so padding changes nothing). A batch of another shape (most final chunks, offline requests) or
+larger than every bucket runs eagerly.
 
 The excitation's random draws are made before the replay (:meth:`HiFTGenerator.draw_noise`, with
-each request's own generator) and copied in, so graph and eager give the same audio. The graphs
-share one memory pool and static buffers: a lock keeps replays (with their copies) from
-overlapping. On the CPU every shape is vocoded eagerly over the same static buffers, which is
-how the tests check this module's bookkeeping without a GPU.
+each request's own generator) and copied in, so graph and eager give the same audio up to
+floating-point rounding. HiFT's Fourier transforms are matrix products (no cuFFT plan the graphs
+would depend on, no host sync in ``torch.istft``). The graphs share one memory pool and static
+buffers: a lock keeps replays (with their copies) from overlapping, which assumes every caller
+queues its work on one CUDA stream (token2wav's calls all run on the device's current stream).
+On the CPU every shape is vocoded eagerly over the same static buffers, which is how the tests
+check this module's bookkeeping without a GPU.
 """
 
 from __future__ import annotations
