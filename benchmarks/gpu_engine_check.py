@@ -10,9 +10,9 @@ On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``)
   same for a streaming chunk solved after the recorded voice prefix, the time to record a voice's
   prefix, and the time of one batched conversion of 1 / 4 / 16 / 32 first chunks and of later
   chunks (100 tokens in), with the prefix cache and without;
-- HiFT: first chunks (30 mel frames) of 1 / 4 / 16 streams vocoded from the recorded graphs against
-  HiFT itself eagerly with the same noise (relative error of the waveform), both timed, and the
-  time the graphs took to record.
+- HiFT: first chunks (30 mel frames) and second chunks (58, 8 of them cached) of 1 / 4 / 16 streams
+  vocoded from the recorded graphs against HiFT itself eagerly with the same noise (relative error
+  of the waveform), both timed, and the time the graphs took to record.
 
     python benchmarks/gpu_engine_check.py --out /tmp/check   # about a minute after the checkpoint
     # token2wav alone, small graph buckets (writes only the flow and HiFT weights): ~1 minute
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import threading
@@ -167,25 +168,34 @@ def check_token2wav(
 
 
 def check_hift(t2w: Token2Wav, report: dict[str, Any], *, rows: int, counts: list[int]) -> None:
-    """HiFT from its graphs against HiFT eagerly on first chunks (30 mel frames), with the same noise."""
+    """HiFT from its graphs against HiFT eagerly, with the same noise: first chunks (30 mel frames) and
+    second chunks (50 new frames after the 8 cached ones)."""
     hift = t2w.hift
     graphs = t2w.hift_graphs
+    ratio = t2w.flow.cfg.token_mel_ratio
     if graphs is None:  # the CPU: the same static buffers, replayed eagerly
-        ratio = t2w.flow.cfg.token_mel_ratio
         graphs = HiftGraphs(
             hift, max_rows=rows, hops=HIFT_HOPS, token_mel_ratio=ratio, cache_frames=DEFAULT_MEL_CACHE_FRAMES
         )
     report["hift_graphs_capture_s"] = round(graphs.capture_s, 1)
     reference = hift.conv_pre.bias
-    frames = HIFT_HOPS[0] * t2w.flow.cfg.token_mel_ratio
-    for count in counts:
+    chunks = {
+        "first": (HIFT_HOPS[0] * ratio, 0),
+        "second": (HIFT_HOPS[1] * ratio + DEFAULT_MEL_CACHE_FRAMES, DEFAULT_MEL_CACHE_FRAMES),
+    }
+    for count, (name, (frames, cached)) in itertools.product(counts, chunks.items()):
         generator = torch.Generator(device=reference.device).manual_seed(count)
         mel = torch.randn(count, 80, frames, generator=generator, device=reference.device, dtype=reference.dtype)
         noise = hift.draw_noise(count, frames, generator)
+        cache = None
+        if cached:
+            samples = cached * hift.samples_per_frame
+            cache = 0.1 * torch.randn(count, 1, samples, generator=generator, device=reference.device)
+            cache = cache.to(reference.dtype)
         with torch.inference_mode():
             runs = {
-                "eager": functools.partial(hift.vocode, mel, noise),
-                "graph": functools.partial(graphs, mel, noise, None),
+                "eager": functools.partial(hift.vocode, mel, noise, cache),
+                "graph": functools.partial(graphs, mel, noise, cache),
             }
             outputs = {}
             for label, run in runs.items():
@@ -197,10 +207,10 @@ def check_hift(t2w: Token2Wav, report: dict[str, Any], *, rows: int, counts: lis
                     run()
                     _synchronize()
                     timings.append(time.monotonic() - started)
-                report[f"hift_first_chunks_{count}_{label}_ms"] = round(1000 * float(np.median(timings)), 2)
+                report[f"hift_{name}_chunks_{count}_{label}_ms"] = round(1000 * float(np.median(timings)), 2)
         eager, graphed = outputs["eager"], outputs["graph"]
-        assert graphed is not None, f"no HiFT graph for {count} first chunks"
-        report[f"hift_graph_vs_eager_rel_error_{count}"] = _relative(graphed[0], eager[0])
+        assert graphed is not None, f"no HiFT graph for {count} {name} chunks"
+        report[f"hift_{name}_chunks_{count}_graph_vs_eager_rel_error"] = _relative(graphed[0], eager[0])
 
 
 def _first_then_later(

@@ -5,8 +5,8 @@ The engine's thread must not wait on Triton: every response a Python-backend mod
 threads of its own, each request's in order; :class:`TokenStream` puts the tokens that queued
 while a request's lane was busy into one response; :class:`CancellationWatch` asks each request in flight every
 ``interval_s`` and cancels its engine handle when Triton says so, so that the engine drops the
-request at its next step without asking anything itself. Both take plain callables, so they run
-(and are tested) without Triton.
+request at its next step without asking anything itself. All three take plain callables, so they
+run (and are tested) without Triton.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ class TokenStream:
     instead of a response each: the backlog then shrinks instead of growing, and the consumer
     has fewer responses to take. A response carrying several new tokens is what the
     ``tensorrt_llm`` backend's streaming sends too; the orchestrator reads every token of each.
+    :meth:`push` is called from one thread (the engine's), which also queues the request's final
+    response on the lane after its last push: the final response then follows every token.
     """
 
     def __init__(self, outbox: Outbox, lane: int, send: Callable[[list[int]], None]) -> None:

@@ -164,7 +164,7 @@ class Token2Wav:
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
-        ``hift_graph_hops`` tokens, batched up to that many (:class:`HiftGraphs`).
+        ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
         """
         device = torch.device(device)
         cfg = load_config(model_dir / "cosyvoice2.yaml")
