@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -89,4 +90,74 @@ def test_a_bad_call_fails_alone(t2w: Token2Wav) -> None:
     assert isinstance(results[3], ValueError) and "embedding" in str(results[3])
     assert isinstance(results[4], ValueError) and "below" in str(results[4])
     t2w.release("good")
+    assert t2w.active_streams == 0
+
+
+def test_first_chunks_are_converted_and_answered_before_the_rest_of_their_batch(
+    t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's first audio waits on nothing else in its batch: a group is answered before the next one runs."""
+    events: list[str] = []
+    flow_batch = t2w.flow.inference_batch
+
+    def logged(items: list[Any], **kwargs: Any) -> list[torch.Tensor]:
+        events.append(f"flow {len(items)}")
+        return flow_batch(items, **kwargs)
+
+    monkeypatch.setattr(t2w.flow, "inference_batch", logged)
+    a, b = voice(1, 10), voice(2, 17)
+    later = Conversion("order-later", tokens(43, 1), a, 15, False)
+    t2w.convert([Conversion("order-later", tokens(18, 1), a, 0, False)])  # opens the later stream
+    events.clear()
+    batch = [
+        Conversion("order-offline", tokens(40, 4), b),
+        later,
+        Conversion("order-first-a", tokens(18, 2), a, 0, False),
+        Conversion("order-first-b", tokens(21, 3), b, 0, False),
+        Conversion("order-bad", tokens(4, 5), a, 2, False),
+    ]
+    results = t2w.convert(batch, lambda index, result: events.append(f"answer {batch[index].session_id}"))
+    # The bad call is answered at once, both first chunks (one flow pass) before the rest is converted.
+    assert events == [
+        "answer order-bad",
+        "flow 2",
+        "answer order-first-a",
+        "answer order-first-b",
+        "flow 2",
+        "answer order-offline",
+        "answer order-later",
+    ]
+    assert all(isinstance(result, np.ndarray) and result.size > 0 for result in results[:4])
+    assert isinstance(results[4], ValueError)
+    for session in ("order-later", "order-first-a", "order-first-b"):
+        t2w.release(session)
+    assert t2w.active_streams == 0
+
+
+def test_a_failing_group_fails_the_calls_not_answered_yet_and_drops_their_streams(
+    t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flow_batch = t2w.flow.inference_batch
+    passes: list[int] = []
+
+    def second_pass_fails(items: list[Any], **kwargs: Any) -> list[torch.Tensor]:
+        passes.append(len(items))
+        if len(passes) == 2:
+            raise RuntimeError("out of memory")
+        return flow_batch(items, **kwargs)
+
+    monkeypatch.setattr(t2w.flow, "inference_batch", second_pass_fails)
+    batch = [
+        Conversion("fail-first", tokens(18, 1), voice(1, 10), 0, False),
+        Conversion("fail-long", tokens(300, 2), voice(1, 10), 0, True),
+    ]
+    answered: list[int] = []
+    with pytest.raises(RuntimeError, match="out of memory"):
+        t2w.convert(batch, lambda index, result: answered.append(index))
+    assert answered == [0]
+    # The answered first chunk's stream goes on; the failed call's state is gone.
+    assert t2w.active_streams == 1
+    monkeypatch.setattr(t2w.flow, "inference_batch", flow_batch)
+    (rest,) = t2w.convert([Conversion("fail-first", tokens(30, 1), voice(1, 10), 15, True)])
+    assert isinstance(rest, np.ndarray) and rest.size > 0
     assert t2w.active_streams == 0

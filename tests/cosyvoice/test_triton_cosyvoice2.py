@@ -292,3 +292,41 @@ def test_the_llm_streams_its_tokens_in_order_each_response_carrying_new_ones(ser
     assert len(whole) == 1 and len(whole[0]) == 40
     assert all(streamed)
     assert [token for response in streamed for token in response] == whole[0]
+
+
+def test_token2wav_answers_each_call_of_a_batch_on_its_own(server: CosyVoiceServer) -> None:
+    """Calls sent together: the good ones get their audio, the one out of step its own error."""
+    from tts_backends.cosyvoice2 import tensors
+    from tts_backends.cosyvoice2.frontend import VoicePrompt
+    from tts_backends.cosyvoice2.pipeline import Token2WavRequest
+
+    rng = np.random.default_rng(0)
+    prompt = VoicePrompt(
+        speech_tokens=rng.integers(0, 6561, 10),
+        feats=rng.standard_normal((20, 80)).astype(np.float32),
+        embedding=rng.standard_normal(192).astype(np.float32),
+    )
+    requests = {
+        "offline": Token2WavRequest("batch-offline", rng.integers(0, 6561, 40), prompt, None, True, 1.0),
+        "first": Token2WavRequest("batch-first", rng.integers(0, 6561, 18), prompt, 0, True, 1.0),
+        "unknown": Token2WavRequest("batch-unknown", rng.integers(0, 6561, 30), prompt, 12, False, 1.0),
+    }
+    results: queue.Queue[tuple[str, grpcclient.InferResult | None, InferenceServerException | None]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.triton.grpc_url)
+    try:
+        for name, request in requests.items():
+            inputs = []
+            for key, array in tensors.token2wav_inputs(request).items():
+                tensor = grpcclient.InferInput(key, list(array.shape), tensors.TOKEN2WAV_INPUT_DTYPES[key])
+                tensor.set_data_from_numpy(array)
+                inputs.append(tensor)
+            client.async_infer("token2wav", inputs, lambda result, error, name=name: results.put((name, result, error)))
+        answers = {name: (result, error) for name, result, error in (results.get(timeout=120) for _ in requests)}
+    finally:
+        client.close()
+    for name, tokens in (("offline", 40), ("first", 18)):
+        result, error = answers[name]
+        assert error is None and result is not None, error
+        assert result.as_numpy(tensors.WAVEFORM_OUTPUT).size == tokens * SAMPLES_PER_TOKEN
+    _, error = answers["unknown"]
+    assert error is not None and "no streaming state" in error.message()

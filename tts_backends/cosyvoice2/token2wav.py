@@ -41,7 +41,7 @@ from tts_backends.cosyvoice2.hift_graphs import HiftGraphs
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
 DEFAULT_STATE_TTL_S = 300.0
-# Calls whose prompt + tokens differ by less than this share one flow pass (one padded batch).
+# Calls whose prompt + tokens fall in one step of this many share one flow pass (one padded batch).
 _GROUP_TOKENS = 128
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
@@ -89,6 +89,11 @@ class _Stream:
     last_used: float
     consumed_tokens: int = 0
     busy: bool = False
+
+
+Audio: TypeAlias = NDArray[np.float32]
+# A call ready to convert: its index among the calls, the call, its flow input and its stream (None offline).
+_Ready: TypeAlias = tuple[int, Conversion, FlowItem, _Stream | None]
 
 
 class Token2Wav:
@@ -245,21 +250,33 @@ class Token2Wav:
         """
         return _unwrap(self.convert([Conversion(request_id, tokens, prompt, token_offset, finalize)])[0])
 
-    def convert(self, calls: Sequence[Conversion]) -> list[NDArray[np.float32] | Exception]:
-        """Every call's audio, or the error that call gets, converting the calls as one batch.
+    def convert(
+        self, calls: Sequence[Conversion], on_result: Callable[[int, Audio | Exception], None] | None = None
+    ) -> list[Audio | Exception]:
+        """Every call's audio, or the error that call gets, converting the calls in a few batches.
 
-        The flow runs once for all calls (rows padded and masked); HiFT once per group of calls
-        with equally long mel. A call's own mistake (bad tokens, a stream out of step) fails that
-        call alone; a failure of the batch fails every call in it, and drops their streams.
+        Streams' first chunks are converted first (a stream's first audio waits on nothing else in
+        the batch), then the other calls grouped by length, shortest first: each group is padded
+        only to its own longest row. In a group the flow runs once for all calls (rows padded and
+        masked); HiFT once per set of calls with equally long mel. ``on_result(index, result)``
+        hears of each call as soon as its result exists, a group's calls before the next group
+        starts. A call's own mistake (bad tokens, a stream out of step) fails that call alone; a
+        failure of a group raises, and drops the streams of every call not answered yet.
         """
-        results: list[NDArray[np.float32] | Exception] = [ValueError("not converted")] * len(calls)
-        ready: list[tuple[int, Conversion, FlowItem, _Stream | None]] = []
+        results: list[Audio | Exception] = [ValueError("not converted")] * len(calls)
+
+        def answer(index: int, result: Audio | Exception) -> None:
+            results[index] = result
+            if on_result is not None:
+                on_result(index, result)
+
+        ready: list[_Ready] = []
         for index, call in enumerate(calls):
             try:
                 item = self._flow_item(call, self._check(call))
                 stream = None if call.token_offset is None else self._checkout(call.session_id, call.token_offset)
             except Exception as exc:
-                results[index] = exc
+                answer(index, exc)
                 continue
             try:
                 self.flow.check_item(item)
@@ -267,25 +284,24 @@ class Token2Wav:
                 # As any failed chunk: the stream cannot go on, so its state goes.
                 if stream is not None:
                     self._checkin(call.session_id, stream, drop=True)
-                results[index] = exc
+                answer(index, exc)
                 continue
             ready.append((index, call, item, stream))
-        if not ready:
-            return results
-        failed = True
+        unanswered = {index for index, *_ in ready}
         try:
             with torch.inference_mode():
-                audio = self._convert_ready(ready)
-            for (index, *_), wav in zip(ready, audio, strict=True):
-                results[index] = wav
-            failed = False
+                for group in self._answer_groups(ready):
+                    for (index, call, item, stream), wav in zip(group, self._convert_group(group), strict=True):
+                        if stream is not None:
+                            tokens = item.token.shape[0]
+                            stream.consumed_tokens = tokens if call.finalize else tokens - self._pre_lookahead
+                            self._checkin(call.session_id, stream, drop=call.finalize)
+                        unanswered.discard(index)
+                        answer(index, wav)
         finally:
-            for _, call, item, stream in ready:
-                if stream is not None:
-                    if not failed:
-                        tokens = item.token.shape[0]
-                        stream.consumed_tokens = tokens if call.finalize else tokens - self._pre_lookahead
-                    self._checkin(call.session_id, stream, drop=call.finalize or failed)
+            for index, call, _, stream in ready:
+                if stream is not None and index in unanswered:
+                    self._checkin(call.session_id, stream, drop=True)
         return results
 
     def _check(self, call: Conversion) -> Tensor:
@@ -307,33 +323,31 @@ class Token2Wav:
             )
         return target
 
-    def _convert_ready(
-        self, ready: list[tuple[int, Conversion, FlowItem, _Stream | None]]
-    ) -> list[NDArray[np.float32]]:
+    def _convert_group(self, group: list[_Ready]) -> list[Audio]:
+        """The audio of a group of calls of about one length (see :meth:`_answer_groups`)."""
         started = time.monotonic()
-        items = [item for _, _, item, _ in ready]
-        prefixes = [self._prefix(call, item) for _, call, item, _ in ready]
+        items = [item for _, _, item, _ in group]
+        prefixes = [self._prefix(call, item) for _, call, item, _ in group]
         mels: list[Tensor] = [torch.zeros(0)] * len(items)
-        for group in self._length_groups(items):
-            # A batch shares one voice prefix (or none): its recorded tensors are broadcast over the rows.
-            by_prefix: dict[int, list[int]] = {}
-            for index in group:
-                by_prefix.setdefault(id(prefixes[index]), []).append(index)
-            for members in by_prefix.values():
-                grouped = self.flow.inference_batch(
-                    [items[i] for i in members],
-                    n_timesteps=self.n_timesteps,
-                    solver=self.solver,
-                    prefix=prefixes[members[0]],
-                )
-                for index, mel in zip(members, grouped, strict=True):
-                    mels[index] = mel
+        # A batch shares one voice prefix (or none): its recorded tensors are broadcast over the rows.
+        by_prefix: dict[int, list[int]] = {}
+        for index, prefix in enumerate(prefixes):
+            by_prefix.setdefault(id(prefix), []).append(index)
+        for members in by_prefix.values():
+            grouped = self.flow.inference_batch(
+                [items[i] for i in members],
+                n_timesteps=self.n_timesteps,
+                solver=self.solver,
+                prefix=prefixes[members[0]],
+            )
+            for index, mel in zip(members, grouped, strict=True):
+                mels[index] = mel
         if self.sync_timing and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         flowed = time.monotonic()
         # Per call: the mel to vocode, the excitation to continue from, and its generator.
         vocode: list[tuple[Tensor, Tensor | None, torch.Generator]] = []
-        for (_, call, _, stream), mel in zip(ready, mels, strict=True):
+        for (_, call, _, stream), mel in zip(group, mels, strict=True):
             mel = mel.unsqueeze(0)
             if stream is None:
                 if call.speed != 1.0:
@@ -345,13 +359,13 @@ class Token2Wav:
                 vocode.append((full, cache_source, stream.generator))
         waves = self._vocode(vocode)
         audio = []
-        for (_, call, _, stream), (mel, _, _), (wav, source) in zip(ready, vocode, waves, strict=True):
+        for (_, call, _, stream), (mel, _, _), (wav, source) in zip(group, vocode, waves, strict=True):
             if stream is None:
                 audio.append(self._to_numpy(wav))
             else:
                 audio.append(self._to_numpy(stream.hift.finish(mel, wav, source, final=call.finalize)))
         self.last_timing = {
-            "rows": float(len(ready)),
+            "rows": float(len(group)),
             "flow_s": flowed - started,
             "hift_s": time.monotonic() - flowed,
         }
@@ -378,17 +392,17 @@ class Token2Wav:
         self.prefix_cache.put(key, prefix)
         return prefix
 
-    def _length_groups(self, items: list[FlowItem]) -> list[list[int]]:
-        """Indices of ``items`` grouped by length, shortest first: each group is padded only to its own
-        longest row, so a first chunk is not padded to the length of another stream's later chunk."""
+    def _answer_groups(self, ready: list[_Ready]) -> list[list[_Ready]]:
+        """The calls in the groups they are converted and answered in: streams' first chunks first,
+        then by length (prompt and target tokens, in steps of ``_GROUP_TOKENS``), shortest first."""
 
-        def frames(index: int) -> int:
-            item = items[index]
-            return item.prompt_token.numel() + item.token.numel()
+        def key(entry: _Ready) -> tuple[bool, int]:
+            _, call, item, _ = entry
+            return call.token_offset != 0, (item.prompt_token.numel() + item.token.numel()) // _GROUP_TOKENS
 
-        groups: dict[int, list[int]] = {}
-        for index in sorted(range(len(items)), key=frames):
-            groups.setdefault(frames(index) // _GROUP_TOKENS, []).append(index)
+        groups: dict[tuple[bool, int], list[_Ready]] = {}
+        for entry in sorted(ready, key=key):
+            groups.setdefault(key(entry), []).append(entry)
         return list(groups.values())
 
     def _vocode(self, calls: list[tuple[Tensor, Tensor | None, torch.Generator]]) -> list[tuple[Tensor, Tensor]]:

@@ -5,7 +5,9 @@ request's vocoder state under ``session_id``; a finalising call without tokens a
 the session (its stream was cancelled).
 
 Triton's dynamic batcher hands ``execute`` every call that queued while the previous batch
-ran; :meth:`Token2Wav.convert` converts them together. Streaming state lives in this process,
+ran; :meth:`Token2Wav.convert` converts them together, streams' first chunks first, and each
+call is answered (through its response sender) as soon as its audio exists, so that a stream's
+first chunk does not wait for the longer calls of its batch. Streaming state lives in this process,
 so every profile deploys exactly one instance: with two, Triton would send a session's chunks
 to either process.
 """
@@ -59,9 +61,17 @@ class TritonPythonModel:
         self._turn_slot = int(args.get("model_instance_device_id", 0) or 0)
         self._token2wav.sync_timing = self._trace.enabled
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> None:
+        """Answers every request through its response sender, each as soon as its audio exists."""
         started = time.monotonic()
-        responses: list[Any] = [None] * len(requests)
+        senders = [request.get_response_sender() for request in requests]
+
+        def answer(index: int, response: Any) -> None:
+            try:
+                senders[index].send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:
+                pb_utils.Logger.log_error(f"{self._name}: sending a response failed\n{traceback.format_exc()}")
+
         calls: list[tuple[int, Conversion]] = []
         for index, request in enumerate(requests):
             try:
@@ -69,11 +79,11 @@ class TritonPythonModel:
                 if call.token_offset is not None and call.speed != 1.0:
                     raise tensors.TensorError("speed is applied offline only; stream at speed 1.0")
             except tensors.TensorError as exc:
-                responses[index] = _error(str(exc), pb_utils.TritonError.INVALID_ARG)
+                answer(index, _error(str(exc), pb_utils.TritonError.INVALID_ARG))
                 continue
             if call.token_offset is not None and call.finalize and call.speech_tokens.size == 0:
                 self._token2wav.release(call.session_id)
-                responses[index] = _waveform(np.zeros(0, dtype=np.float32))
+                answer(index, _waveform(np.zeros(0, dtype=np.float32)))
                 continue
             prompt = VoicePrompt(
                 speech_tokens=call.prompt_speech_tokens, feats=call.prompt_feat, embedding=call.embedding
@@ -82,48 +92,54 @@ class TritonPythonModel:
                 call.session_id, call.speech_tokens, prompt, call.token_offset, call.finalize, call.speed
             )
             calls.append((index, conversion))
-        if calls:
-            first_chunk = any(call.token_offset == 0 for _, call in calls)
-            holding = self._turns.hold(self._turn_slot) if self._turns is not None and first_chunk else nullcontext()
-            try:
-                with holding:
-                    results = self._token2wav.convert([call for _, call in calls])
-            except Exception:
-                pb_utils.Logger.log_error(f"{self._name}: conversion failed\n{traceback.format_exc()}")
-                failure = f"model {self._name} failed; see the server log"
-                for index, _ in calls:
-                    responses[index] = _error(failure, pb_utils.TritonError.INTERNAL)
+        if not calls:
+            return None
+        answered: set[int] = set()
+
+        def on_result(position: int, result: np.ndarray | Exception) -> None:
+            index, call = calls[position]
+            answered.add(position)
+            if isinstance(result, ValueError):
+                answer(index, _error(str(result), pb_utils.TritonError.INVALID_ARG))
+            elif isinstance(result, Exception):
+                answer(index, _error(f"model {self._name} failed: {result}", pb_utils.TritonError.INTERNAL))
             else:
-                for (index, _), result in zip(calls, results, strict=True):
-                    if isinstance(result, ValueError):
-                        responses[index] = _error(str(result), pb_utils.TritonError.INVALID_ARG)
-                    elif isinstance(result, Exception):
-                        responses[index] = _error(f"model {self._name} failed: {result}", pb_utils.TritonError.INTERNAL)
-                    else:
-                        responses[index] = _waveform(result)
-            self._record(calls, started)
-        return responses
+                self._record(call, started, rows=len(calls))
+                answer(index, _waveform(result))
+
+        first_chunk = any(call.token_offset == 0 for _, call in calls)
+        holding = self._turns.hold(self._turn_slot) if self._turns is not None and first_chunk else nullcontext()
+        try:
+            with holding:
+                self._token2wav.convert([call for _, call in calls], on_result)
+        except Exception:
+            pb_utils.Logger.log_error(f"{self._name}: conversion failed\n{traceback.format_exc()}")
+            failure = f"model {self._name} failed; see the server log"
+            for position, (index, _) in enumerate(calls):
+                if position not in answered:
+                    answer(index, _error(failure, pb_utils.TritonError.INTERNAL))
+        return None
 
     def finalize(self) -> None:
         # Whichever of the two processes ends last leaves no file behind (removing is idempotent).
         if self._turns is not None:
             self._turns.remove()
 
-    def _record(self, calls: list[tuple[int, Conversion]], started: float) -> None:
+    def _record(self, call: Conversion, started: float, *, rows: int) -> None:
+        """Trace one answered call: its group's flow and HiFT time (``last_timing`` holds that group's)."""
         if not self._trace.enabled:
             return
         timing = self._token2wav.last_timing
-        ended = time.monotonic()
-        for _, call in calls:
-            self._trace.record(
-                call.session_id,
-                offset=-1 if call.token_offset is None else call.token_offset,
-                started=started,
-                ended=ended,
-                rows=len(calls),
-                flow_s=timing.get("flow_s", 0.0),
-                hift_s=timing.get("hift_s", 0.0),
-            )
+        self._trace.record(
+            call.session_id,
+            offset=-1 if call.token_offset is None else call.token_offset,
+            started=started,
+            ended=time.monotonic(),
+            rows=rows,
+            group_rows=timing.get("rows", 0.0),
+            flow_s=timing.get("flow_s", 0.0),
+            hift_s=timing.get("hift_s", 0.0),
+        )
 
 
 def _arrays(request: Any) -> dict[str, Any]:
