@@ -157,7 +157,11 @@ def test_a_client_that_leaves_stops_the_llm_server(stack: Stack) -> None:
     body = {"model": "tts-1", "voice": "alloy", "input": ENDLESS, "response_format": "pcm"}
     with httpx.stream("POST", f"{stack.gateway.url}/v1/audio/speech", json=body, timeout=300) as response:
         assert response.status_code == 200
-        next(response.iter_bytes())
+        # Kept: an iterator dropped after its first chunk closes the connection when it is collected
+        # (httpcore closes on GeneratorExit), and the gateway then cancels the request: the client
+        # would have left before the measurement starts.
+        chunks = response.iter_bytes()
+        next(chunks)
         # Still generating (about two minutes of tokens on CPU). How busy a half-second finds the
         # server depends on what else shares the CPUs, so it is looked at until it is seen busy.
         (busy,) = _loads_until(stack.llm.pid, lambda load: load > 0.1, within_s=30.0)
