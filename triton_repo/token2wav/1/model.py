@@ -98,14 +98,15 @@ class TritonPythonModel:
 
         def on_result(position: int, result: np.ndarray | Exception) -> None:
             index, call = calls[position]
-            answered.add(position)
             if isinstance(result, ValueError):
                 answer(index, _error(str(result), pb_utils.TritonError.INVALID_ARG))
             elif isinstance(result, Exception):
                 answer(index, _error(f"model {self._name} failed: {result}", pb_utils.TritonError.INTERNAL))
             else:
-                self._record(call, started, rows=len(calls))
                 answer(index, _waveform(result))
+            answered.add(position)
+            if not isinstance(result, Exception):
+                self._record(call, started, rows=len(calls))
 
         first_chunk = any(call.token_offset == 0 for _, call in calls)
         holding = self._turns.hold(self._turn_slot) if self._turns is not None and first_chunk else nullcontext()
