@@ -430,10 +430,15 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append("-" if value is None else f"{value['p50']:.0f} ({value['p90']:.0f})")
             lines.append(f"| {meaning} | " + " | ".join(cells) + " |")
         batches = " / ".join(
-            f"{item['token2wav_batch'].get('mean', '-')} (max {item['token2wav_batch'].get('max', '-')})"
+            f"{item['token2wav_batch'].get('mean', '-')} (max {item['token2wav_batch'].get('max', '-')}), "
+            f"{item['token2wav_batch'].get('group_mean', '-')} (max {item['token2wav_batch'].get('group_max', '-')})"
             for item in staged
         )
-        lines += ["", f"token2wav calls per batch, mean (max), same columns: {batches}."]
+        lines += [
+            "",
+            "token2wav calls per batch and per group of a batch (first chunks first, then by length), mean (max) over "
+            f"the pass's calls, same columns: {batches}.",
+        ]
     lines += [
         "",
         f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "
@@ -560,7 +565,7 @@ async def _measure(
                 if target == "direct" and mode == "stream":
                     sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
                     summary["stages"] = gpu_stages.first_chunk_stages(trace_dir, sent)
-                    summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir)
+                    summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir, sent)
                 all_ok = all_ok and summary["failed"] == 0
                 last_wall[target, mode] = result.wall_s
                 report["passes"].append(summary | {"per_request": [asdict(r) for r in result.requests]})

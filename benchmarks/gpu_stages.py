@@ -5,7 +5,7 @@ records when a request started, had its voice prompt, saw its first LLM token, r
 hop and sent its first chunk (keyed by its token2wav session id, with the Triton request id); the
 LLM records when the request was submitted, admitted (prefill starts) and drew its first token
 (keyed by the same session id, which the orchestrator sends as the LLM request id); token2wav
-records each batch a call ran in, with its flow and HiFT time. The client adds when it sent the
+records each batch a call ran in, with its group's flow and HiFT time. The client adds when it sent the
 request and when the first audio arrived. All are ``time.monotonic()`` of one machine.
 """
 
@@ -26,9 +26,9 @@ STAGES = (
     ("llm_prefill", "LLM: prefill and first token"),
     ("llm_to_hop", "LLM: tokens up to the first hop (+3 look-ahead), into the orchestrator"),
     ("t2w_queue", "token2wav: waiting for the running batch"),
-    ("flow", "token2wav: flow (encoder + 10-step solve) of its batch"),
-    ("hift", "token2wav: HiFT of its batch"),
-    ("t2w_other", "token2wav: rest (BLS transport, tensors)"),
+    ("flow", "token2wav: flow (encoder + 10-step solve) of its group"),
+    ("hift", "token2wav: HiFT of its group"),
+    ("t2w_other", "token2wav: rest (groups converted before, BLS transport, tensors)"),
     ("to_client", "orchestrator first chunk -> client"),
 )
 # Rates of the LLM engine over a whole request (not parts of the first chunk's time): how long a
@@ -83,10 +83,22 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
     return {name: _percentiles(values) for name, values in samples.items() if values}
 
 
-def token2wav_batches(trace_dir: Path) -> dict[str, float]:
-    """How many calls token2wav converted per batch: mean and max over the run."""
-    rows = [float(e["rows"]) for e in read_traces(trace_dir) if e["stage"] == "token2wav"]
-    return {"mean": round(float(np.mean(rows)), 2), "max": max(rows)} if rows else {}
+def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """How many calls token2wav converted per batch, and per group of a batch (:meth:`Token2Wav.convert`):
+    mean and max over the calls of the streamed requests in ``sent`` (the warm-up's and other passes' excluded)."""
+    events = read_traces(trace_dir)
+    sessions = {str(e["key"]) for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
+    calls = [e for e in events if e["stage"] == "token2wav" and str(e["key"]) in sessions]
+    if not calls:
+        return {}
+    rows = [float(e["rows"]) for e in calls]
+    groups = [float(e.get("group_rows", 0.0)) for e in calls]
+    return {
+        "mean": round(float(np.mean(rows)), 2),
+        "max": max(rows),
+        "group_mean": round(float(np.mean(groups)), 2),
+        "group_max": max(groups),
+    }
 
 
 def _percentiles(values: Iterable[float]) -> dict[str, float]:
