@@ -37,7 +37,8 @@ class TritonPythonModel:
         graphs = params["cuda_graphs"].lower()
         # On a GPU shared with token2wav, a first chunk being converted goes before decoding ahead.
         device = torch.device(params["device"])
-        self._turns = GpuTurns.of_server(device.index or 0) if device.type == "cuda" else None
+        yield_rows = int(params["yield_max_rows"])
+        self._turns = GpuTurns.of_server(device.index or 0) if device.type == "cuda" and yield_rows > 0 else None
         self._llm = TorchSpeechLLM(
             Path(params["llm_dir"]),
             device=params["device"],
@@ -45,7 +46,7 @@ class TritonPythonModel:
             max_slots=int(params["max_slots"]),
             max_seq_len=int(params["max_seq_len"]),
             cuda_graphs=None if graphs == "auto" else graphs == "true",
-            gate=None if self._turns is None else YieldToFirstChunks(self._turns),
+            gate=None if self._turns is None else YieldToFirstChunks(self._turns, max_rows=yield_rows),
         )
         self.outbox = Outbox(self.name)
         self.watch = CancellationWatch(self.name)
