@@ -430,15 +430,10 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append("-" if value is None else f"{value['p50']:.0f} ({value['p90']:.0f})")
             lines.append(f"| {meaning} | " + " | ".join(cells) + " |")
         batches = " / ".join(
-            f"{item['token2wav_batch'].get('mean', '-')} (max {item['token2wav_batch'].get('max', '-')}), "
-            f"{item['token2wav_batch'].get('group_mean', '-')} (max {item['token2wav_batch'].get('group_max', '-')})"
+            f"{item['token2wav_batch'].get('mean', '-')} (max {item['token2wav_batch'].get('max', '-')})"
             for item in staged
         )
-        lines += [
-            "",
-            "token2wav calls per batch and per group of a batch (first chunks first, then by length), mean (max) over "
-            f"the pass's calls, same columns: {batches}.",
-        ]
+        lines += ["", f"token2wav calls converted together (one group), mean (max) over the pass's calls: {batches}."]
     lines += [
         "",
         f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "

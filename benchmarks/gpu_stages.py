@@ -25,10 +25,10 @@ STAGES = (
     ("llm_queue", "LLM: waiting for a slot / the next step"),
     ("llm_prefill", "LLM: prefill and first token"),
     ("llm_to_hop", "LLM: tokens up to the first hop (+3 look-ahead), into the orchestrator"),
-    ("t2w_queue", "token2wav: waiting for the running batch"),
+    ("t2w_queue", "token2wav: waiting in its queue for its group"),
     ("flow", "token2wav: flow (encoder + 10-step solve) of its group"),
     ("hift", "token2wav: HiFT of its group"),
-    ("t2w_other", "token2wav: rest (groups converted before, BLS transport, tensors)"),
+    ("t2w_other", "token2wav: rest (BLS transport, tensors)"),
     ("to_client", "orchestrator first chunk -> client"),
 )
 # Rates of the LLM engine over a whole request (not parts of the first chunk's time): how long a
@@ -84,21 +84,12 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
 
 
 def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, float]:
-    """How many calls token2wav converted per batch, and per group of a batch (:meth:`Token2Wav.convert`):
-    mean and max over the calls of the streamed requests in ``sent`` (the warm-up's and other passes' excluded)."""
+    """How many calls token2wav converted together (one group, one flow pass): mean and max over the
+    calls of the streamed requests in ``sent`` (the warm-up's and other passes' excluded)."""
     events = read_traces(trace_dir)
     sessions = {str(e["key"]) for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
-    calls = [e for e in events if e["stage"] == "token2wav" and str(e["key"]) in sessions]
-    if not calls:
-        return {}
-    rows = [float(e["rows"]) for e in calls]
-    groups = [float(e.get("group_rows", 0.0)) for e in calls]
-    return {
-        "mean": round(float(np.mean(rows)), 2),
-        "max": max(rows),
-        "group_mean": round(float(np.mean(groups)), 2),
-        "group_max": max(groups),
-    }
+    rows = [float(e["rows"]) for e in events if e["stage"] == "token2wav" and str(e["key"]) in sessions]
+    return {"mean": round(float(np.mean(rows)), 2), "max": max(rows)} if rows else {}
 
 
 def _percentiles(values: Iterable[float]) -> dict[str, float]:

@@ -78,6 +78,12 @@ class Conversion:
     speed: float = 1.0
 
 
+def length_class(call: Conversion) -> int:
+    """Which step of ``_GROUP_TOKENS`` the call's prompt and target tokens fall in: calls of one class
+    share a flow pass (padded to the longest) without much padding."""
+    return (int(np.size(call.prompt.speech_tokens)) + int(np.size(call.tokens))) // _GROUP_TOKENS
+
+
 class StreamStateError(ValueError):
     """A streaming call that does not continue its request's state (unknown id, wrong offset, overlap)."""
 
@@ -397,8 +403,7 @@ class Token2Wav:
         then by length (prompt and target tokens, in steps of ``_GROUP_TOKENS``), shortest first."""
 
         def key(entry: _Ready) -> tuple[bool, int]:
-            _, call, item, _ = entry
-            return call.token_offset != 0, (item.prompt_token.numel() + item.token.numel()) // _GROUP_TOKENS
+            return entry[1].token_offset != 0, length_class(entry[1])
 
         groups: dict[tuple[bool, int], list[_Ready]] = {}
         for entry in sorted(ready, key=key):

@@ -1,0 +1,213 @@
+"""token2wav's queue: which calls go together next, first chunks ahead of a busy worker, every call answered once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from numpy.typing import NDArray
+
+from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.token2wav import Audio, Conversion, Token2Wav
+from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, QueueClosed, Queued, take_group
+
+VOICE = VoicePrompt(
+    speech_tokens=np.arange(10),
+    feats=np.zeros((20, 80), dtype=np.float32),
+    embedding=np.zeros(192, dtype=np.float32),
+)
+
+
+def call(name: str, tokens: int, offset: int | None = None, voice: VoicePrompt = VOICE) -> Conversion:
+    return Conversion(name, np.arange(tokens), voice, offset, offset is None)
+
+
+def queued(*calls: Conversion) -> list[Queued]:
+    return [Queued(c, lambda result, group: None) for c in calls]
+
+
+def names(items: list[Queued]) -> list[str]:
+    return [item.call.session_id for item in items]
+
+
+def test_first_chunks_go_first_then_the_length_class_of_the_oldest_call() -> None:
+    pending = queued(
+        call("long-later", 300, offset=40),
+        call("short-later", 60, offset=15),
+        call("first-a", 18, offset=0),
+        call("offline-long", 290),
+        call("first-b", 18, offset=0),
+        call("first-c", 200, offset=0),
+    )
+    assert names(take_group(pending, max_rows=2)) == ["first-a", "first-b"]
+    assert names(take_group(pending, max_rows=2)) == ["first-c"]
+    # 310 and 300 tokens (prompt included) share a class of 128; the short call waits its turn.
+    assert names(take_group(pending, max_rows=8)) == ["long-later", "offline-long"]
+    assert names(take_group(pending, max_rows=8)) == ["short-later"]
+    assert pending == []
+
+
+class Recorder:
+    """Stands in for Token2Wav where the order of groups is what is tested: answers each call with its
+    length in samples; the first group blocks until released, so that others queue behind it."""
+
+    def __init__(self, fail_on: str = "") -> None:
+        self.groups: list[list[str]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.fail_on = fail_on
+
+    def convert(
+        self, calls: Sequence[Conversion], on_result: Callable[[int, Audio | Exception], None] | None = None
+    ) -> list[Audio | Exception]:
+        self.groups.append([c.session_id for c in calls])
+        if len(self.groups) == 1:
+            self.started.set()
+            assert self.release.wait(10)
+        results: list[Audio | Exception] = []
+        for index, c in enumerate(calls):
+            if c.session_id == self.fail_on:
+                raise RuntimeError("the GPU fell over")
+            audio = np.zeros(int(np.size(c.tokens)), dtype=np.float32)
+            results.append(audio)
+            assert on_result is not None
+            on_result(index, audio)
+        return results
+
+
+class Answers:
+    def __init__(self) -> None:
+        self.got: dict[str, list[Audio | Exception]] = {}
+        self.groups: dict[str, Converted] = {}
+        self.all_in = threading.Event()
+        self.expected = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, name: str) -> Callable[[Audio | Exception, Converted], None]:
+        def answer(result: Audio | Exception, group: Converted) -> None:
+            with self._lock:
+                self.got.setdefault(name, []).append(result)
+                self.groups[name] = group
+                if sum(map(len, self.got.values())) >= self.expected:
+                    self.all_in.set()
+
+        return answer
+
+
+def test_a_first_chunk_that_arrives_while_a_group_converts_goes_before_the_calls_queued_earlier() -> None:
+    recorder, answers = Recorder(), Answers()
+    held: list[int] = []
+
+    @contextmanager
+    def hold() -> Iterator[None]:
+        held.append(len(recorder.groups))
+        yield
+
+    queue = ConversionQueue(recorder, max_rows=4, first_chunks_hold=hold)
+    try:
+        answers.expected = 4
+        queue.submit(call("running", 300, offset=40), answers("running"))
+        assert recorder.started.wait(10)
+        queue.submit(call("later", 60, offset=15), answers("later"))
+        queue.submit(call("offline", 40), answers("offline"))
+        queue.submit(call("first", 18, offset=0), answers("first"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert recorder.groups == [["running"], ["first"], ["later", "offline"]]
+    assert {name: [np.size(r) for r in got] for name, got in answers.got.items()} == {
+        "running": [300],
+        "first": [18],
+        "later": [60],
+        "offline": [40],
+    }
+    assert answers.groups["later"].rows == 2 and answers.groups["first"].rows == 1
+    assert answers.groups["first"].started < answers.groups["later"].started
+    # The GPU turn is asked for once: for the first chunk's group, the second to convert.
+    assert held == [1]
+
+
+def test_a_failing_group_answers_its_calls_with_the_error_and_the_queue_goes_on() -> None:
+    recorder, answers = Recorder(fail_on="b"), Answers()
+    errors: list[str] = []
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append)
+    try:
+        answers.expected = 4
+        queue.submit(call("running", 300), answers("running"))
+        assert recorder.started.wait(10)
+        for name, tokens, offset in (("a", 20, 0), ("b", 20, 0), ("c", 300, None)):
+            queue.submit(call(name, tokens, offset), answers(name))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert recorder.groups == [["running"], ["a", "b"], ["c"]]
+    assert np.size(answers.got["a"][0]) == 20  # answered before its group failed
+    assert [type(r) for r in answers.got["b"]] == [RuntimeError]
+    assert np.size(answers.got["c"][0]) == 300
+    assert len(errors) == 1 and "the GPU fell over" in errors[0]
+
+
+def test_closing_answers_what_waits_and_refuses_new_calls() -> None:
+    recorder, answers = Recorder(), Answers()
+    queue = ConversionQueue(recorder, max_rows=4)
+    answers.expected = 3
+    queue.submit(call("running", 30, offset=0), answers("running"))
+    assert recorder.started.wait(10)
+    queue.submit(call("waiting", 30, offset=0), answers("waiting"))
+    closing = threading.Thread(target=queue.close)
+    closing.start()
+    recorder.release.set()
+    closing.join(10)
+    assert not closing.is_alive()
+    assert np.size(answers.got["running"][0]) == 30  # the running group is finished, not dropped
+    assert [type(r) for r in answers.got["waiting"]] == [QueueClosed]
+    with pytest.raises(QueueClosed):
+        queue.submit(call("late", 30, offset=0), answers("late"))
+    assert recorder.groups == [["running"]]
+
+
+@pytest.mark.cosyvoice
+def test_streams_converted_through_the_queue_sound_as_converted_alone(token2wav_dir: Path) -> None:
+    t2w = Token2Wav.from_model_dir(token2wav_dir, device="cpu", dtype=torch.float32)
+    rng = np.random.default_rng(3)
+    streams = {f"s{i}": rng.integers(0, 6561, 40) for i in range(3)}
+    alone: dict[str, list[NDArray[np.float32]]] = {}
+    for name, tokens in streams.items():
+        alone[name] = [
+            t2w.stream_chunk(f"alone-{name}", tokens[:18], VOICE, 0, False),
+            t2w.stream_chunk(f"alone-{name}", tokens, VOICE, 15, True),
+        ]
+    queue = ConversionQueue(t2w, max_rows=8)
+    got: dict[str, list[NDArray[np.float32]]] = {name: [] for name in streams}
+
+    def run(name: str) -> None:
+        for tokens, offset, final in ((streams[name][:18], 0, False), (streams[name], 15, True)):
+            done = threading.Event()
+
+            def answer(result: Audio | Exception, group: Converted, done: threading.Event = done) -> None:
+                assert not isinstance(result, Exception), result
+                got[name].append(result)
+                done.set()
+
+            queue.submit(Conversion(f"queued-{name}", tokens, VOICE, offset, final), answer)
+            assert done.wait(60)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in streams]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        queue.close()
+    for name in streams:
+        assert len(got[name]) == 2
+        for mine, reference in zip(got[name], alone[name], strict=True):
+            np.testing.assert_allclose(mine, reference, atol=1e-4)
