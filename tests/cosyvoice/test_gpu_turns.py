@@ -61,11 +61,11 @@ def test_waiting_is_bounded_and_a_stale_mark_is_ignored(tmp_path: Path) -> None:
 def test_the_llm_yields_only_while_it_decodes_for_a_few_requests(tmp_path: Path) -> None:
     turns = GpuTurns(tmp_path / "turns")
     gate = YieldToFirstChunks(turns, max_rows=4, max_wait_s=0.01)
-    assert not gate.busy(1)
+    assert not gate.busy([3])
     with turns.hold():
-        assert gate.busy(1) and gate.busy(4)
-        assert not gate.busy(5)
-    assert not gate.busy(1)
+        assert gate.busy([3]) and gate.busy([3, 0, 9, 1])
+        assert not gate.busy([3, 0, 9, 1, 5])
+    assert not gate.busy([3])
     turns.close()
 
 
@@ -87,4 +87,14 @@ def test_a_mark_from_the_future_does_not_count(tmp_path: Path) -> None:
     struct.pack_into("<q", turns._map, 8, time.monotonic_ns() + 3600 * 10**9)
     assert not turns.held(stale_s=5.0)
     assert turns.wait(max_wait_s=1.0, stale_s=5.0) < 0.5
+    turns.close()
+
+
+def test_the_llm_yields_only_once_every_request_made_its_first_chunks_tokens(tmp_path: Path) -> None:
+    turns = GpuTurns(tmp_path / "turns")
+    gate = YieldToFirstChunks(turns, max_rows=4, after_tokens=18, max_wait_s=5.0)
+    with turns.hold():
+        assert gate.busy([18, 40]) and not gate.busy([17, 40]) and not gate.busy([])
+        # A request arriving (stop) ends the wait long before its bound.
+        assert gate.wait(lambda: True) < 1.0
     turns.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -273,11 +273,11 @@ def test_a_gate_holding_the_engine_back_delays_tokens_but_does_not_change_them(t
             self.asked: list[int] = []
             self.waits = 0
 
-        def busy(self, live_rows: int) -> bool:
-            self.asked.append(live_rows)
+        def busy(self, produced: Sequence[int]) -> bool:
+            self.asked.append(len(produced))
             return len(self.asked) % 3 == 0
 
-        def wait(self) -> float:
+        def wait(self, stop: Callable[[], bool]) -> float:
             self.waits += 1
             time.sleep(0.002)
             return 0.002
@@ -298,3 +298,36 @@ def test_a_gate_holding_the_engine_back_delays_tokens_but_does_not_change_them(t
     finally:
         ungated.close()
     assert gate.waits > 0 and set(gate.asked) <= {1, 2, 3}
+
+
+def test_a_request_that_arrives_while_the_engine_yields_is_admitted_at_once(tmp_path: Path) -> None:
+    class Gate:
+        """Holds the engine back for up to 30 s once a request made 5 tokens, unless told to stop."""
+
+        def __init__(self) -> None:
+            self.waited: list[float] = []
+
+        def busy(self, produced: Sequence[int]) -> bool:
+            return min(produced) >= 5
+
+        def wait(self, stop: Callable[[], bool]) -> float:
+            started = time.monotonic()
+            while not stop() and time.monotonic() - started < 30:
+                time.sleep(0.001)
+            self.waited.append(time.monotonic() - started)
+            return self.waited[-1]
+
+    gate = Gate()
+    directory = tiny_frontend.write_tiny_llm(tmp_path / "cosyvoice2_llm")
+    model = TorchSpeechLLM(directory, max_slots=4, max_seq_len=128, gate=gate)
+    try:
+        first, _ = submit(model, 0, GREEDY, tokens=40)
+        deadline = time.monotonic() + 30
+        while len(first.tokens) < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(first.tokens) >= 5 and not gate.waited  # the engine is waiting now
+        second, _ = submit(model, 1, GREEDY, tokens=3)
+        assert second.done.wait(20) and second.error is None and len(second.tokens) == 3
+        assert gate.waited and gate.waited[0] < 20
+    finally:
+        model.close()

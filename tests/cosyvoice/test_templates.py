@@ -248,3 +248,20 @@ def test_token2wav_records_hift_for_the_hops_the_orchestrators_make(
             assert {schedule.next_hop(index) for index in range(20)} <= hops, (profile, name)
             checked += 1
     assert checked >= 2 * len(COSYVOICE_PROFILES)
+
+
+def test_the_llm_yields_only_to_requests_past_their_own_first_chunk(
+    rendered: dict[str, dict[str, mc.ModelConfig]],
+) -> None:
+    """yield_after_tokens is the tokens the orchestrator needs for a first chunk: its first hop plus the look-ahead."""
+    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+
+    checked = 0
+    for profile, configs in rendered.items():
+        llm = configs.get("llm")
+        if llm is None or llm.backend != "python":
+            continue
+        schedule = PipelineSettings.from_parameters(_params(configs["cosyvoice2_stream"])).hop_schedule
+        assert int(_params(llm)["yield_after_tokens"]) == schedule.first_hop + schedule.pre_lookahead, profile
+        checked += 1
+    assert checked >= 2

@@ -5,8 +5,9 @@ work at a time, in time slices (CUDA MPS shares it instead, but slows every deco
 a third). While a stream's first chunk is converted, the LLM keeps decoding the rest of the text
 for the streams it serves, far ahead of real time when they are few: on an H100 one stream's
 first chunk took token2wav 121 ms beside the decoding LLM and 57 ms alone. So token2wav marks in
-a small file of shared memory when a batch with a first chunk is on the GPU, and the LLM engine,
-when it decodes for a few requests only, waits before its next step while the mark stands.
+a small file of shared memory when a group of first chunks is on the GPU, and the LLM engine,
+when it decodes for a few requests only, all past their own first chunk, waits before its next
+step while the mark stands (a request arriving ends the wait: its prefill goes first).
 
 The mark is a ``time.monotonic_ns()`` stamp per token2wav instance (0: none); a stamp older than
 ``stale_s`` is ignored, so a token2wav process that died holding it does not stall the LLM, and
@@ -21,7 +22,7 @@ import os
 import struct
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,10 +69,11 @@ class GpuTurns:
         oldest = now - int(stale_s * 1e9)
         return any(oldest < stamp <= now for (stamp,) in _STAMP.iter_unpack(self._map))
 
-    def wait(self, max_wait_s: float, stale_s: float) -> float:
-        """Wait while a mark stands, at most ``max_wait_s``; returns the seconds waited."""
+    def wait(self, max_wait_s: float, stale_s: float, stop: Callable[[], bool] = lambda: False) -> float:
+        """Wait while a mark stands and ``stop()`` does not hold, at most ``max_wait_s``; returns the
+        seconds waited."""
         started = time.monotonic()
-        while self.held(stale_s) and time.monotonic() - started < max_wait_s:
+        while self.held(stale_s) and not stop() and time.monotonic() - started < max_wait_s:
             time.sleep(_POLL_S)
         return time.monotonic() - started
 
@@ -85,18 +87,33 @@ class GpuTurns:
 
 
 class YieldToFirstChunks:
-    """The LLM engine's gate: before a decode step for ``max_rows`` requests or fewer, wait while
-    token2wav holds the GPU for a first chunk. With more requests the LLM is the bottleneck and
-    never waits."""
+    """The LLM engine's gate: before a decode step, wait while token2wav holds the GPU for first chunks,
+    when the engine decodes for ``max_rows`` requests or fewer and every one of them made at least
+    ``after_tokens`` tokens (its own first chunk's worth: pausing a request still short of it only
+    moves one stream's first audio behind another's). With more requests the LLM is the bottleneck
+    and never waits."""
 
-    def __init__(self, turns: GpuTurns, *, max_rows: int = 4, max_wait_s: float = 0.2, stale_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        turns: GpuTurns,
+        *,
+        max_rows: int = 4,
+        after_tokens: int = 0,
+        max_wait_s: float = 0.2,
+        stale_s: float = 0.5,
+    ) -> None:
         self._turns = turns
         self._max_rows = max_rows
+        self._after_tokens = after_tokens
         self._max_wait_s = max_wait_s
         self._stale_s = stale_s
 
-    def busy(self, live_rows: int) -> bool:
-        return live_rows <= self._max_rows and self._turns.held(self._stale_s)
+    def busy(self, produced: Sequence[int]) -> bool:
+        return (
+            0 < len(produced) <= self._max_rows
+            and min(produced) >= self._after_tokens
+            and self._turns.held(self._stale_s)
+        )
 
-    def wait(self) -> float:
-        return self._turns.wait(self._max_wait_s, self._stale_s)
+    def wait(self, stop: Callable[[], bool]) -> float:
+        return self._turns.wait(self._max_wait_s, self._stale_s, stop)

@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -52,12 +52,13 @@ PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
 class StepGate(Protocol):
     """Decides whether the engine leaves the GPU to another process before its next step."""
 
-    def busy(self, live_rows: int) -> bool:
-        """Whether to wait before a step for ``live_rows`` requests."""
+    def busy(self, produced: Sequence[int]) -> bool:
+        """Whether to wait before a step for live requests that made ``produced`` tokens each so far."""
         ...
 
-    def wait(self) -> float:
-        """Block until the GPU is left to the engine again (bounded); returns the seconds waited."""
+    def wait(self, stop: Callable[[], bool]) -> float:
+        """Block until the GPU is left to the engine again or ``stop()`` holds (bounded); returns the
+        seconds waited."""
         ...
 
 
@@ -260,13 +261,14 @@ class BatchingEngine:
             try:
                 if admitted:
                     self._prefill(admitted)
-                if self._live and self._gate is not None and self._gate.busy(len(self._live)):
+                if self._live and self._gate is not None and self._gate.busy([h.produced for h in self._live]):
                     # Hand out the step in flight before leaving the GPU to the other process.
                     if launched is not None:
                         self._land(launched)
                         launched = None
                     if self._live:
-                        self._gate.wait()
+                        # A request that arrives meanwhile ends the wait: its prefill goes first.
+                        self._gate.wait(lambda: bool(self._waiting))
                 previous, launched = launched, self._launch() if self._live else None
                 if previous is not None:
                     self._land(previous)

@@ -46,7 +46,9 @@ class TritonPythonModel:
             max_slots=int(params["max_slots"]),
             max_seq_len=int(params["max_seq_len"]),
             cuda_graphs=None if graphs == "auto" else graphs == "true",
-            gate=None if self._turns is None else YieldToFirstChunks(self._turns, max_rows=yield_rows),
+            gate=None
+            if self._turns is None
+            else YieldToFirstChunks(self._turns, max_rows=yield_rows, after_tokens=int(params["yield_after_tokens"])),
         )
         self.outbox = Outbox(self.name)
         self.watch = CancellationWatch(self.name)
