@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -294,8 +295,11 @@ class Token2Wav:
                 continue
             ready.append((index, call, item, stream))
         unanswered = {index for index, *_ in ready}
+        # On CUDA, from whichever thread calls (the Triton model's queue worker): replays and
+        # synchronisations go to the model's device, not to the thread's current one.
+        on_device = torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), on_device:
                 for group in self._answer_groups(ready):
                     for (index, call, item, stream), wav in zip(group, self._convert_group(group), strict=True):
                         if stream is not None:
