@@ -14,7 +14,14 @@ from numpy.typing import NDArray
 
 from tts_backends.cosyvoice2.frontend import VoicePrompt
 from tts_backends.cosyvoice2.token2wav import Audio, Conversion, Token2Wav
-from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, QueueClosed, Queued, take_group
+from tts_backends.cosyvoice2.token2wav_queue import (
+    ConversionQueue,
+    Converted,
+    GroupFailed,
+    QueueClosed,
+    Queued,
+    take_group,
+)
 
 VOICE = VoicePrompt(
     speech_tokens=np.arange(10),
@@ -44,8 +51,9 @@ def test_first_chunks_go_first_then_the_length_class_of_the_oldest_call() -> Non
         call("first-b", 18, offset=0),
         call("first-c", 200, offset=0),
     )
-    assert names(take_group(pending, max_rows=2)) == ["first-a", "first-b"]
-    assert names(take_group(pending, max_rows=2)) == ["first-c"]
+    # One length class per group (one flow pass): the long first chunk goes on its own, still before the rest.
+    assert names(take_group(pending, max_rows=8)) == ["first-a", "first-b"]
+    assert names(take_group(pending, max_rows=8)) == ["first-c"]
     # 310 and 300 tokens (prompt included) share a class of 128; the short call waits its turn.
     assert names(take_group(pending, max_rows=8)) == ["long-later", "offline-long"]
     assert names(take_group(pending, max_rows=8)) == ["short-later"]
@@ -149,9 +157,39 @@ def test_a_failing_group_answers_its_calls_with_the_error_and_the_queue_goes_on(
         queue.close()
     assert recorder.groups == [["running"], ["a", "b"], ["c"]]
     assert np.size(answers.got["a"][0]) == 20  # answered before its group failed
-    assert [type(r) for r in answers.got["b"]] == [RuntimeError]
+    # Failed as a group (an internal error), whatever the exception was: not the call's own fault.
+    assert [type(r) for r in answers.got["b"]] == [GroupFailed]
+    assert "the GPU fell over" in str(answers.got["b"][0])
     assert np.size(answers.got["c"][0]) == 300
     assert len(errors) == 1 and "the GPU fell over" in errors[0]
+
+
+def test_an_answer_that_raises_keeps_no_other_call_from_its_own() -> None:
+    recorder, answers = Recorder(fail_on="c"), Answers()
+    errors: list[str] = []
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append)
+
+    def broken(result: Audio | Exception, group: Converted) -> None:
+        raise OSError("the trace file is gone")
+
+    try:
+        answers.expected = 4
+        queue.submit(call("running", 300), answers("running"))
+        assert recorder.started.wait(10)
+        queue.submit(call("a", 20, offset=0), broken)
+        queue.submit(call("b", 20, offset=0), answers("b"))
+        queue.submit(call("c", 20, offset=0), answers("c"))
+        queue.submit(call("later", 300, offset=40), answers("later"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    # a's answer raised inside the conversion: b was still converted and answered, c's group failure
+    # reached c, and the queue went on to the next group.
+    assert np.size(answers.got["b"][0]) == 20
+    assert [type(r) for r in answers.got["c"]] == [GroupFailed]
+    assert np.size(answers.got["later"][0]) == 300
+    assert any("the trace file is gone" in e for e in errors)
 
 
 def test_closing_answers_what_waits_and_refuses_new_calls() -> None:

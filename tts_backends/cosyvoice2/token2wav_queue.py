@@ -8,7 +8,8 @@ its calls and returns; their responses leave later through each request's respon
 Triton allows for a model that is not decoupled (one final response per request). One worker
 thread converts the queue a group at a time and picks the next group after each: the first chunks
 waiting, else the calls of about the length of the one waiting longest (a group pads its rows to
-its longest, so like lengths go together). A first chunk thus waits for one group at most.
+its longest, so like lengths go together). A group is one flow pass; a first chunk waits for the
+group being converted and, only when more first chunks wait than a group takes, for those before it.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
@@ -55,14 +56,13 @@ class Queued:
 
 
 def take_group(pending: list[Queued], max_rows: int) -> list[Queued]:
-    """Remove the next group from ``pending`` (oldest first) and return it: up to ``max_rows`` streams'
-    first chunks if any wait, else up to ``max_rows`` calls of the oldest call's length class."""
+    """Remove the next group from ``pending`` (oldest first) and return it: up to ``max_rows`` calls of
+    one length class, the class of the oldest first chunk if streams' first chunks wait, else of the
+    oldest call."""
     firsts = [queued for queued in pending if queued.call.token_offset == 0]
-    if firsts:
-        group = firsts[:max_rows]
-    else:
-        oldest = length_class(pending[0].call)
-        group = [queued for queued in pending if length_class(queued.call) == oldest][:max_rows]
+    candidates = firsts or pending
+    oldest = length_class(candidates[0].call)
+    group = [queued for queued in candidates if length_class(queued.call) == oldest][:max_rows]
     taken = {id(queued) for queued in group}
     pending[:] = [queued for queued in pending if id(queued) not in taken]
     return group
@@ -73,8 +73,9 @@ class ConversionQueue:
 
     ``first_chunks_hold``, where given, is entered around every group of first chunks (the GPU
     turn that asks the LLM's process to wait, ``gpu_turns.py``). Every submitted call is answered
-    exactly once: with its audio, its own error, its group's error, or, when the queue closes
-    before converting it, a :class:`QueueClosed`.
+    exactly once: with its audio, its own error, a :class:`GroupFailed` when its group failed, or,
+    when the queue closes before converting it, a :class:`QueueClosed`. An answer that raises is
+    logged and does not keep the others from theirs.
     """
 
     def __init__(
@@ -111,9 +112,9 @@ class ConversionQueue:
             left, self._pending = self._pending, []
             self._ready.notify_all()
         self._worker.join()
-        now = time.monotonic()
+        closed = Converted(time.monotonic(), 0)
         for queued in left:
-            queued.answer(QueueClosed("token2wav stopped before converting this call"), Converted(now, 0))
+            self._deliver(queued, QueueClosed("token2wav stopped before converting this call"), closed)
 
     def _run(self) -> None:
         while True:
@@ -123,10 +124,7 @@ class ConversionQueue:
                 if self._closed:
                     return
                 group = take_group(self._pending, self._max_rows)
-            try:
-                self._convert(group)
-            except Exception as exc:  # an answer that raised: the worker must go on for the others
-                self._log_error(f"token2wav: answering a group failed: {exc!r}")
+            self._convert(group)
 
     def _convert(self, group: list[Queued]) -> None:
         converted = Converted(time.monotonic(), len(group))
@@ -134,19 +132,29 @@ class ConversionQueue:
 
         def on_result(index: int, result: Audio | Exception) -> None:
             answered.add(index)
-            group[index].answer(result, converted)
+            self._deliver(group[index], result, converted)
 
-        first_chunks = group[0].call.token_offset == 0
-        hold = self._hold() if first_chunks and self._hold is not None else nullcontext()
         try:
-            with hold:
+            first_chunks = group[0].call.token_offset == 0
+            with self._hold() if first_chunks and self._hold is not None else nullcontext():
                 self._token2wav.convert([queued.call for queued in group], on_result)
         except Exception as exc:
             self._log_error(f"token2wav: converting a group of {len(group)} calls failed: {exc!r}")
+            failed = GroupFailed(f"converting its group of {len(group)} calls failed: {exc}")
             for index, queued in enumerate(group):
                 if index not in answered:
-                    queued.answer(exc, converted)
+                    self._deliver(queued, failed, converted)
+
+    def _deliver(self, queued: Queued, result: Audio | Exception, converted: Converted) -> None:
+        try:
+            queued.answer(result, converted)
+        except Exception as exc:
+            self._log_error(f"token2wav: answering a call failed: {exc!r}")
 
 
 class QueueClosed(RuntimeError):
     """The queue stopped (the model is unloading) before it converted the call."""
+
+
+class GroupFailed(RuntimeError):
+    """Converting the call's group failed as a whole (not because of the call itself)."""

@@ -111,7 +111,10 @@ class TritonPythonModel:
             self._send(sender, _error(f"model {self._name} failed: {result}", pb_utils.TritonError.INTERNAL))
         else:
             self._send(sender, _waveform(result))
-            self._record(call, group)
+            try:
+                self._record(call, group)
+            except Exception:
+                pb_utils.Logger.log_error(f"{self._name}: tracing a call failed\n{traceback.format_exc()}")
 
     def _send(self, sender: Any, response: Any) -> None:
         try:
