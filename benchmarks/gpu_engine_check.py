@@ -132,12 +132,7 @@ def check_token2wav(
     # time would show up as HiFT's, which waits for it).
     graphs.sync_timing = True
     rng = np.random.default_rng(0)
-    # 100 prompt tokens: a 4 s reference, as the benchmark's voices.
-    prompt = VoicePrompt(
-        speech_tokens=rng.integers(0, 6561, 100),
-        feats=rng.standard_normal((200, 80)).astype(np.float32),
-        embedding=rng.standard_normal(192).astype(np.float32),
-    )
+    prompt = four_second_voice(rng)
     tokens = rng.integers(0, 6561, 130)
     solver, cache = graphs.solver, graphs.prefix_cache  # no solver on the CPU: everything eager
     assert cache is not None
@@ -214,6 +209,15 @@ def check_hift(t2w: Token2Wav, report: dict[str, Any], *, rows: int, counts: lis
         eager, graphed = outputs["eager"], outputs["graph"]
         assert graphed is not None, f"no HiFT graph for {count} {name} chunks"
         report[f"hift_{name}_chunks_{count}_graph_vs_eager_rel_error"] = _relative(graphed[0], eager[0])
+
+
+def four_second_voice(rng: np.random.Generator) -> VoicePrompt:
+    """A random voice prompt of 100 speech tokens: a 4 s reference, as the GPU benchmark's voices."""
+    return VoicePrompt(
+        speech_tokens=rng.integers(0, 6561, 100),
+        feats=rng.standard_normal((200, 80)).astype(np.float32),
+        embedding=rng.standard_normal(192).astype(np.float32),
+    )
 
 
 def _first_then_later(

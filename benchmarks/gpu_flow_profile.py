@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_engine_check import ROOT, _flow_and_hift
+from gpu_engine_check import ROOT, _flow_and_hift, four_second_voice
 from torch.profiler import ProfilerActivity, profile
 
 from tts_backends.cosyvoice2.frontend import VoicePrompt
@@ -103,7 +103,7 @@ def profile_rows(t2w: Token2Wav, rows: int, prompt: VoicePrompt, tokens: np.ndar
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_flow_profile")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="1,16", help="first chunks converted together, e.g. 1,16")
     parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU in float32, eagerly")
@@ -119,11 +119,7 @@ def main() -> int:
     )
     t2w.sync_timing = True
     rng = np.random.default_rng(0)
-    prompt = VoicePrompt(
-        speech_tokens=rng.integers(0, 6561, 100),
-        feats=rng.standard_normal((200, 80)).astype(np.float32),
-        embedding=rng.standard_normal(192).astype(np.float32),
-    )
+    prompt = four_second_voice(rng)
     tokens = rng.integers(0, 6561, 18)
     report = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
