@@ -52,6 +52,7 @@ class TritonPythonModel:
             prefix_frames=int(params["prefix_frames"]),
             hift_graph_rows=int(params["hift_graph_rows"]),
             hift_graph_hops=[int(hop) for hop in params["hift_graph_hops"].split(",") if hop.strip()],
+            compile_backend=params["compile_backend"],
         )
         self._trace = StageTrace.from_env("token2wav")
         self._token2wav.sync_timing = self._trace.enabled

@@ -1,0 +1,64 @@
+"""The flow estimator's levels compiled (flow_compile.py): the same audio, compiled once at load for every shape.
+
+The GPU profiles compile with inductor; here ``aot_eager`` runs the same dynamo and AOTAutograd
+tracing with symbolic shapes on the CPU, without generating kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.cosyvoice.test_token2wav_batching import calls, tokens, voice
+from tts_backends.cosyvoice2.flow import CausalFlow
+from tts_backends.cosyvoice2.flow_compile import compile_flow_blocks
+from tts_backends.cosyvoice2.flow_decoder import UNetLevel
+from tts_backends.cosyvoice2.random_checkpoint import official_config
+from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+
+pytestmark = pytest.mark.cosyvoice
+
+
+def _compiled_graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_compiled_blocks_convert_every_shape_as_uncompiled_without_compiling_again(token2wav_dir: Path) -> None:
+    plain = Token2Wav.from_model_dir(token2wav_dir)
+    before = _compiled_graphs()
+    compiled = Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager")
+    loaded = _compiled_graphs()
+    assert loaded > before
+    # One to six rows, first, later and final chunks and offline calls, frames of every length.
+    batches = [calls("mixed"), calls("mixed-2")[:1], calls("mixed-3")[2:5]]
+    for batch in batches:
+        expected = plain.convert(batch)
+        got = compiled.convert(batch)
+        for want, have in zip(expected, got, strict=True):
+            assert isinstance(want, np.ndarray) and isinstance(have, np.ndarray)
+            np.testing.assert_allclose(have, want, atol=2e-4)
+    later = Conversion("mixed-first-a", tokens(43, 1), voice(1, 10), 15, True)
+    expected_later = plain.convert([later])[0]
+    got_later = compiled.convert([later])[0]
+    assert isinstance(expected_later, np.ndarray) and isinstance(got_later, np.ndarray)
+    np.testing.assert_allclose(got_later, expected_later, atol=2e-4)
+    assert _compiled_graphs() == loaded
+
+
+def test_alike_levels_share_one_compiled_graph() -> None:
+    """CosyVoice2's estimator has 14 U-Net levels: one down, 12 mid levels alike, one up."""
+    flow = CausalFlow(official_config().flow).eval()
+    torch._dynamo.reset()
+    before = _compiled_graphs()
+    compile_flow_blocks(flow, "aot_eager", n_timesteps=2)
+    assert sum(isinstance(module, UNetLevel) for module in flow.modules()) == 14
+    assert _compiled_graphs() - before == 3
+
+
+def test_compiling_needs_the_voice_prefix_cache_off(token2wav_dir: Path) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager", prefix_cache_mb=64)

@@ -1,0 +1,77 @@
+"""The flow estimator's U-Net levels compiled by ``torch.compile``, one compile serving every shape.
+
+Replayed from CUDA graphs, a first chunk's flow still launches about 15,500 kernels, most of them
+small: layer norms, activations, residual adds and cuDNN's layout copies around the convolutions
+(``benchmarks/gpu_flow_profile.py``). Inductor fuses those. Compiling the estimator whole with
+static shapes took 70-80 s for each of token2wav's 72 CUDA-graph buckets, so this compiles its
+levels instead (what PyTorch calls regional compilation), with symbolic shapes: the 12 mid levels
+are instances of one class with parameters of one shape and share one compiled graph, and a graph
+serves every row and frame count. The levels run inside the recorded solve, where the compiled
+code's Python launchers cost nothing per call; the encoder, which runs eagerly, is left as it is
+(compiled, its blocks made a first chunk slower in Triton, where the host is busy).
+"""
+
+from __future__ import annotations
+
+import codecs
+import locale
+import time
+from typing import Final
+
+import torch
+
+from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
+from tts_backends.cosyvoice2.flow_decoder import UNetLevel
+
+_WARM_UP_TOKENS: Final = 20
+
+
+def _utf8_locale() -> bool:
+    return codecs.lookup(locale.getpreferredencoding(False)).name == "utf-8"
+
+
+def _read_text_as_utf8() -> None:
+    """Make the process's text files UTF-8, as torch.compile's templates are.
+
+    Triton's Python stub embeds the interpreter without taking the locale from the environment:
+    ``LC_CTYPE`` stays "C", text files open as ASCII, and the first compile fails. This sets
+    ``LC_CTYPE`` from the environment, or to C.UTF-8 where that is not UTF-8 either.
+    """
+    for name in ("", "C.UTF-8"):
+        if _utf8_locale():
+            return
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+        except locale.Error:
+            continue
+    if not _utf8_locale():
+        raise RuntimeError("compiling the flow needs a UTF-8 locale; set LANG=C.UTF-8")
+
+
+def compile_flow_blocks(flow: CausalFlow, backend: str, *, n_timesteps: int) -> float:
+    """Compile the U-Net levels of ``flow``'s estimator in place with ``backend``; seconds taken.
+
+    ``torch.compile`` only traces a level at its first call, so this then converts a streaming
+    first chunk: a request must not be the one that waits for a compile. (The estimator's batch
+    is the classifier-free-guidance pair, never 1, so the trace's sizes stay symbolic.)
+    """
+    started = time.monotonic()
+    _read_text_as_utf8()
+    for module in flow.decoder.estimator.modules():
+        if isinstance(module, UNetLevel):
+            module.compile(backend=backend, dynamic=True)
+    weight = flow.input_embedding.weight
+    cfg = flow.cfg
+    tokens = torch.zeros(_WARM_UP_TOKENS, dtype=torch.long)
+    item = FlowItem(
+        token=tokens,
+        prompt_token=tokens,
+        prompt_feat=torch.zeros(cfg.token_mel_ratio * _WARM_UP_TOKENS, cfg.output_size, dtype=weight.dtype),
+        embedding=torch.ones(cfg.spk_embed_dim, dtype=weight.dtype),
+        streaming=True,
+        finalize=False,
+    )
+    flow.inference_batch([item], n_timesteps=n_timesteps)
+    if weight.device.type == "cuda":
+        torch.cuda.synchronize(weight.device)
+    return time.monotonic() - started
