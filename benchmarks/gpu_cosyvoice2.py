@@ -252,7 +252,7 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
     started = time.perf_counter()
     try:
         if target == "gateway":
-            async for chunk in _gateway_audio(client, mode, job):
+            async for chunk in _gateway_audio(client, mode, job, request_id):
                 first = first or time.perf_counter() - started
                 chunks.append(chunk)
         elif mode == "offline":
@@ -291,17 +291,19 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
         total_ms=round(1000 * total, 1),
         chunks=len(chunks),
         error=error,
-        request_id=request_id,
+        # The gateway sends a request's first sentence to Triton as "<x-request-id>-0".
+        request_id=f"{request_id}-0" if target == "gateway" else request_id,
         sent=sent,
         first_at=sent + (first or total),
     )
 
 
-async def _gateway_audio(client: Client, mode: str, job: Job) -> AsyncIterator[NDArray[np.float32]]:
+async def _gateway_audio(client: Client, mode: str, job: Job, request_id: str) -> AsyncIterator[NDArray[np.float32]]:
     """The request through the gateway for ``mode``: OpenAI's speech API, 24 kHz pcm, read as it arrives."""
     body = {"model": "tts-1", "voice": job.voice.name, "input": job.text, "response_format": "pcm", "seed": job.prompt}
     timeout = aiohttp.ClientTimeout(total=client.timeout_s)
-    async with client.http.post(f"{client.gateways[mode]}/v1/audio/speech", json=body, timeout=timeout) as response:
+    url = f"{client.gateways[mode]}/v1/audio/speech"
+    async with client.http.post(url, json=body, timeout=timeout, headers={"x-request-id": request_id}) as response:
         if response.status != 200:
             raise aiohttp.ClientResponseError(
                 response.request_info, (), status=response.status, message=(await response.text())[:200]
@@ -418,9 +420,12 @@ def markdown(report: dict[str, Any]) -> str:
     if staged:
         lines += [
             "",
-            "### Where the first chunk's time goes (direct, streaming; p50 ms, p90 in brackets)",
+            "### Where the first chunk's time goes (streaming; p50 ms, p90 in brackets)",
             "",
-            "| stage | " + " | ".join(f"{item['concurrency']} streams" for item in staged) + " |",
+            "Through the gateway, its own share falls in the first row (HTTP request to Triton request) and "
+            "the last (Triton's first chunk to the HTTP client's first audio).",
+            "",
+            "| stage | " + " | ".join(f"{item['target']}, {item['concurrency']} streams" for item in staged) + " |",
             "|---|" + "---|" * len(staged),
         ]
         for name, meaning in (*gpu_stages.STAGES, *gpu_stages.ENGINE_RATES):
@@ -557,7 +562,7 @@ async def _measure(
                 log(f"{target} {mode} c={level}: {len(batch)} requests")
                 result = await run_pass(client, target, mode, level, batch, gpu=gpu)
                 summary = result.summary()
-                if target == "direct" and mode == "stream":
+                if mode == "stream":
                     sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
                     summary["stages"] = gpu_stages.first_chunk_stages(trace_dir, sent)
                     summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir, sent)

@@ -1,13 +1,20 @@
-"""Does compiling the flow estimator pay? The 10-step solve eager, as a CUDA graph, and compiled then graphed.
+"""Does compiling the flow pay? token2wav with its flow's blocks compiled against without, on one GPU.
 
-On the full-size random flow (as ``gpu_engine_check.py`` writes it), fp16 on CUDA: the flow decoder's whole
-solve (10 Euler steps of the estimator over the classifier-free-guidance pair) over ``--frames`` mel frames
-for 1 and 16 rows, timed eagerly, recorded as one CUDA graph (what token2wav replays today), and with
-the estimator compiled by ``torch.compile`` (inductor, static shapes) and then recorded. Reports the
-milliseconds per solve, the compile time per shape and the compiled solve's relative difference from
-the eager one.
+On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), fp16 flow, the GPU
+profiles' graphs (flow solve up to 32 rows and 1536 frames, HiFT up to 16 rows): token2wav is loaded
+without a compile backend and then with ``inductor`` (:mod:`tts_backends.cosyvoice2.flow_compile`:
+the estimator's U-Net levels compiled with symbolic shapes before the graphs are recorded).
+For each it reports the load time (compile and graph capture), the milliseconds of ``--counts``
+streams' first chunks converted as one batch and of their chunks 100 tokens in (after a 4 s voice
+prompt, flow and HiFT split), how many graphs dynamo compiled during the load and during the
+conversions (none is expected after the load), and the compiled flow's relative difference from
+the uncompiled one.
 
-    python benchmarks/gpu_flow_compile.py --out /tmp/compile   # GPU: about 4 minutes (two compiles)
+``--whole-estimator`` instead times the 10-step solve over ``--frames`` frames at 1 and 16 rows:
+eager, as one CUDA graph, and with the estimator compiled whole (static shapes) then recorded.
+
+    python benchmarks/gpu_flow_compile.py --out /tmp/compile                    # GPU: about 3 minutes
+    python benchmarks/gpu_flow_compile.py --whole-estimator --out /tmp/compile  # about 4 minutes
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from gpu_engine_check import ROOT, _flow_and_hift
+from gpu_engine_check import HIFT_HOPS, ROOT, _first_then_later, _flow_and_hift, _items, _relative, four_second_voice
+from torch._dynamo.utils import counters
 
 from tts_backends.cosyvoice2.token2wav import Token2Wav
 
@@ -49,24 +58,56 @@ def _recorded(run: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--frames", type=int, default=256, help="mel frames of the solve (a first chunk: 236)")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    device, dtype = torch.device("cuda"), torch.float16
-    decoder = Token2Wav.from_model_dir(_flow_and_hift(args.workdir), device=device, dtype=dtype).flow.decoder
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "frames": args.frames}
+def _compiled_graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
 
-    def save() -> None:
-        (args.out / "gpu_flow_compile.json").write_text(json.dumps(report, indent=1) + "\n")
-        print(json.dumps(report), flush=True)
+
+def compare_token2wav(model_dir: Path, report: dict[str, Any], counts: list[int], save: Callable[[], None]) -> None:
+    rng = np.random.default_rng(0)
+    prompt = four_second_voice(rng)
+    tokens = rng.integers(0, 6561, 130)
+    mels = {}
+    for backend in ("", "inductor"):
+        label = backend or "uncompiled"
+        graphs_before = _compiled_graphs()
+        started = time.monotonic()
+        t2w = Token2Wav.from_model_dir(
+            model_dir,
+            device="cuda",
+            dtype=torch.float16,
+            graph_rows=32,
+            hift_graph_rows=16,
+            hift_graph_hops=HIFT_HOPS,
+            compile_backend=backend,
+        )
+        report[f"{label}_load_s"] = round(time.monotonic() - started, 1)
+        loaded_graphs = _compiled_graphs()
+        report[f"{label}_graphs_compiled_at_load"] = loaded_graphs - graphs_before
+        t2w.sync_timing = True
+        with torch.inference_mode():
+            mels[label] = t2w.flow.inference_batch([_items(t2w, prompt, tokens[:60])[0]], solver=t2w.solver)[0]
+        for count in counts:
+            for _ in range(2):  # the first pass warms up
+                times = _first_then_later(t2w, prompt, tokens, count)
+            for name, (ms, split) in times.items():
+                report[f"{label}_{name}_chunks_{count}_ms"] = ms
+                report[f"{label}_{name}_chunks_{count}_split"] = split
+            save()
+        report[f"{label}_graphs_compiled_after_load"] = _compiled_graphs() - loaded_graphs
+        report[f"{label}_gpu_memory_peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
+        del t2w
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        save()
+    report["inductor_flow_vs_uncompiled_rel_error"] = _relative(mels["inductor"], mels["uncompiled"])
+
+
+def whole_estimator(model_dir: Path, report: dict[str, Any], frames: int, save: Callable[[], None]) -> None:
+    device, dtype = torch.device("cuda"), torch.float16
+    decoder = Token2Wav.from_model_dir(model_dir, device=device, dtype=dtype).flow.decoder
 
     def solver(rows: int) -> Callable[[], torch.Tensor]:
         noise = torch.Generator(device=device).manual_seed(0)
-        frames = args.frames
         mu = torch.randn(rows, 80, frames, device=device, dtype=dtype, generator=noise)
         mask = torch.ones(rows, 1, frames, device=device, dtype=dtype)
         spks = torch.randn(rows, 80, device=device, dtype=dtype, generator=noise)
@@ -89,10 +130,34 @@ def main() -> int:
             mel = solve().float()
             torch.cuda.synchronize()
             report[f"compile_{rows}_s"] = round(time.monotonic() - started, 1)
-            report[f"compiled_{rows}_rel_err"] = float((mel - eager_mel[rows]).norm() / eager_mel[rows].norm())
+            report[f"compiled_{rows}_rel_err"] = _relative(mel, eager_mel[rows])
             report[f"compiled_eager_{rows}_ms"] = _time(solve)
             report[f"compiled_graph_{rows}_ms"] = _time(_recorded(solve).replay)
             save()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--counts", default="1,4,16,32", help="streams converted together")
+    parser.add_argument("--whole-estimator", action="store_true", help="the static-shape probe of the estimator")
+    parser.add_argument("--frames", type=int, default=256, help="--whole-estimator: mel frames of the solve")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = _flow_and_hift(args.workdir.resolve() / "token2wav_only")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def save() -> None:
+        (args.out / "gpu_flow_compile.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    if args.whole_estimator:
+        report["frames"] = args.frames
+        whole_estimator(model_dir, report, args.frames, save)
+    else:
+        compare_token2wav(model_dir, report, [int(count) for count in args.counts.split(",")], save)
+    save()
+    print(json.dumps(report, indent=1), flush=True)
     return 0
 
 
