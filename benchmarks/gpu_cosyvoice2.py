@@ -451,7 +451,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(
         f"Setup: instances {setup['instances']}; torch {setup['torch']} (CUDA {setup['torch_cuda']}); checkpoint "
         f"{setup['checkpoint_s']:.0f} s, tritonserver start (load and CUDA-graph capture) {setup['startup_s']:.0f} s, "
-        f"warm-up {setup['warmup_s']:.0f} s; CUDA MPS {'on' if setup.get('cuda_mps') else 'off'}; overrides: "
+        f"warm-up {setup['warmup_s']:.0f} s; CUDA MPS {'on' if setup.get('cuda_mps') else 'off'}; gateway processes "
+        f"{setup.get('gateway_workers', 1)}; overrides: "
         f"{', '.join(setup['overrides']) or 'none'}."
     )
     return "\n".join(lines) + "\n"
@@ -642,6 +643,7 @@ def run(args: argparse.Namespace) -> bool:
                 "audio_s_avg": round(sum(audio) / len(audio), 2),
                 "audio_s_max": max(audio),
                 "cuda_mps": mps is not None and mps.running,
+                "gateway_workers": args.gateway_workers,
                 "checkpoint_s": round(checkpoint_s, 1),
                 "startup_s": round(startup_s, 1),
                 "warmup_s": 0.0,
@@ -654,7 +656,8 @@ def run(args: argparse.Namespace) -> bool:
         if "gateway" in args.targets:
             for mode in args.modes:
                 gateway = GatewayServer(
-                    workdir / f"gateway-{mode}", gateway_env(triton.grpc_url, mode, args.levels, args.timeout_s)
+                    workdir / f"gateway-{mode}",
+                    gateway_env(triton.grpc_url, mode, args.levels, args.timeout_s, args.gateway_workers),
                 )
                 gateway.start()
                 gateways.append(gateway)
@@ -696,9 +699,11 @@ def run(args: argparse.Namespace) -> bool:
     return ok
 
 
-def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float) -> dict[str, str]:
-    """A gateway on the benchmark's Triton: every stream admitted, each prompt sent whole, in ``mode``."""
+def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float, workers: int) -> dict[str, str]:
+    """A gateway of ``workers`` processes on the benchmark's Triton: every stream admitted, each prompt
+    sent whole, in ``mode``."""
     return {
+        "TTS_WORKERS": str(workers),
         "TTS_BACKEND_TIMEOUT": str(timeout_s),
         "TTS_BACKEND_CHUNK_TIMEOUT": str(timeout_s),
         "TTS_REQUEST_TIMEOUT": str(timeout_s),
@@ -815,6 +820,12 @@ def main() -> int:
         choices=("auto", "on", "off"),
         default="off",
         help="the models' processes under a CUDA MPS daemon, as the gateway's TTS_EMBEDDED_CUDA_MPS",
+    )
+    parser.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=4,
+        help="gateway processes (TTS_WORKERS): one process's CPU is the limit from about 16 streams",
     )
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip passes that would end later than this")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="limit of one request")
