@@ -62,3 +62,8 @@ def test_alike_levels_share_one_compiled_graph() -> None:
 def test_compiling_needs_the_voice_prefix_cache_off(token2wav_dir: Path) -> None:
     with pytest.raises(ValueError, match="prefix"):
         Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager", prefix_cache_mb=64)
+
+
+def test_a_compile_that_fails_says_how_to_run_without(token2wav_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="empty compile_backend runs it uncompiled"):
+        Token2Wav.from_model_dir(token2wav_dir, compile_backend="no-such-backend")

@@ -1,4 +1,4 @@
-"""The flow estimator's U-Net levels compiled by ``torch.compile``, one compile serving every shape.
+"""The flow estimator's U-Net levels compiled by ``torch.compile`` at load, for every shape at once.
 
 Replayed from CUDA graphs, a first chunk's flow still launches about 15,500 kernels, most of them
 small: layer norms, activations, residual adds and cuDNN's layout copies around the convolutions
@@ -6,7 +6,8 @@ small: layer norms, activations, residual adds and cuDNN's layout copies around 
 static shapes took 70-80 s for each of token2wav's 72 CUDA-graph buckets, so this compiles its
 levels instead (what PyTorch calls regional compilation), with symbolic shapes: the 12 mid levels
 are instances of one class with parameters of one shape and share one compiled graph, and a graph
-serves every row and frame count. The levels run inside the recorded solve, where the compiled
+serves every row and frame count (on the H100 recording the CUDA graphs compiled each level once
+more, still at load). The levels run inside the recorded solve, where the compiled
 code's Python launchers cost nothing per call; the encoder, which runs eagerly, is left as it is
 (compiled, its blocks made a first chunk slower in Triton, where the host is busy).
 """
@@ -57,9 +58,20 @@ def compile_flow_blocks(flow: CausalFlow, backend: str, *, n_timesteps: int) -> 
     """
     started = time.monotonic()
     _read_text_as_utf8()
-    for module in flow.decoder.estimator.modules():
-        if isinstance(module, UNetLevel):
-            module.compile(backend=backend, dynamic=True)
+    try:
+        for module in flow.decoder.estimator.modules():
+            if isinstance(module, UNetLevel):
+                module.compile(backend=backend, dynamic=True)
+        _warm_up(flow, n_timesteps)
+    except Exception as exc:
+        raise RuntimeError(
+            f"compiling the flow with {backend!r} failed ({type(exc).__name__}: {exc}); "
+            "an empty compile_backend runs it uncompiled"
+        ) from exc
+    return time.monotonic() - started
+
+
+def _warm_up(flow: CausalFlow, n_timesteps: int) -> None:
     weight = flow.input_embedding.weight
     cfg = flow.cfg
     tokens = torch.zeros(_WARM_UP_TOKENS, dtype=torch.long)
@@ -74,4 +86,3 @@ def compile_flow_blocks(flow: CausalFlow, backend: str, *, n_timesteps: int) -> 
     flow.inference_batch([item], n_timesteps=n_timesteps)
     if weight.device.type == "cuda":
         torch.cuda.synchronize(weight.device)
-    return time.monotonic() - started
