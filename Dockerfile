@@ -10,8 +10,8 @@ ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${TRITON_IMAGE} AS triton
-# token2wav compiles the flow's U-Net levels at load (about 80 s on an H100); inductor's cache on
-# the models volume makes later starts reuse the compiled kernels.
+# token2wav compiles the flow's U-Net levels at load (1.5-2 minutes more start-up on an H100);
+# inductor's cache on the models volume makes later starts reuse the compiled kernels.
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -700,8 +700,8 @@ def run(args: argparse.Namespace) -> bool:
 
 
 def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float, workers: int) -> dict[str, str]:
-    """A gateway of ``workers`` processes on the benchmark's Triton: every stream admitted, each prompt
-    sent whole, in ``mode``."""
+    """A gateway of ``workers`` processes on the benchmark's Triton: every stream admitted, in ``mode``; a
+    prompt is split at sentence ends only (one of the 16 is two sentences), and they run one after the other."""
     return {
         "TTS_WORKERS": str(workers),
         "TTS_BACKEND_TIMEOUT": str(timeout_s),
