@@ -701,7 +701,8 @@ def run(args: argparse.Namespace) -> bool:
 
 def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float, workers: int) -> dict[str, str]:
     """A gateway of ``workers`` processes on the benchmark's Triton: every stream admitted, in ``mode``; a
-    prompt is split at sentence ends only (one of the 16 is two sentences), and they run one after the other."""
+    prompt is split at sentence ends only (one of the 16 is two sentences), which overlap as by default (the
+    second starts once the first has audio)."""
     return {
         "TTS_WORKERS": str(workers),
         "TTS_BACKEND_TIMEOUT": str(timeout_s),
@@ -712,7 +713,6 @@ def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float,
         "TTS_MAX_CONCURRENT_SPEECH": str(2 * max(levels)),
         "TTS_SENTENCE_MAX_CHARS": "400",
         "TTS_FIRST_SENTENCE_MAX_CHARS": "400",
-        "TTS_SYNTHESIS_PARALLELISM": "1",
     }
 
 
