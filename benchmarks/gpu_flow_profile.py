@@ -23,16 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_engine_check import ROOT, _flow_and_hift, four_second_voice
+from gpu_engine_check import ROOT, _flow_and_hift, _synchronize, four_second_voice
 from torch.profiler import ProfilerActivity, profile
 
 from tts_backends.cosyvoice2.frontend import VoicePrompt
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _first_chunks(rows: int, tag: str, prompt: VoicePrompt, tokens: np.ndarray) -> list[Conversion]:
@@ -51,11 +46,11 @@ def _timed_encoder(t2w: Token2Wav) -> tuple[list[float], Callable[[], None]]:
     started: list[float] = []
 
     def before(*_: Any) -> None:
-        _sync()
+        _synchronize()
         started.append(time.monotonic())
 
     def after(*_: Any) -> None:
-        _sync()
+        _synchronize()
         times.append(time.monotonic() - started.pop())
 
     hooks = [t2w.flow.encoder.register_forward_pre_hook(before), t2w.flow.encoder.register_forward_hook(after)]
@@ -79,10 +74,10 @@ def profile_rows(t2w: Token2Wav, rows: int, prompt: VoicePrompt, tokens: np.ndar
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     calls = _first_chunks(rows, f"profiled{rows}", prompt, tokens)
     with profile(activities=activities) as prof:
-        _sync()
+        _synchronize()
         started = time.monotonic()
         _convert(t2w, calls)
-        _sync()
+        _synchronize()
         wall = time.monotonic() - started
     events = [event for event in prof.key_averages() if event.self_device_time_total > 0]
     events.sort(key=lambda event: event.self_device_time_total, reverse=True)
