@@ -1,4 +1,4 @@
-"""Does compiling the flow pay? token2wav with its flow's blocks compiled against without, on one GPU.
+"""Does compiling the flow pay? token2wav with its flow's U-Net levels compiled against without, on one GPU.
 
 On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), fp16 flow, the GPU
 profiles' graphs (flow solve up to 32 rows and 1536 frames, HiFT up to 16 rows): token2wav is loaded

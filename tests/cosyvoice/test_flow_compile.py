@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from tests.cosyvoice.test_token2wav_batching import calls, tokens, voice
 from tts_backends.cosyvoice2.flow import CausalFlow
-from tts_backends.cosyvoice2.flow_compile import compile_flow_blocks
+from tts_backends.cosyvoice2.flow_compile import compile_flow_levels
 from tts_backends.cosyvoice2.flow_decoder import UNetLevel
 from tts_backends.cosyvoice2.random_checkpoint import official_config
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
@@ -54,7 +54,7 @@ def test_alike_levels_share_one_compiled_graph() -> None:
     flow = CausalFlow(official_config().flow).eval()
     torch._dynamo.reset()
     before = _compiled_graphs()
-    compile_flow_blocks(flow, "aot_eager", n_timesteps=2)
+    compile_flow_levels(flow, "aot_eager", n_timesteps=2)
     assert sum(isinstance(module, UNetLevel) for module in flow.modules()) == 14
     assert _compiled_graphs() - before == 3
 

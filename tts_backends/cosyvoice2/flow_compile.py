@@ -49,7 +49,7 @@ def _read_text_as_utf8() -> None:
         raise RuntimeError("compiling the flow needs a UTF-8 locale; set LANG=C.UTF-8")
 
 
-def compile_flow_blocks(flow: CausalFlow, backend: str, *, n_timesteps: int) -> float:
+def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int) -> float:
     """Compile the U-Net levels of ``flow``'s estimator in place with ``backend``; seconds taken.
 
     ``torch.compile`` only traces a level at its first call, so this then converts a streaming

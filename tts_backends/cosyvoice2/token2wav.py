@@ -35,7 +35,7 @@ from torch import Tensor
 
 from tts_backends.cosyvoice2.config import load_config
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem, MelSolver
-from tts_backends.cosyvoice2.flow_compile import compile_flow_blocks
+from tts_backends.cosyvoice2.flow_compile import compile_flow_levels
 from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.flow_prefix import VoicePrefix, VoicePrefixCache, frames_within, prefix_nbytes, voice_key
@@ -182,7 +182,7 @@ class Token2Wav:
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
         ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
-        A ``compile_backend`` ("inductor" on GPUs) compiles the flow's blocks before the graphs are
+        A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels before the graphs are
         recorded (:mod:`.flow_compile`); it needs the voice prefix cache off.
         """
         device = torch.device(device)
@@ -193,9 +193,11 @@ class Token2Wav:
         prefix_cache = VoicePrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         if compile_backend:
             if prefix_cache is not None:
-                raise ValueError("compiling the flow's blocks needs the voice prefix cache off (prefix_cache_mb 0)")
-            seconds = compile_flow_blocks(flow, compile_backend, n_timesteps=n_timesteps)
-            _log.info("flow blocks compiled (%s) in %.1f s", compile_backend, seconds)
+                raise ValueError(
+                    "compiling the flow's U-Net levels needs the voice prefix cache off (prefix_cache_mb 0)"
+                )
+            seconds = compile_flow_levels(flow, compile_backend, n_timesteps=n_timesteps)
+            _log.info("flow U-Net levels compiled (%s) in %.1f s", compile_backend, seconds)
         prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
         if graph_rows > 0 and device.type == "cuda":
             solver = FlowSolverGraphs(
