@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import torch
@@ -314,6 +315,17 @@ class CausalConditionalDecoder(nn.Module):
         return self.final_proj(h * mask) * mask
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """The estimator's conditioning for a solve, doubled into the classifier-free-guidance pair (``[2B, ...]``)."""
+
+    mask: Tensor
+    mu: Tensor
+    spks: Tensor
+    cond: Tensor
+    streaming: Tensor
+
+
 class CausalConditionalCFM(nn.Module):
     """Euler integration of the estimator's velocity from fixed noise (t=0) to mel (t=1), with CFG."""
 
@@ -359,29 +371,47 @@ class CausalConditionalCFM(nn.Module):
 
         ``noise`` (``[1 or B, 80, T]``) is where the solve starts, by default the pre-drawn noise of
         frames ``0..T``; a solve that continues a ``tape``'s prefix starts from the noise after it.
-        Pure tensor code on the inputs' device, so one solve can be recorded as a CUDA graph.
+        Pure tensor code on the inputs' device, so a solve or one :meth:`step` of it can be recorded
+        as a CUDA graph.
         """
         rows, _, frames = mu.shape
         if noise is None:
             noise = self.noise(0, frames)
         x = noise.to(mu.device, mu.dtype).expand(rows, -1, -1)
-        t_span = self.time_steps(n_timesteps, mu.device, mu.dtype)
+        guide = self.guidance(mu, mask, spks, cond, streaming)
+        for t, dt in self.solver_steps(n_timesteps, mu.device, mu.dtype):
+            x = self.step(x, guide, t, dt, tape)
+        return x.float()
 
-        # Rows 0..B-1 are conditioned, rows B..2B-1 unconditioned (zeros): classifier-free guidance in one batch.
-        mask_in = torch.cat([mask, mask])
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        streaming_in = torch.cat([streaming, streaming])
-
+    def solver_steps(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """``(t, dt)`` of each Euler step, each ``[1]``. t accumulates dt in ``dtype``, as upstream's loop does,
+        so every caller that steps with these gets the same mel."""
+        t_span = self.time_steps(n_timesteps, device, dtype)
         t, dt = t_span[0:1], t_span[1] - t_span[0]
+        steps = []
         for step in range(1, len(t_span)):
-            velocity = self.estimator(
-                torch.cat([x, x]), mask_in, mu_in, t.expand(2 * rows), spks_in, cond_in, streaming_in, tape
-            )
-            guided, unconditioned = velocity[:rows], velocity[rows:]
-            x = x + dt * ((1.0 + self.cfg_rate) * guided - self.cfg_rate * unconditioned)
+            steps.append((t, dt.reshape(1)))
             t = t + dt
             if step < len(t_span) - 1:
                 dt = t_span[step + 1] - t
-        return x.float()
+        return steps
+
+    @staticmethod
+    def guidance(mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor) -> Guidance:
+        """The estimator's inputs for the CFG pair: rows 0..B-1 conditioned, rows B..2B-1 unconditioned (zeros)."""
+        return Guidance(
+            mask=torch.cat([mask, mask]),
+            mu=torch.cat([mu, torch.zeros_like(mu)]),
+            spks=torch.cat([spks, torch.zeros_like(spks)]),
+            cond=torch.cat([cond, torch.zeros_like(cond)]),
+            streaming=torch.cat([streaming, streaming]),
+        )
+
+    def step(self, x: Tensor, guide: Guidance, t: Tensor, dt: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        """One Euler step from ``x`` ``[B, 80, T]`` at time ``t``: both rows of the CFG pair in one batch."""
+        rows = x.size(0)
+        velocity = self.estimator(
+            torch.cat([x, x]), guide.mask, guide.mu, t.expand(2 * rows), guide.spks, guide.cond, guide.streaming, tape
+        )
+        guided, unconditioned = velocity[:rows], velocity[rows:]
+        return x + dt * ((1.0 + self.cfg_rate) * guided - self.cfg_rate * unconditioned)

@@ -1,20 +1,26 @@
-"""The flow-matching solve (10 Euler steps of the estimator, CFG pair included) as CUDA graphs.
+"""The flow-matching solve (10 Euler steps of the estimator, CFG pair included) replayed from CUDA graphs.
 
 Eager, one estimator call costs about the same at 2 rows as at 32 (launch-bound, ~22 ms on an
 H100); replayed from a graph it costs 4-11 ms. Graphs need fixed shapes, so one is recorded per
-(requests, frames) bucket when token2wav starts: requests in powers of two up to ``max_rows``,
-frames in steps of ``frame_step`` up to ``max_frames``. A batch is copied into the smallest
-bucket that holds it (padding rows and frames are masked, so they change nothing) and the graph
-is replayed; a batch larger than every bucket returns None and runs eagerly.
+(requests, frames) bucket when token2wav starts: requests in :func:`row_buckets` up to
+``max_rows``, frames in steps of ``frame_step`` up to ``max_frames``. A batch is copied into the
+smallest bucket that holds it (padding rows and frames are masked, so they change nothing); a
+batch larger than every bucket returns None and runs eagerly.
+
+A graph holds one Euler step, replayed once per step with the step's time copied in before: the
+GPU runs the same kernels as a graph of the whole solve (216 against 211 ms for 16 rows of 512
+frames on an H100), and recording a step takes a tenth of the time. That pays for finer buckets:
+large batches cost in proportion to their padded size (16 rows of first chunks 129 ms, 8 rows
+71 ms), so a batch of 9 padded to 16 rows wasted almost half of its pass.
 
 With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks after a recorded
-voice prefix (:mod:`.flow_prefix`): the prefix is copied into static buffers of ``prefix_frames``
-frames (only when the voice differs from the last one replayed), its unused frames masked.
+voice prefix (:mod:`.flow_prefix`): before each step the prefix's tensors of that step are copied
+into static buffers of ``prefix_frames`` frames, its unused frames masked.
 
-The graphs share one memory pool and static input/output buffers: a lock keeps replays (with
-their copies in and out) from overlapping. On a device without CUDA graphs (the CPU) every bucket
-is solved eagerly over the same static buffers instead, which is how the tests check this
-module's bookkeeping without a GPU.
+The graphs share one memory pool and static buffers: a lock keeps solves (with their copies in
+and out) from overlapping. On a device without CUDA graphs (the CPU) every bucket's step runs
+eagerly over the same static buffers instead, which is how the tests check this module's
+bookkeeping without a GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +41,17 @@ from tts_backends.cosyvoice2.flow_prefix import PrefixRecorder, PrefixReplay, Vo
 _log = logging.getLogger(__name__)
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """Batch sizes that get a graph: powers of two, from 8 rows on also the sizes halfway between
+    (12, 24, 48, ...), and ``max_rows`` itself; none above ``max_rows``.
+
+    Small batches cost about the same at any size (launch-bound), large ones grow with their rows,
+    so only large batches are worth buckets closer together."""
+    sizes = {1 << i for i in range(max_rows.bit_length())}
+    sizes |= {3 << (i - 1) for i in range(3, max_rows.bit_length() + 1)}
+    return sorted(size for size in sizes | {max_rows} if 1 <= size <= max_rows)
+
+
 class EagerReplay:
     """Stands in for a CUDA graph where there is none: replaying runs the recorded call again."""
 
@@ -43,7 +60,7 @@ class EagerReplay:
 
 
 class FlowSolverGraphs:
-    """Replays a recorded flow-matching solve for batches that fit one of its buckets."""
+    """Solves batches that fit one of its buckets by replaying a recorded Euler step."""
 
     def __init__(
         self,
@@ -58,28 +75,30 @@ class FlowSolverGraphs:
         dtype: torch.dtype,
         prefix_frames: int = 0,
     ) -> None:
-        self._rows = [1 << i for i in range(max_rows.bit_length()) if 1 << i <= max_rows]
+        self._rows = row_buckets(max_rows)
         self._frames = list(range(frame_step, max_frames + 1, frame_step))
         rows, frames = self._rows[-1], self._frames[-1]
+        self._decoder = decoder
         self._mu = torch.zeros(rows, mel_bins, frames, device=device, dtype=dtype)
         self._mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
         self._speaker = torch.zeros(rows, mel_bins, device=device, dtype=dtype)
         self._cond = torch.zeros(rows, mel_bins, frames, device=device, dtype=dtype)
         self._streaming = torch.zeros(rows, device=device, dtype=torch.bool)
-        self._out = torch.zeros(rows, mel_bins, frames, device=device, dtype=torch.float32)
-        self._noise = torch.zeros(1, mel_bins, frames, device=device, dtype=dtype)
-        self._decoder_noise = decoder.noise
+        # The solve's state, advanced in place by every step, and the time of the step being replayed.
+        self._x = torch.zeros(rows, mel_bins, frames, device=device, dtype=dtype)
+        self._t = torch.zeros(1, device=device, dtype=dtype)
+        self._dt = torch.zeros(1, device=device, dtype=dtype)
+        self._steps = decoder.solver_steps(n_timesteps, device, dtype)
         self.prefix_frames = prefix_frames
-        self._prefix = self._prefix_buffers(decoder, n_timesteps, mel_bins, device, dtype)
+        self._prefix = self._prefix_step_buffers(decoder, mel_bins, device, dtype)
         self._prefix_visible = torch.zeros(prefix_frames, device=device, dtype=torch.bool)
-        self._loaded: VoicePrefix | None = None
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | EagerReplay] = {}
-        # The static buffers serve one replay at a time.
+        # The static buffers serve one solve at a time.
         self._lock = threading.Lock()
         started = time.monotonic()
-        self._capture(decoder, n_timesteps, device)
+        self._capture(device)
         self.capture_s = time.monotonic() - started
-        _log.info("flow solve captured for %d buckets in %.1f s", len(self._graphs), self.capture_s)
+        _log.info("flow solver step captured for %d buckets in %.1f s", len(self._graphs), self.capture_s)
 
     @property
     def buckets(self) -> list[tuple[int, int, bool]]:
@@ -101,26 +120,13 @@ class FlowSolverGraphs:
         if rows is None or frames is None or (prefix is not None and prefix.frames > self.prefix_frames):
             return None
         with self._lock:
-            if prefix is not None:
-                self._load(prefix)
-                self._noise[:, :, :length] = self._decoder_noise(prefix.frames, length)
-            return self._replay(rows, frames, prefix is not None, mu, mask, speaker, cond, streaming)
+            return self._solve(rows, frames, prefix, mu, mask, speaker, cond, streaming)
 
-    def _load(self, prefix: VoicePrefix) -> None:
-        """Copy ``prefix`` into the static prefix buffers unless it is there already."""
-        if self._loaded is prefix:
-            return
-        targets = [buffer[:, :, : prefix.frames] if buffer.dim() == 4 else buffer for buffer in self._prefix]
-        torch._foreach_copy_(targets, list(prefix.tensors))
-        self._prefix_visible.zero_()
-        self._prefix_visible[: prefix.frames] = True
-        self._loaded = prefix
-
-    def _replay(
+    def _solve(
         self,
         rows: int,
         frames: int,
-        after_prefix: bool,
+        prefix: VoicePrefix | None,
         mu: Tensor,
         mask: Tensor,
         speaker: Tensor,
@@ -134,28 +140,45 @@ class FlowSolverGraphs:
         self._speaker[:count] = speaker
         self._cond[:count, :, :length] = cond
         self._streaming[:count] = streaming
-        self._graphs[rows, frames, after_prefix].replay()
-        return self._out[:count, :, :length].clone()
+        # The pre-drawn noise of the frames solved (after the prefix's when there is one).
+        self._x[:rows, :, :frames] = self._decoder.noise(0 if prefix is None else prefix.frames, frames)
+        if prefix is not None:
+            self._prefix_visible.zero_()
+            self._prefix_visible[: prefix.frames] = True
+        graph = self._graphs[rows, frames, prefix is not None]
+        for index, (t, dt) in enumerate(self._steps):
+            self._t.copy_(t)
+            self._dt.copy_(dt)
+            if prefix is not None:
+                self._load_step(prefix, index)
+            graph.replay()
+        return self._x[:count, :, :length].to(torch.float32, copy=True)
 
-    def _solve(
-        self, decoder: CausalConditionalCFM, n_timesteps: int, rows: int, frames: int, after_prefix: bool
-    ) -> None:
+    def _load_step(self, prefix: VoicePrefix, step: int) -> None:
+        """Copy the prefix's tensors of solver step ``step`` into the static step buffers."""
+        per_step = len(self._prefix)
+        recorded = prefix.tensors[step * per_step : (step + 1) * per_step]
+        targets = [buffer[:, :, : prefix.frames] if buffer.dim() == 4 else buffer for buffer in self._prefix]
+        torch._foreach_copy_(targets, list(recorded))
+
+    def _step(self, rows: int, frames: int, after_prefix: bool) -> None:
+        """One Euler step of the bucket's rows and frames, in place on the static state."""
         tape = PrefixReplay(self._prefix, self._prefix_visible) if after_prefix else None
-        self._out[:rows, :, :frames] = decoder(
+        guide = self._decoder.guidance(
             self._mu[:rows, :, :frames],
             self._mask[:rows, :, :frames],
             self._speaker[:rows],
             self._cond[:rows, :, :frames],
-            n_timesteps,
             self._streaming[:rows],
-            noise=self._noise[:, :, :frames] if after_prefix else None,
-            tape=tape,
         )
+        x = self._x[:rows, :, :frames]
+        x.copy_(self._decoder.step(x, guide, self._t, self._dt, tape))
 
-    def _prefix_buffers(
-        self, decoder: CausalConditionalCFM, n_timesteps: int, mel_bins: int, device: torch.device, dtype: torch.dtype
+    def _prefix_step_buffers(
+        self, decoder: CausalConditionalCFM, mel_bins: int, device: torch.device, dtype: torch.dtype
     ) -> list[Tensor]:
-        """Static buffers shaped as a prefix of ``prefix_frames`` frames (found by recording one of zeros)."""
+        """Static buffers shaped as one solver step of a prefix of ``prefix_frames`` frames (found by
+        recording a one-step solve of zeros)."""
         if self.prefix_frames <= 0:
             return []
         zeros = torch.zeros(1, mel_bins, self.prefix_frames, device=device, dtype=dtype)
@@ -166,31 +189,31 @@ class FlowSolverGraphs:
                 torch.ones(1, 1, self.prefix_frames, device=device, dtype=dtype),
                 torch.zeros(1, mel_bins, device=device, dtype=dtype),
                 zeros,
-                n_timesteps,
+                1,
                 torch.ones(1, device=device, dtype=torch.bool),
                 tape=recorder,
             )
         return [torch.zeros_like(tensor) for tensor in recorder.tensors]
 
     @torch.inference_mode()
-    def _capture(self, decoder: CausalConditionalCFM, n_timesteps: int, device: torch.device) -> None:
+    def _capture(self, device: torch.device) -> None:
         families = [False, True] if self.prefix_frames > 0 else [False]
         if device.type != "cuda":
             for key in itertools.product(self._rows, self._frames, families):
-                self._graphs[key] = EagerReplay(functools.partial(self._solve, decoder, n_timesteps, *key))
+                self._graphs[key] = EagerReplay(functools.partial(self._step, *key))
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for after_prefix in families:
-                # One eager solve at the largest shape initialises the kernels' libraries off the graph.
-                self._solve(decoder, n_timesteps, self._rows[-1], self._frames[-1], after_prefix)
+                # One eager step at the largest shape initialises the kernels' libraries off the graph.
+                self._step(self._rows[-1], self._frames[-1], after_prefix)
                 for rows in reversed(self._rows):
                     for frames in reversed(self._frames):
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=pool, stream=stream):
-                            self._solve(decoder, n_timesteps, rows, frames, after_prefix)
+                            self._step(rows, frames, after_prefix)
                         self._graphs[rows, frames, after_prefix] = graph
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)

@@ -165,7 +165,7 @@ class Token2Wav:
         vocoder_seed: int = 0,
         graph_rows: int = 0,
         graph_frames: int = 1536,
-        graph_frame_step: int = 128,
+        graph_frame_step: int = 64,
         prefix_cache_mb: int = 0,
         prefix_frames: int = 300,
         hift_graph_rows: int = 0,
@@ -176,8 +176,9 @@ class Token2Wav:
 
         ``dtype`` applies to the flow; HiFT stays in ``hift_dtype`` (float32 by default, as upstream
         keeps it even when the flow runs in fp16: it is cheap and its exp/iSTFT head is sensitive).
-        ``graph_rows`` > 0 on a CUDA device records the flow-matching solve as CUDA graphs for
-        batches of up to that many calls and ``graph_frames`` mel frames (:class:`FlowSolverGraphs`).
+        ``graph_rows`` > 0 on a CUDA device records the flow-matching solve's step as CUDA graphs for
+        batches of up to that many calls and ``graph_frames`` mel frames, in buckets of
+        ``graph_frame_step`` frames (:class:`FlowSolverGraphs`).
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
