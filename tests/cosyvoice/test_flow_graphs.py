@@ -1,7 +1,8 @@
-"""FlowSolverGraphs: batches padded into row and frame buckets, solved step by step, equal the eager solve.
+"""FlowSolverGraphs: batches padded into row and frame buckets, solved a segment of steps at a time, equal
+the eager solve.
 
-On the CPU each bucket's recorded step runs eagerly over the same static buffers that CUDA graphs replay,
-so what is checked here is the bookkeeping: padding, the per-step time, the state carried between steps.
+On the CPU each bucket's recorded segment runs eagerly over the same static buffers that CUDA graphs replay,
+so what is checked here is the bookkeeping: padding, the segments' times, the state carried between segments.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from tts_backends.cosyvoice2.config import tiny_config
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
-from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs, row_buckets
+from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs, row_buckets, segment_steps
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -42,7 +43,11 @@ def test_row_buckets_are_powers_of_two_with_the_sizes_between_from_eight_rows() 
     assert row_buckets(1) == [1]
 
 
-def test_a_batch_padded_into_a_bucket_and_solved_step_by_step_equals_the_eager_solve(flow: CausalFlow) -> None:
+def test_a_solve_is_recorded_in_segments_of_equal_steps() -> None:
+    assert [segment_steps(n) for n in (10, 4, 7, 2, 1)] == [5, 2, 1, 1, 1]
+
+
+def test_a_batch_padded_into_a_bucket_and_solved_in_segments_equals_the_eager_solve(flow: CausalFlow) -> None:
     graphs = FlowSolverGraphs(
         flow.decoder,
         n_timesteps=10,

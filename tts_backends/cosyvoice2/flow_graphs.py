@@ -7,15 +7,16 @@ H100); replayed from a graph it costs 4-11 ms. Graphs need fixed shapes, so one 
 smallest bucket that holds it (padding rows and frames are masked, so they change nothing); a
 batch larger than every bucket returns None and runs eagerly.
 
-A graph holds one Euler step, replayed once per step with the step's time copied in before: the
-GPU runs the same kernels as a graph of the whole solve (216 against 211 ms for 16 rows of 512
-frames on an H100), and recording a step takes a tenth of the time. That pays for finer buckets:
-large batches cost in proportion to their padded size (16 rows of first chunks 129 ms, 8 rows
-71 ms), so a batch of 9 padded to 16 rows wasted almost half of its pass.
+A graph holds a segment of the solve's Euler steps (5 of 10), replayed once per segment with
+its times copied in before. Recording half the solve takes half the time of recording all of it,
+which pays for finer buckets within the start-up budget: large batches cost in proportion to their
+padded size (on the H100 16 rows of first chunks 129 ms, 9 rows 104 ms in a 12-row bucket), so a
+batch of 9 padded to 16 rows wasted a fifth of its pass. A graph per step records faster still but
+cost 6-28 ms more per solve there (ten launches instead of one).
 
 With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks after a recorded
-voice prefix (:mod:`.flow_prefix`): before each step the prefix's tensors of that step are copied
-into static buffers of ``prefix_frames`` frames, its unused frames masked.
+voice prefix (:mod:`.flow_prefix`): before each segment the prefix's tensors of its steps are
+copied into static buffers of ``prefix_frames`` frames, their unused frames masked.
 
 The graphs share one memory pool and static buffers: a lock keeps solves (with their copies in
 and out) from overlapping. On a device without CUDA graphs (the CPU) every bucket's step runs
@@ -41,6 +42,11 @@ from tts_backends.cosyvoice2.flow_prefix import PrefixRecorder, PrefixReplay, Vo
 _log = logging.getLogger(__name__)
 
 
+def segment_steps(n_timesteps: int) -> int:
+    """Solver steps per recorded graph: the largest proper divisor of ``n_timesteps`` (5 of 10)."""
+    return max((steps for steps in range(1, n_timesteps // 2 + 1) if n_timesteps % steps == 0), default=1)
+
+
 def row_buckets(max_rows: int) -> list[int]:
     """Batch sizes that get a graph: powers of two, from 8 rows on also the sizes halfway between
     (12, 24, 48, ...), and ``max_rows`` itself; none above ``max_rows``.
@@ -60,7 +66,7 @@ class EagerReplay:
 
 
 class FlowSolverGraphs:
-    """Solves batches that fit one of its buckets by replaying a recorded Euler step."""
+    """Solves batches that fit one of its buckets by replaying recorded segments of Euler steps."""
 
     def __init__(
         self,
@@ -84,13 +90,21 @@ class FlowSolverGraphs:
         self._speaker = torch.zeros(rows, mel_bins, device=device, dtype=dtype)
         self._cond = torch.zeros(rows, mel_bins, frames, device=device, dtype=dtype)
         self._streaming = torch.zeros(rows, device=device, dtype=torch.bool)
-        # The solve's state, advanced in place by every step, and the time of the step being replayed.
+        # The solve's state, advanced in place by every step, and the times of the segment being replayed.
         self._x = torch.zeros(rows, mel_bins, frames, device=device, dtype=dtype)
-        self._t = torch.zeros(1, device=device, dtype=dtype)
-        self._dt = torch.zeros(1, device=device, dtype=dtype)
-        self._steps = decoder.solver_steps(n_timesteps, device, dtype)
+        self.segment_steps = segment_steps(n_timesteps)
+        self._t = torch.zeros(self.segment_steps, 1, device=device, dtype=dtype)
+        self._dt = torch.zeros(self.segment_steps, 1, device=device, dtype=dtype)
+        steps = decoder.solver_steps(n_timesteps, device, dtype)
+        self._segments = [
+            (
+                torch.stack([t for t, _ in steps[i : i + self.segment_steps]]),
+                torch.stack([dt for _, dt in steps[i : i + self.segment_steps]]),
+            )
+            for i in range(0, n_timesteps, self.segment_steps)
+        ]
         self.prefix_frames = prefix_frames
-        self._prefix = self._prefix_step_buffers(decoder, mel_bins, device, dtype)
+        self._prefix = self._prefix_segment_buffers(decoder, mel_bins, device, dtype)
         self._prefix_visible = torch.zeros(prefix_frames, device=device, dtype=torch.bool)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | EagerReplay] = {}
         # The static buffers serve one solve at a time.
@@ -98,7 +112,12 @@ class FlowSolverGraphs:
         started = time.monotonic()
         self._capture(device)
         self.capture_s = time.monotonic() - started
-        _log.info("flow solver step captured for %d buckets in %.1f s", len(self._graphs), self.capture_s)
+        _log.info(
+            "flow solve captured in segments of %d steps for %d buckets in %.1f s",
+            self.segment_steps,
+            len(self._graphs),
+            self.capture_s,
+        )
 
     @property
     def buckets(self) -> list[tuple[int, int, bool]]:
@@ -146,23 +165,23 @@ class FlowSolverGraphs:
             self._prefix_visible.zero_()
             self._prefix_visible[: prefix.frames] = True
         graph = self._graphs[rows, frames, prefix is not None]
-        for index, (t, dt) in enumerate(self._steps):
+        for index, (t, dt) in enumerate(self._segments):
             self._t.copy_(t)
             self._dt.copy_(dt)
             if prefix is not None:
-                self._load_step(prefix, index)
+                self._load_segment(prefix, index)
             graph.replay()
         return self._x[:count, :, :length].to(torch.float32, copy=True)
 
-    def _load_step(self, prefix: VoicePrefix, step: int) -> None:
-        """Copy the prefix's tensors of solver step ``step`` into the static step buffers."""
-        per_step = len(self._prefix)
-        recorded = prefix.tensors[step * per_step : (step + 1) * per_step]
+    def _load_segment(self, prefix: VoicePrefix, segment: int) -> None:
+        """Copy the prefix's tensors of the segment's solver steps into the static buffers."""
+        per_segment = len(self._prefix)
+        recorded = prefix.tensors[segment * per_segment : (segment + 1) * per_segment]
         targets = [buffer[:, :, : prefix.frames] if buffer.dim() == 4 else buffer for buffer in self._prefix]
         torch._foreach_copy_(targets, list(recorded))
 
-    def _step(self, rows: int, frames: int, after_prefix: bool) -> None:
-        """One Euler step of the bucket's rows and frames, in place on the static state."""
+    def _segment(self, rows: int, frames: int, after_prefix: bool) -> None:
+        """The segment's Euler steps over the bucket's rows and frames, in place on the static state."""
         tape = PrefixReplay(self._prefix, self._prefix_visible) if after_prefix else None
         guide = self._decoder.guidance(
             self._mu[:rows, :, :frames],
@@ -172,13 +191,15 @@ class FlowSolverGraphs:
             self._streaming[:rows],
         )
         x = self._x[:rows, :, :frames]
-        x.copy_(self._decoder.step(x, guide, self._t, self._dt, tape))
+        for step in range(self.segment_steps):
+            x = self._decoder.step(x, guide, self._t[step], self._dt[step], tape)
+        self._x[:rows, :, :frames] = x
 
-    def _prefix_step_buffers(
+    def _prefix_segment_buffers(
         self, decoder: CausalConditionalCFM, mel_bins: int, device: torch.device, dtype: torch.dtype
     ) -> list[Tensor]:
-        """Static buffers shaped as one solver step of a prefix of ``prefix_frames`` frames (found by
-        recording a one-step solve of zeros)."""
+        """Static buffers shaped as a segment's solver steps of a prefix of ``prefix_frames`` frames
+        (found by recording a solve of that many steps over zeros)."""
         if self.prefix_frames <= 0:
             return []
         zeros = torch.zeros(1, mel_bins, self.prefix_frames, device=device, dtype=dtype)
@@ -189,7 +210,7 @@ class FlowSolverGraphs:
                 torch.ones(1, 1, self.prefix_frames, device=device, dtype=dtype),
                 torch.zeros(1, mel_bins, device=device, dtype=dtype),
                 zeros,
-                1,
+                self.segment_steps,
                 torch.ones(1, device=device, dtype=torch.bool),
                 tape=recorder,
             )
@@ -200,20 +221,20 @@ class FlowSolverGraphs:
         families = [False, True] if self.prefix_frames > 0 else [False]
         if device.type != "cuda":
             for key in itertools.product(self._rows, self._frames, families):
-                self._graphs[key] = EagerReplay(functools.partial(self._step, *key))
+                self._graphs[key] = EagerReplay(functools.partial(self._segment, *key))
             return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for after_prefix in families:
-                # One eager step at the largest shape initialises the kernels' libraries off the graph.
-                self._step(self._rows[-1], self._frames[-1], after_prefix)
+                # One eager segment at the largest shape initialises the kernels' libraries off the graph.
+                self._segment(self._rows[-1], self._frames[-1], after_prefix)
                 for rows in reversed(self._rows):
                     for frames in reversed(self._frames):
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph, pool=pool, stream=stream):
-                            self._step(rows, frames, after_prefix)
+                            self._segment(rows, frames, after_prefix)
                         self._graphs[rows, frames, after_prefix] = graph
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
