@@ -80,3 +80,29 @@ def test_a_batch_padded_into_a_bucket_and_solved_in_segments_equals_the_eager_so
     assert solved_by_graphs == [True, True]
     mu = torch.zeros(13, 80, 100)
     assert graphs(mu, torch.ones(13, 1, 100), torch.zeros(13, 80), mu, torch.ones(13, dtype=torch.bool)) is None
+
+
+def test_a_batch_solved_between_the_segments_of_another_leaves_both_as_if_solved_alone(flow: CausalFlow) -> None:
+    graphs = FlowSolverGraphs(
+        flow.decoder,
+        n_timesteps=10,
+        mel_bins=80,
+        max_rows=4,
+        max_frames=256,
+        frame_step=64,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    later = [item(30 + seed, 40 + 10 * seed, streaming=True) for seed in range(3)]
+    first = [item(40, 18, streaming=True)]
+    between: list[list[torch.Tensor]] = []
+
+    def first_chunks_meanwhile() -> None:
+        # Another batch in smaller buckets, through the same static buffers; it asks for no nesting.
+        between.append(flow.inference_batch(first, solver=graphs))
+
+    got = flow.inference_batch(later, solver=graphs, between_segments=first_chunks_meanwhile)
+    assert len(between) == 1  # two segments of 5 steps: called once, between them
+    for expected, solved in zip(flow.inference_batch(later), got, strict=True):
+        torch.testing.assert_close(solved, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(between[0][0], flow.inference_batch(first)[0], rtol=1e-5, atol=1e-5)

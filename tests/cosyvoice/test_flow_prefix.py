@@ -101,7 +101,7 @@ def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: Causal
     visible = torch.zeros(capacity, dtype=torch.bool)
     visible[: prefix.frames] = True
 
-    def padded_solver(mu, mask, speaker, cond, streaming, given):  # type: ignore[no-untyped-def]
+    def padded_solver(mu, mask, speaker, cond, streaming, given, between_segments=None):  # type: ignore[no-untyped-def]
         assert given is prefix
         return flow.decoder(
             mu,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
+from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.frontend import VoicePrompt
 from tts_backends.cosyvoice2.token2wav import Audio, Conversion, Token2Wav
 from tts_backends.cosyvoice2.token2wav_queue import (
@@ -64,19 +65,29 @@ class Recorder:
     """Stands in for Token2Wav where the order of groups is what is tested: answers each call with its
     length in samples; the first group blocks until released, so that others queue behind it."""
 
-    def __init__(self, fail_on: str = "") -> None:
+    def __init__(self, fail_on: str = "", *, lend_after_release: bool = False) -> None:
         self.groups: list[list[str]] = []
+        self.lent: list[bool] = []
+        self.lend_after_release = lend_after_release
         self.started = threading.Event()
         self.release = threading.Event()
         self.fail_on = fail_on
 
     def convert(
-        self, calls: Sequence[Conversion], on_result: Callable[[int, Audio | Exception], None] | None = None
+        self,
+        calls: Sequence[Conversion],
+        on_result: Callable[[int, Audio | Exception], None] | None = None,
+        *,
+        between_segments: Callable[[], None] | None = None,
     ) -> list[Audio | Exception]:
         self.groups.append([c.session_id for c in calls])
+        self.lent.append(between_segments is not None)
         if len(self.groups) == 1:
             self.started.set()
             assert self.release.wait(10)
+            # Halfway through the flow solve, as FlowSolverGraphs calls it between its segments.
+            if self.lend_after_release and between_segments is not None:
+                between_segments()
         results: list[Audio | Exception] = []
         for index, c in enumerate(calls):
             if c.session_id == self.fail_on:
@@ -139,6 +150,27 @@ def test_a_first_chunk_that_arrives_while_a_group_converts_goes_before_the_calls
     assert answers.groups["first"].started < answers.groups["later"].started
     # The GPU turn is asked for once: for the first chunk's group, the second to convert.
     assert held == [1]
+
+
+def test_first_chunks_waiting_are_converted_between_the_halves_of_a_later_groups_solve() -> None:
+    recorder, answers = Recorder(lend_after_release=True), Answers()
+    queue = ConversionQueue(recorder, max_rows=4)
+    try:
+        answers.expected = 4
+        queue.submit(call("running", 300, offset=40), answers("running"))
+        assert recorder.started.wait(10)
+        queue.submit(call("later", 60, offset=15), answers("later"))
+        queue.submit(call("first-a", 18, offset=0), answers("first-a"))
+        queue.submit(call("first-b", 18, offset=0), answers("first-b"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    # The first chunks ran inside the later group's conversion (answered before it), and were not
+    # asked to lend the GPU themselves; the later chunk queued behind waited for the next group.
+    assert recorder.groups == [["running"], ["first-a", "first-b"], ["later"]]
+    assert recorder.lent == [True, False, True]
+    assert list(answers.got) == ["first-a", "first-b", "running", "later"]
 
 
 def test_a_failing_group_answers_its_calls_with_the_error_and_the_queue_goes_on() -> None:
@@ -249,3 +281,36 @@ def test_streams_converted_through_the_queue_sound_as_converted_alone(token2wav_
         assert len(got[name]) == 2
         for mine, reference in zip(got[name], alone[name], strict=True):
             np.testing.assert_allclose(mine, reference, atol=1e-4)
+
+
+def test_a_first_chunk_converted_between_the_halves_of_a_later_solve_sounds_as_converted_alone(
+    token2wav_dir: Path,
+) -> None:
+    t2w = Token2Wav.from_model_dir(token2wav_dir, device="cpu", dtype=torch.float32)
+    # The solver the GPU replays from CUDA graphs, here run eagerly over its static buffers.
+    t2w.solver = FlowSolverGraphs(
+        t2w.flow.decoder,
+        n_timesteps=t2w.n_timesteps,
+        mel_bins=80,
+        max_rows=4,
+        max_frames=256,
+        frame_step=64,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 6561, 60), rng.integers(0, 6561, 30)
+    alone_a = [t2w.stream_chunk("alone-a", a[:18], VOICE, 0, False), t2w.stream_chunk("alone-a", a, VOICE, 15, False)]
+    alone_b = t2w.stream_chunk("alone-b", b[:18], VOICE, 0, False)
+
+    first_a = t2w.stream_chunk("a", a[:18], VOICE, 0, False)
+    meanwhile: list[Audio | Exception] = []
+
+    def first_chunk_of_b() -> None:
+        meanwhile.extend(t2w.convert([Conversion("b", b[:18], VOICE, 0, False)]))
+
+    later_a = t2w.convert([Conversion("a", a, VOICE, 15, False)], between_segments=first_chunk_of_b)
+    assert len(meanwhile) == 1  # the later chunk's solve fit a bucket and lent the GPU once
+    for mine, reference in ((first_a, alone_a[0]), (later_a[0], alone_a[1]), (meanwhile[0], alone_b)):
+        assert not isinstance(mine, Exception), mine
+        np.testing.assert_allclose(mine, reference, atol=1e-5)

@@ -15,7 +15,7 @@ for the voice prompt is the same in every streaming chunk, so it can be recorded
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,10 +37,21 @@ from tts_backends.cosyvoice2.flow_prefix import (
 
 
 class MelSolver(Protocol):
-    """A replacement for the eager solve (CUDA-graph replays): the mel, or None where it has no fitting shape."""
+    """A replacement for the eager solve (CUDA-graph replays): the mel, or None where it has no fitting shape.
+
+    ``between_segments``, where given, is called between parts of the solve; it may run other
+    solves through the same solver (the token2wav queue converts streams' first chunks there).
+    """
 
     def __call__(
-        self, mu: Tensor, mask: Tensor, speaker: Tensor, cond: Tensor, streaming: Tensor, prefix: VoicePrefix | None
+        self,
+        mu: Tensor,
+        mask: Tensor,
+        speaker: Tensor,
+        cond: Tensor,
+        streaming: Tensor,
+        prefix: VoicePrefix | None,
+        between_segments: Callable[[], None] | None = None,
     ) -> Tensor | None: ...
 
 
@@ -188,13 +199,15 @@ class CausalFlow(nn.Module):
         n_timesteps: int = 10,
         solver: MelSolver | None = None,
         prefix: VoicePrefix | None = None,
+        between_segments: Callable[[], None] | None = None,
     ) -> list[Tensor]:
         """Mel ``[80, frames_i]`` (float32) of each item's target tokens, computed as one batch.
 
         Rows are right-padded to the longest; the encoder and the estimator mask the padding, so
         each row gets what it would get alone (up to floating-point reordering). ``solver`` (for
         example CUDA-graph replays, :mod:`tts_backends.cosyvoice2.flow_graphs`) replaces the eager
-        flow-matching solve where it has a shape that fits. With ``prefix`` (recorded for the
+        flow-matching solve where it has a shape that fits (and calls ``between_segments`` between the
+        parts of its solve, see :class:`MelSolver`). With ``prefix`` (recorded for the
         items' voice, which all items must share, all streaming) the solve runs only after it.
         """
         start = 0 if prefix is None else prefix.frames
@@ -232,7 +245,7 @@ class CausalFlow(nn.Module):
         mask = (steps.unsqueeze(0) < ratio * lengths.unsqueeze(1)).unsqueeze(1).to(dtype)
         if prefix is not None:
             mu, mask, cond = mu[:, :, start:], mask[:, :, start:], cond[:, :, start:]
-        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefix)
+        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefix, between_segments)
         if mel is None:
             tape = None
             if prefix is not None:

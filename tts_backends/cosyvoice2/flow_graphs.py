@@ -18,8 +18,11 @@ With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks aft
 voice prefix (:mod:`.flow_prefix`): before each segment the prefix's tensors of its steps are
 copied into static buffers of ``prefix_frames`` frames, their unused frames masked.
 
-The graphs share one memory pool and static buffers: a lock keeps solves (with their copies in
-and out) from overlapping. On a device without CUDA graphs (the CPU) every bucket's step runs
+Between two segments a solve can hand the GPU to other batches (``between_segments``; the token2wav
+queue converts streams' first chunks there, so that they wait for half a pass of later chunks, not
+all of it): the solve's state is set aside and restored after. The graphs share one memory pool
+and static buffers: a lock keeps solves of different threads (with their copies in and out) from
+overlapping. On a device without CUDA graphs (the CPU) every bucket's step runs
 eagerly over the same static buffers instead, which is how the tests check this module's
 bookkeeping without a GPU.
 """
@@ -107,8 +110,9 @@ class FlowSolverGraphs:
         self._prefix = self._prefix_segment_buffers(decoder, mel_bins, device, dtype)
         self._prefix_visible = torch.zeros(prefix_frames, device=device, dtype=torch.bool)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | EagerReplay] = {}
-        # The static buffers serve one solve at a time.
-        self._lock = threading.Lock()
+        # The static buffers serve one solve at a time; one called between the segments of another
+        # (same thread) keeps and restores that one's state.
+        self._lock = threading.RLock()
         started = time.monotonic()
         self._capture(device)
         self.capture_s = time.monotonic() - started
@@ -132,33 +136,28 @@ class FlowSolverGraphs:
         cond: Tensor,
         streaming: Tensor,
         prefix: VoicePrefix | None = None,
+        between_segments: Callable[[], None] | None = None,
     ) -> Tensor | None:
+        """The mel of the batch, or None when no bucket holds it. ``between_segments`` is called
+        after each segment but the last (not after a prefix): it may solve other batches here."""
         count, _, length = mu.shape
         rows = next((r for r in self._rows if r >= count), None)
         frames = next((f for f in self._frames if f >= length), None)
         if rows is None or frames is None or (prefix is not None and prefix.frames > self.prefix_frames):
             return None
         with self._lock:
-            return self._solve(rows, frames, prefix, mu, mask, speaker, cond, streaming)
+            return self._solve(rows, frames, prefix, (mu, mask, speaker, cond, streaming), between_segments)
 
     def _solve(
         self,
         rows: int,
         frames: int,
         prefix: VoicePrefix | None,
-        mu: Tensor,
-        mask: Tensor,
-        speaker: Tensor,
-        cond: Tensor,
-        streaming: Tensor,
+        inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+        between_segments: Callable[[], None] | None,
     ) -> Tensor:
-        count, _, length = mu.shape
-        self._mask[:rows, :, :frames].zero_()
-        self._mu[:count, :, :length] = mu
-        self._mask[:count, :, :length] = mask
-        self._speaker[:count] = speaker
-        self._cond[:count, :, :length] = cond
-        self._streaming[:count] = streaming
+        count, _, length = inputs[0].shape
+        self._load_inputs(rows, frames, *inputs)
         # The pre-drawn noise of the frames solved (after the prefix's when there is one).
         self._x[:rows, :, :frames] = self._decoder.noise(0 if prefix is None else prefix.frames, frames)
         if prefix is not None:
@@ -166,12 +165,30 @@ class FlowSolverGraphs:
             self._prefix_visible[: prefix.frames] = True
         graph = self._graphs[rows, frames, prefix is not None]
         for index, (t, dt) in enumerate(self._segments):
+            if index > 0 and between_segments is not None and prefix is None:
+                # Other solves use the static buffers meanwhile: keep this one's state, then put it back.
+                state = self._x[:rows, :, :frames].clone()
+                between_segments()
+                self._load_inputs(rows, frames, *inputs)
+                self._x[:rows, :, :frames] = state
             self._t.copy_(t)
             self._dt.copy_(dt)
             if prefix is not None:
                 self._load_segment(prefix, index)
             graph.replay()
         return self._x[:count, :, :length].to(torch.float32, copy=True)
+
+    def _load_inputs(
+        self, rows: int, frames: int, mu: Tensor, mask: Tensor, speaker: Tensor, cond: Tensor, streaming: Tensor
+    ) -> None:
+        """Copy a batch into the static inputs of its bucket; the padding rows and frames are masked."""
+        count, _, length = mu.shape
+        self._mask[:rows, :, :frames].zero_()
+        self._mu[:count, :, :length] = mu
+        self._mask[:count, :, :length] = mask
+        self._speaker[:count] = speaker
+        self._cond[:count, :, :length] = cond
+        self._streaming[:count] = streaming
 
     def _load_segment(self, prefix: VoicePrefix, segment: int) -> None:
         """Copy the prefix's tensors of the segment's solver steps into the static buffers."""

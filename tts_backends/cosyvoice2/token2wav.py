@@ -273,7 +273,11 @@ class Token2Wav:
         return _unwrap(self.convert([Conversion(request_id, tokens, prompt, token_offset, finalize)])[0])
 
     def convert(
-        self, calls: Sequence[Conversion], on_result: Callable[[int, Audio | Exception], None] | None = None
+        self,
+        calls: Sequence[Conversion],
+        on_result: Callable[[int, Audio | Exception], None] | None = None,
+        *,
+        between_segments: Callable[[], None] | None = None,
     ) -> list[Audio | Exception]:
         """Every call's audio, or the error that call gets, converting the calls in a few batches.
 
@@ -284,6 +288,9 @@ class Token2Wav:
         hears of each call as soon as its result exists, a group's calls before the next group
         starts. A call's own mistake (bad tokens, a stream out of step) fails that call alone; a
         failure of a group raises, and drops the streams of every call not answered yet.
+        ``between_segments`` is called between the parts of a flow solve replayed from CUDA graphs,
+        where other calls may be converted (:class:`~.flow_graphs.FlowSolverGraphs`); its time does
+        not count as the group's flow time.
         """
         results: list[Audio | Exception] = [ValueError("not converted")] * len(calls)
 
@@ -316,7 +323,8 @@ class Token2Wav:
         try:
             with torch.inference_mode(), on_device:
                 for group in self._answer_groups(ready):
-                    for (index, call, item, stream), wav in zip(group, self._convert_group(group), strict=True):
+                    converted = self._convert_group(group, between_segments)
+                    for (index, call, item, stream), wav in zip(group, converted, strict=True):
                         if stream is not None:
                             tokens = item.token.shape[0]
                             stream.consumed_tokens = tokens if call.finalize else tokens - self._pre_lookahead
@@ -348,9 +356,18 @@ class Token2Wav:
             )
         return target
 
-    def _convert_group(self, group: list[_Ready]) -> list[Audio]:
+    def _convert_group(self, group: list[_Ready], between_segments: Callable[[], None] | None) -> list[Audio]:
         """The audio of a group of calls of about one length (see :meth:`_answer_groups`)."""
         started = time.monotonic()
+        lent = 0.0
+
+        def lend_the_gpu() -> None:
+            nonlocal lent
+            if between_segments is not None:
+                began = time.monotonic()
+                between_segments()
+                lent += time.monotonic() - began
+
         items = [item for _, _, item, _ in group]
         prefixes = [self._prefix(call, item) for _, call, item, _ in group]
         mels: list[Tensor] = [torch.zeros(0)] * len(items)
@@ -364,6 +381,7 @@ class Token2Wav:
                 n_timesteps=self.n_timesteps,
                 solver=self.solver,
                 prefix=prefixes[members[0]],
+                between_segments=lend_the_gpu,
             )
             for index, mel in zip(members, grouped, strict=True):
                 mels[index] = mel
@@ -391,7 +409,7 @@ class Token2Wav:
                 audio.append(self._to_numpy(stream.hift.finish(mel, wav, source, final=call.finalize)))
         self.last_timing = {
             "rows": float(len(group)),
-            "flow_s": flowed - started,
+            "flow_s": flowed - started - lent,
             "hift_s": time.monotonic() - flowed,
         }
         return audio

@@ -10,6 +10,9 @@ thread converts the queue a group at a time and picks the next group after each:
 waiting, else the calls of about the length of the one waiting longest (a group pads its rows to
 its longest, so like lengths go together). A group is one flow pass; a first chunk waits for the
 group being converted and, only when more first chunks wait than a group takes, for those before it.
+A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
+flow solve (where it is replayed from CUDA graphs, ``flow_graphs.py``), so a first chunk waits for
+at most half a pass, plus HiFT; the later chunks have audio in hand and can wait that long.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
@@ -34,7 +37,11 @@ class Converter(Protocol):
     """What the queue needs of :class:`~tts_backends.cosyvoice2.token2wav.Token2Wav`."""
 
     def convert(
-        self, calls: Sequence[Conversion], on_result: Callable[[int, Audio | Exception], None] | None = None
+        self,
+        calls: Sequence[Conversion],
+        on_result: Callable[[int, Audio | Exception], None] | None = None,
+        *,
+        between_segments: Callable[[], None] | None = None,
     ) -> list[Audio | Exception]: ...
 
 
@@ -126,7 +133,15 @@ class ConversionQueue:
                 group = take_group(self._pending, self._max_rows)
             self._convert(group)
 
-    def _convert(self, group: list[Queued]) -> None:
+    def _first_chunks_meanwhile(self) -> None:
+        """Between two parts of a later group's flow solve: convert the streams' first chunks waiting."""
+        with self._ready:
+            if self._closed or not any(queued.call.token_offset == 0 for queued in self._pending):
+                return
+            group = take_group(self._pending, self._max_rows)
+        self._convert(group, nested=True)
+
+    def _convert(self, group: list[Queued], *, nested: bool = False) -> None:
         converted = Converted(time.monotonic(), len(group))
         answered: set[int] = set()
 
@@ -136,8 +151,9 @@ class ConversionQueue:
 
         try:
             first_chunks = group[0].call.token_offset == 0
+            meanwhile = None if first_chunks or nested else self._first_chunks_meanwhile
             with self._hold() if first_chunks and self._hold is not None else nullcontext():
-                self._token2wav.convert([queued.call for queued in group], on_result)
+                self._token2wav.convert([queued.call for queued in group], on_result, between_segments=meanwhile)
         except Exception as exc:
             self._log_error(f"token2wav: converting a group of {len(group)} calls failed: {exc!r}")
             failed = GroupFailed(f"converting its group of {len(group)} calls failed: {exc}")
