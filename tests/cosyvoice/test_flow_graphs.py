@@ -35,6 +35,20 @@ def item(seed: int, tokens: int, *, streaming: bool) -> FlowItem:
     )
 
 
+def cpu_graphs(flow: CausalFlow, *, max_rows: int) -> FlowSolverGraphs:
+    """Buckets up to ``max_rows`` rows and 256 frames in steps of 64, replayed eagerly on the CPU."""
+    return FlowSolverGraphs(
+        flow.decoder,
+        n_timesteps=10,
+        mel_bins=80,
+        max_rows=max_rows,
+        max_frames=256,
+        frame_step=64,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
+
+
 def test_row_buckets_are_powers_of_two_with_the_sizes_between_from_eight_rows() -> None:
     assert row_buckets(32) == [1, 2, 4, 8, 12, 16, 24, 32]
     assert row_buckets(64) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -48,16 +62,7 @@ def test_a_solve_is_recorded_in_segments_of_equal_steps() -> None:
 
 
 def test_a_batch_padded_into_a_bucket_and_solved_in_segments_equals_the_eager_solve(flow: CausalFlow) -> None:
-    graphs = FlowSolverGraphs(
-        flow.decoder,
-        n_timesteps=10,
-        mel_bins=80,
-        max_rows=12,
-        max_frames=256,
-        frame_step=64,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    graphs = cpu_graphs(flow, max_rows=12)
     assert graphs.buckets == [(r, f, False) for r in (1, 2, 4, 8, 12) for f in (64, 128, 192, 256)]
     # 9 rows of mixed lengths and kinds pad into the 12-row bucket; then fewer, shorter rows reuse the
     # buffers that still hold the larger batch's values (masked, and the state restarts from noise).
@@ -83,16 +88,7 @@ def test_a_batch_padded_into_a_bucket_and_solved_in_segments_equals_the_eager_so
 
 
 def test_a_batch_solved_between_the_segments_of_another_leaves_both_as_if_solved_alone(flow: CausalFlow) -> None:
-    graphs = FlowSolverGraphs(
-        flow.decoder,
-        n_timesteps=10,
-        mel_bins=80,
-        max_rows=4,
-        max_frames=256,
-        frame_step=64,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    graphs = cpu_graphs(flow, max_rows=4)
     later = [item(30 + seed, 40 + 10 * seed, streaming=True) for seed in range(3)]
     first = [item(40, 18, streaming=True)]
     between: list[list[torch.Tensor]] = []

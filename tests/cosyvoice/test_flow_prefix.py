@@ -118,9 +118,9 @@ def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: Causal
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flow: CausalFlow) -> None:
-    """FlowSolverGraphs' buffers and buckets, solved eagerly on the CPU (on CUDA they are graph replays)."""
-    graphs = FlowSolverGraphs(
+def cpu_graphs(flow: CausalFlow) -> FlowSolverGraphs:
+    """Buckets of 1-2 rows and 128-256 frames, both families (prefix buffers of 200 frames), replayed eagerly."""
+    return FlowSolverGraphs(
         flow.decoder,
         n_timesteps=10,
         mel_bins=80,
@@ -131,6 +131,11 @@ def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flo
         dtype=torch.float32,
         prefix_frames=200,
     )
+
+
+def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flow: CausalFlow) -> None:
+    """FlowSolverGraphs' buffers and buckets, solved eagerly on the CPU (on CUDA they are graph replays)."""
+    graphs = cpu_graphs(flow)
     assert graphs.buckets == [(r, f, p) for r in (1, 2) for f in (128, 256) for p in (False, True)]
     # A longer prefix, then a shorter one whose unused buffer frames still hold the first voice's.
     for voice, frames in ((prompt(6), 150), (prompt(7, tokens=60), 100), (prompt(6), 150)):
@@ -281,3 +286,21 @@ def test_short_prompts_offline_calls_and_final_chunks_do_not_use_the_cache(token
     final = [t2w.stream_chunk("final", np.arange(40), long, 0, True) for t2w in (plain, cached)]
     assert len(cached.prefix_cache) == 0
     assert np.array_equal(offline[0], offline[1]) and np.array_equal(final[0], final[1])
+
+
+def test_a_solve_after_a_prefix_lends_its_buffers_between_segments_and_gets_them_back(flow: CausalFlow) -> None:
+    graphs = cpu_graphs(flow)
+    voice, other_voice = prompt(6), prompt(7, tokens=60)
+    prefix, other_prefix = flow.record_prefix(*voice, 150), flow.record_prefix(*other_voice, 100)
+    items, others = [chunk(voice, 20, 1), chunk(voice, 45, 2)], [chunk(other_voice, 18, 3)]
+    meanwhile: list[list[torch.Tensor]] = []
+
+    def another_voice_meanwhile() -> None:
+        # A shorter prefix: it leaves fewer of the buffers' frames visible, which the first solve must undo.
+        meanwhile.append(flow.inference_batch(others, solver=graphs, prefix=other_prefix))
+
+    got = flow.inference_batch(items, solver=graphs, prefix=prefix, between_segments=another_voice_meanwhile)
+    assert len(meanwhile) == 1
+    for want, solved in zip(flow.inference_batch(items), got, strict=True):
+        torch.testing.assert_close(solved, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(meanwhile[0][0], flow.inference_batch(others)[0], rtol=1e-5, atol=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,6 +174,41 @@ def test_first_chunks_waiting_are_converted_between_the_halves_of_a_later_groups
     assert list(answers.got) == ["first-a", "first-b", "running", "later"]
 
 
+def test_only_first_chunks_are_converted_meanwhile_and_their_failure_is_their_own() -> None:
+    recorder, answers = Recorder(fail_on="first-b", lend_after_release=True), Answers()
+    errors: list[str] = []
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append)
+    try:
+        answers.expected = 2
+        queue.submit(call("running", 300, offset=40), answers("running"))
+        assert recorder.started.wait(10)
+        queue.submit(call("later", 60, offset=15), answers("later"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+        # Only a later chunk waited while "running" lent the GPU: it was left for the next group.
+        assert recorder.groups == [["running"], ["later"]]
+        recorder.groups.clear()
+        recorder.started.clear()
+        recorder.release.clear()
+        answers.all_in.clear()
+        answers.expected = 5
+        queue.submit(call("running-2", 300, offset=40), answers("running-2"))
+        assert recorder.started.wait(10)
+        queue.submit(call("first-a", 18, offset=0), answers("first-a"))
+        queue.submit(call("first-b", 18, offset=0), answers("first-b"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    # The first chunks' group failed inside running-2's conversion: its own calls got the error,
+    # running-2 was still answered with its audio.
+    assert recorder.groups == [["running-2"], ["first-a", "first-b"]]
+    assert np.size(answers.got["first-a"][0]) == 18
+    assert [type(r) for r in answers.got["first-b"]] == [GroupFailed]
+    assert np.size(answers.got["running-2"][0]) == 300
+    assert len(errors) == 1 and "first-b" not in errors[0] and "2 calls" in errors[0]
+
+
 def test_a_failing_group_answers_its_calls_with_the_error_and_the_queue_goes_on() -> None:
     recorder, answers = Recorder(fail_on="b"), Answers()
     errors: list[str] = []
@@ -308,9 +344,14 @@ def test_a_first_chunk_converted_between_the_halves_of_a_later_solve_sounds_as_c
 
     def first_chunk_of_b() -> None:
         meanwhile.extend(t2w.convert([Conversion("b", b[:18], VOICE, 0, False)]))
+        time.sleep(0.3)
 
+    started = time.monotonic()
     later_a = t2w.convert([Conversion("a", a, VOICE, 15, False)], between_segments=first_chunk_of_b)
+    wall = time.monotonic() - started
     assert len(meanwhile) == 1  # the later chunk's solve fit a bucket and lent the GPU once
+    # The time lent is not the later chunk's flow time.
+    assert t2w.last_timing["flow_s"] <= wall - 0.3
     for mine, reference in ((first_a, alone_a[0]), (later_a[0], alone_a[1]), (meanwhile[0], alone_b)):
         assert not isinstance(mine, Exception), mine
         np.testing.assert_allclose(mine, reference, atol=1e-5)

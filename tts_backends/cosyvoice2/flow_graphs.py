@@ -7,24 +7,27 @@ H100); replayed from a graph it costs 4-11 ms. Graphs need fixed shapes, so one 
 smallest bucket that holds it (padding rows and frames are masked, so they change nothing); a
 batch larger than every bucket returns None and runs eagerly.
 
-A graph holds a segment of the solve's Euler steps (5 of 10), replayed once per segment with
-its times copied in before. Recording half the solve takes half the time of recording all of it,
-which pays for finer buckets within the start-up budget: large batches cost in proportion to their
-padded size (on the H100 16 rows of first chunks 129 ms, 9 rows 104 ms in a 12-row bucket), so a
-batch of 9 padded to 16 rows wasted a fifth of its pass. A graph per step records faster still but
+A graph holds a segment of the solve's Euler steps (5 of 10), recorded once per bucket and
+replayed once per segment with the segment's times copied in before. Recording a segment instead of
+the whole solve halves the Python work of recording each bucket, which pays for finer buckets:
+large batches cost in proportion to their padded size (on the H100, measured with a graph per step,
+16 rows of first chunks 129 ms, 9 and 12 rows in a 12-row bucket 104 and 108 ms). A graph per step
 cost 6-28 ms more per solve there (ten launches instead of one).
 
 With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks after a recorded
 voice prefix (:mod:`.flow_prefix`): before each segment the prefix's tensors of its steps are
-copied into static buffers of ``prefix_frames`` frames, their unused frames masked.
+copied into static buffers of ``prefix_frames`` frames (the whole prefix once per solve), their
+unused frames masked.
 
 Between two segments a solve can hand the GPU to other batches (``between_segments``; the token2wav
-queue converts streams' first chunks there, so that they wait for half a pass of later chunks, not
-all of it): the solve's state is set aside and restored after. The graphs share one memory pool
-and static buffers: a lock keeps solves of different threads (with their copies in and out) from
-overlapping. On a device without CUDA graphs (the CPU) every bucket's step runs
-eagerly over the same static buffers instead, which is how the tests check this module's
-bookkeeping without a GPU.
+queue converts streams' first chunks there, so that one that arrives while a group of later chunks
+is solved waits for the rest of the running segment, not of the pass): once the segment has run,
+the solve's state is set aside, the others solve, and the state and inputs are restored.
+
+The graphs share one memory pool and static buffers: a lock keeps solves of different threads (with
+their copies in and out) from overlapping. On a device without CUDA graphs (the CPU) every bucket's
+segment runs eagerly over the same static buffers instead, which is how the tests check this
+module's bookkeeping without a GPU.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class FlowSolverGraphs:
         self._streaming = torch.zeros(rows, device=device, dtype=torch.bool)
         # The solve's state, advanced in place by every step, and the times of the segment being replayed.
         self._x = torch.zeros(rows, mel_bins, frames, device=device, dtype=dtype)
+        self.n_timesteps = n_timesteps
         self.segment_steps = segment_steps(n_timesteps)
         self._t = torch.zeros(self.segment_steps, 1, device=device, dtype=dtype)
         self._dt = torch.zeros(self.segment_steps, 1, device=device, dtype=dtype)
@@ -138,12 +142,15 @@ class FlowSolverGraphs:
         prefix: VoicePrefix | None = None,
         between_segments: Callable[[], None] | None = None,
     ) -> Tensor | None:
-        """The mel of the batch, or None when no bucket holds it. ``between_segments`` is called
-        after each segment but the last (not after a prefix): it may solve other batches here."""
+        """The mel of the batch, or None when no bucket holds it (or the prefix was recorded over other
+        steps). ``between_segments`` is called once each segment but the last has run on the GPU: it
+        may solve other batches here."""
         count, _, length = mu.shape
         rows = next((r for r in self._rows if r >= count), None)
         frames = next((f for f in self._frames if f >= length), None)
-        if rows is None or frames is None or (prefix is not None and prefix.frames > self.prefix_frames):
+        if rows is None or frames is None:
+            return None
+        if prefix is not None and (prefix.frames > self.prefix_frames or prefix.steps != self.n_timesteps):
             return None
         with self._lock:
             return self._solve(rows, frames, prefix, (mu, mask, speaker, cond, streaming), between_segments)
@@ -165,18 +172,29 @@ class FlowSolverGraphs:
             self._prefix_visible[: prefix.frames] = True
         graph = self._graphs[rows, frames, prefix is not None]
         for index, (t, dt) in enumerate(self._segments):
-            if index > 0 and between_segments is not None and prefix is None:
+            if index > 0 and between_segments is not None:
+                # Replays only queue the work: the batches that arrived while the last segment ran are
+                # seen once it is done (a wait that lets go of the GIL, so they can arrive).
+                self._finished()
                 # Other solves use the static buffers meanwhile: keep this one's state, then put it back.
                 state = self._x[:rows, :, :frames].clone()
                 between_segments()
                 self._load_inputs(rows, frames, *inputs)
                 self._x[:rows, :, :frames] = state
+                if prefix is not None:
+                    self._prefix_visible.zero_()
+                    self._prefix_visible[: prefix.frames] = True
             self._t.copy_(t)
             self._dt.copy_(dt)
             if prefix is not None:
                 self._load_segment(prefix, index)
             graph.replay()
         return self._x[:count, :, :length].to(torch.float32, copy=True)
+
+    def _finished(self) -> None:
+        """Wait until the GPU has run what was queued so far (nothing to wait for on the CPU)."""
+        if self._x.is_cuda:
+            torch.cuda.current_stream(self._x.device).synchronize()
 
     def _load_inputs(
         self, rows: int, frames: int, mu: Tensor, mask: Tensor, speaker: Tensor, cond: Tensor, streaming: Tensor

@@ -176,9 +176,9 @@ class Token2Wav:
 
         ``dtype`` applies to the flow; HiFT stays in ``hift_dtype`` (float32 by default, as upstream
         keeps it even when the flow runs in fp16: it is cheap and its exp/iSTFT head is sensitive).
-        ``graph_rows`` > 0 on a CUDA device records the flow-matching solve's step as CUDA graphs for
-        batches of up to that many calls and ``graph_frames`` mel frames, in buckets of
-        ``graph_frame_step`` frames (:class:`FlowSolverGraphs`).
+        ``graph_rows`` > 0 on a CUDA device records the flow-matching solve, in segments of Euler
+        steps, as CUDA graphs for batches of up to that many calls and ``graph_frames`` mel frames, in
+        buckets of ``graph_frame_step`` frames (:class:`FlowSolverGraphs`).
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
@@ -360,12 +360,14 @@ class Token2Wav:
         """The audio of a group of calls of about one length (see :meth:`_answer_groups`)."""
         started = time.monotonic()
         lent = 0.0
+        lend_the_gpu: Callable[[], None] | None = None
+        if between_segments is not None:
+            lender = between_segments
 
-        def lend_the_gpu() -> None:
-            nonlocal lent
-            if between_segments is not None:
+            def lend_the_gpu() -> None:
+                nonlocal lent
                 began = time.monotonic()
-                between_segments()
+                lender()
                 lent += time.monotonic() - began
 
         items = [item for _, _, item, _ in group]

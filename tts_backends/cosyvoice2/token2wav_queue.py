@@ -11,8 +11,9 @@ waiting, else the calls of about the length of the one waiting longest (a group 
 its longest, so like lengths go together). A group is one flow pass; a first chunk waits for the
 group being converted and, only when more first chunks wait than a group takes, for those before it.
 A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
-flow solve (where it is replayed from CUDA graphs, ``flow_graphs.py``), so a first chunk waits for
-at most half a pass, plus HiFT; the later chunks have audio in hand and can wait that long.
+flow solve, where it is replayed from CUDA graphs (``flow_graphs.py``): a first chunk that arrives
+during the first half waits for the rest of it, not for the whole pass and HiFT; the later chunks
+have audio in hand and can wait that long.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
