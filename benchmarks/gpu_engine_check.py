@@ -112,7 +112,7 @@ def check_token2wav(
     cpu: bool = False,
     graph_rows: int = 32,
     graph_frames: int = 1536,
-    hift_graph_rows: int = 16,
+    hift_graph_rows: int = 32,
     counts: Any = (1, 4, 16, 32),
 ) -> None:
     started = time.monotonic()
@@ -277,7 +277,7 @@ def main() -> int:
     )
     parser.add_argument("--graph-rows", type=int, default=32)
     parser.add_argument("--graph-frames", type=int, default=1536)
-    parser.add_argument("--hift-graph-rows", type=int, default=16)
+    parser.add_argument("--hift-graph-rows", type=int, default=32)
     parser.add_argument("--counts", default="1,4,16,32", help="batch sizes of the token2wav timings")
     args = parser.parse_args()
     device = "cpu" if args.cpu else torch.cuda.get_device_name()

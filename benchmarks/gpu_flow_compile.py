@@ -76,7 +76,7 @@ def compare_token2wav(model_dir: Path, report: dict[str, Any], counts: list[int]
             device="cuda",
             dtype=torch.float16,
             graph_rows=32,
-            hift_graph_rows=16,
+            hift_graph_rows=32,
             hift_graph_hops=HIFT_HOPS,
             compile_backend=backend,
         )
