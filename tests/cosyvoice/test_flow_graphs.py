@@ -102,3 +102,12 @@ def test_a_batch_solved_between_the_segments_of_another_leaves_both_as_if_solved
     for expected, solved in zip(flow.inference_batch(later), got, strict=True):
         torch.testing.assert_close(solved, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(between[0][0], flow.inference_batch(first)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_solve_lends_only_once_its_first_segment_has_run(flow: CausalFlow) -> None:
+    graphs = cpu_graphs(flow, max_rows=4)
+    order: list[str] = []
+    # On the CPU the wait is a no-op; on CUDA it synchronises the stream the replays went to.
+    graphs._finished = lambda: order.append("first segment done")  # type: ignore[method-assign]
+    flow.inference_batch([item(50, 20, streaming=True)], solver=graphs, between_segments=lambda: order.append("lent"))
+    assert order == ["first segment done", "lent"]

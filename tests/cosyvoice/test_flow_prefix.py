@@ -304,3 +304,12 @@ def test_a_solve_after_a_prefix_lends_its_buffers_between_segments_and_gets_them
     for want, solved in zip(flow.inference_batch(items), got, strict=True):
         torch.testing.assert_close(solved, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(meanwhile[0][0], flow.inference_batch(others)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefix_recorded_over_other_steps_is_not_replayed(flow: CausalFlow) -> None:
+    graphs = cpu_graphs(flow)
+    voice = prompt(6)
+    twenty_steps = flow.record_prefix(*voice, 150, n_timesteps=20)
+    mu = torch.zeros(1, 80, 100)
+    streaming = torch.ones(1, dtype=torch.bool)
+    assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, twenty_steps) is None

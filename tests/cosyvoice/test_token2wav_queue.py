@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,13 @@ from tts_backends.cosyvoice2.token2wav_queue import (
 VOICE = VoicePrompt(
     speech_tokens=np.arange(10),
     feats=np.zeros((20, 80), dtype=np.float32),
+    embedding=np.zeros(192, dtype=np.float32),
+)
+
+
+LONG_VOICE = VoicePrompt(
+    speech_tokens=np.arange(200),
+    feats=np.zeros((400, 80), dtype=np.float32),
     embedding=np.zeros(192, dtype=np.float32),
 )
 
@@ -157,21 +165,23 @@ def test_first_chunks_waiting_are_converted_between_the_halves_of_a_later_groups
     recorder, answers = Recorder(lend_after_release=True), Answers()
     queue = ConversionQueue(recorder, max_rows=4)
     try:
-        answers.expected = 4
+        answers.expected = 5
         queue.submit(call("running", 300, offset=40), answers("running"))
         assert recorder.started.wait(10)
         queue.submit(call("later", 60, offset=15), answers("later"))
         queue.submit(call("first-a", 18, offset=0), answers("first-a"))
         queue.submit(call("first-b", 18, offset=0), answers("first-b"))
+        # Another voice's prompt puts this one in another length class: a group of its own.
+        queue.submit(call("first-c", 18, offset=0, voice=LONG_VOICE), answers("first-c"))
         recorder.release.set()
         assert answers.all_in.wait(10)
     finally:
         queue.close()
-    # The first chunks ran inside the later group's conversion (answered before it), and were not
-    # asked to lend the GPU themselves; the later chunk queued behind waited for the next group.
-    assert recorder.groups == [["running"], ["first-a", "first-b"], ["later"]]
-    assert recorder.lent == [True, False, True]
-    assert list(answers.got) == ["first-a", "first-b", "running", "later"]
+    # The first chunks ran inside the later group's conversion, a group at a time (answered before it),
+    # and were not asked to lend the GPU themselves; the later chunk waited for the next group.
+    assert recorder.groups == [["running"], ["first-a", "first-b"], ["first-c"], ["later"]]
+    assert recorder.lent == [True, False, False, True]
+    assert list(answers.got) == ["first-a", "first-b", "first-c", "running", "later"]
 
 
 def test_only_first_chunks_are_converted_meanwhile_and_their_failure_is_their_own() -> None:
@@ -187,6 +197,7 @@ def test_only_first_chunks_are_converted_meanwhile_and_their_failure_is_their_ow
         assert answers.all_in.wait(10)
         # Only a later chunk waited while "running" lent the GPU: it was left for the next group.
         assert recorder.groups == [["running"], ["later"]]
+        assert list(answers.got) == ["running", "later"] and recorder.lent == [True, True]
         recorder.groups.clear()
         recorder.started.clear()
         recorder.release.clear()
@@ -347,11 +358,21 @@ def test_a_first_chunk_converted_between_the_halves_of_a_later_solve_sounds_as_c
         time.sleep(0.3)
 
     started = time.monotonic()
+    asked_to_lend: list[bool] = []
+    solver = t2w.solver
+
+    def spy(*args: Any) -> torch.Tensor | None:
+        asked_to_lend.append(args[6] is not None)
+        return solver(*args)
+
+    t2w.solver = spy
     later_a = t2w.convert([Conversion("a", a, VOICE, 15, False)], between_segments=first_chunk_of_b)
     wall = time.monotonic() - started
     assert len(meanwhile) == 1  # the later chunk's solve fit a bucket and lent the GPU once
     # The time lent is not the later chunk's flow time.
     assert t2w.last_timing["flow_s"] <= wall - 0.3
+    # Only a conversion given something to do meanwhile asks its solve to lend (b's nested one is not).
+    assert asked_to_lend == [True, False]
     for mine, reference in ((first_a, alone_a[0]), (later_a[0], alone_a[1]), (meanwhile[0], alone_b)):
         assert not isinstance(mine, Exception), mine
         np.testing.assert_allclose(mine, reference, atol=1e-5)

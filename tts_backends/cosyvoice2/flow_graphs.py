@@ -20,9 +20,11 @@ copied into static buffers of ``prefix_frames`` frames (the whole prefix once pe
 unused frames masked.
 
 Between two segments a solve can hand the GPU to other batches (``between_segments``; the token2wav
-queue converts streams' first chunks there, so that one that arrives while a group of later chunks
-is solved waits for the rest of the running segment, not of the pass): once the segment has run,
-the solve's state is set aside, the others solve, and the state and inputs are restored.
+queue converts streams' first chunks there, so that one that arrives during the first segment of a
+group of later chunks waits for the rest of that segment, not of the pass): once the segment has
+run, the solve's state is set aside, the others solve, and the state and inputs are restored. The
+wait for the segment leaves the GPU idle for as long as the host takes to go on, and the state is
+set aside and restored even when nothing waited; both are small against a segment.
 
 The graphs share one memory pool and static buffers: a lock keeps solves of different threads (with
 their copies in and out) from overlapping. On a device without CUDA graphs (the CPU) every bucket's

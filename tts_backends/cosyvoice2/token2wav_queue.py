@@ -11,9 +11,9 @@ waiting, else the calls of about the length of the one waiting longest (a group 
 its longest, so like lengths go together). A group is one flow pass; a first chunk waits for the
 group being converted and, only when more first chunks wait than a group takes, for those before it.
 A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
-flow solve, where it is replayed from CUDA graphs (``flow_graphs.py``): a first chunk that arrives
-during the first half waits for the rest of it, not for the whole pass and HiFT; the later chunks
-have audio in hand and can wait that long.
+flow solve, where it is replayed from CUDA graphs (``flow_graphs.py``): the first chunks that
+arrive during the first half wait for the rest of it, not for the whole pass and HiFT (one that
+arrives during the second half still does); the later chunks have audio in hand and can wait.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
@@ -135,12 +135,14 @@ class ConversionQueue:
             self._convert(group)
 
     def _first_chunks_meanwhile(self) -> None:
-        """Between two parts of a later group's flow solve: convert the streams' first chunks waiting."""
-        with self._ready:
-            if self._closed or not any(queued.call.token_offset == 0 for queued in self._pending):
-                return
-            group = take_group(self._pending, self._max_rows)
-        self._convert(group, nested=True)
+        """Between two parts of a later group's flow solve: convert the streams' first chunks waiting,
+        a group at a time (those that arrive meanwhile too)."""
+        while True:
+            with self._ready:
+                if self._closed or not any(queued.call.token_offset == 0 for queued in self._pending):
+                    return
+                group = take_group(self._pending, self._max_rows)
+            self._convert(group, nested=True)
 
     def _convert(self, group: list[Queued], *, nested: bool = False) -> None:
         converted = Converted(time.monotonic(), len(group))
