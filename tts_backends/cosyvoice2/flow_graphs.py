@@ -170,8 +170,7 @@ class FlowSolverGraphs:
         # The pre-drawn noise of the frames solved (after the prefix's when there is one).
         self._x[:rows, :, :frames] = self._decoder.noise(0 if prefix is None else prefix.frames, frames)
         if prefix is not None:
-            self._prefix_visible.zero_()
-            self._prefix_visible[: prefix.frames] = True
+            self._show(prefix)
         graph = self._graphs[rows, frames, prefix is not None]
         for index, (t, dt) in enumerate(self._segments):
             if index > 0 and between_segments is not None:
@@ -184,14 +183,18 @@ class FlowSolverGraphs:
                 self._load_inputs(rows, frames, *inputs)
                 self._x[:rows, :, :frames] = state
                 if prefix is not None:
-                    self._prefix_visible.zero_()
-                    self._prefix_visible[: prefix.frames] = True
+                    self._show(prefix)
             self._t.copy_(t)
             self._dt.copy_(dt)
             if prefix is not None:
                 self._load_segment(prefix, index)
             graph.replay()
         return self._x[:count, :, :length].to(torch.float32, copy=True)
+
+    def _show(self, prefix: VoicePrefix) -> None:
+        """Mark the prefix's frames of the static prefix buffers as the ones attended to (the rest is padding)."""
+        self._prefix_visible.zero_()
+        self._prefix_visible[: prefix.frames] = True
 
     def _finished(self) -> None:
         """Wait until the GPU has run what was queued so far (nothing to wait for on the CPU)."""
