@@ -1,7 +1,7 @@
 """Does compiling the flow pay? token2wav with its flow's U-Net levels compiled against without, on one GPU.
 
 On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), fp16 flow, the GPU
-profiles' graphs (flow solve up to 32 rows and 1536 frames, HiFT up to 16 rows): token2wav is loaded
+profiles' graphs (flow solve up to 32 rows and 1536 frames, HiFT up to 32 rows): token2wav is loaded
 without a compile backend and then with ``inductor`` (:mod:`tts_backends.cosyvoice2.flow_compile`:
 the estimator's U-Net levels compiled with symbolic shapes before the graphs are recorded).
 For each it reports the load time (compile and graph capture), the milliseconds of ``--counts``

@@ -142,9 +142,9 @@ class ConversionQueue:
                 if self._closed or not any(queued.call.token_offset == 0 for queued in self._pending):
                     return
                 group = take_group(self._pending, self._max_rows)
-            self._convert(group, nested=True)
+            self._convert(group)
 
-    def _convert(self, group: list[Queued], *, nested: bool = False) -> None:
+    def _convert(self, group: list[Queued]) -> None:
         converted = Converted(time.monotonic(), len(group))
         answered: set[int] = set()
 
@@ -154,7 +154,8 @@ class ConversionQueue:
 
         try:
             first_chunks = group[0].call.token_offset == 0
-            meanwhile = None if first_chunks or nested else self._first_chunks_meanwhile
+            # Only later chunks lend the GPU: groups converted meanwhile are first chunks, so none nests deeper.
+            meanwhile = None if first_chunks else self._first_chunks_meanwhile
             with self._hold() if first_chunks and self._hold is not None else nullcontext():
                 self._token2wav.convert([queued.call for queued in group], on_result, between_segments=meanwhile)
         except Exception as exc:
