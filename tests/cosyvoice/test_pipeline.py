@@ -2,11 +2,15 @@
 
 The stages here are scripted (the LLM replays a fixed id sequence, token2wav returns one
 sample per token) so that every call the pipeline makes can be checked exactly; the real
-models behind the same protocol are exercised in ``test_triton_cosyvoice2.py``.
+models behind the same protocol are exercised in ``test_triton_cosyvoice2.py``. The pipeline
+reads a stream's tokens on a thread of its own; the scripted LLM is paced against token2wav
+(``first_ids``, ``ids_per_conversion``) so that what has arrived at each chunk is known.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +34,7 @@ from tts_backends.request_parsing import ContractError, SpeechRequest
 pytestmark = pytest.mark.cosyvoice
 
 PROMPT_TOKENS = np.array([5, 6, 7, 8], dtype=np.int64)
+TIMEOUT_S = 10.0
 
 
 class CodePointTokenizer:
@@ -47,15 +52,28 @@ class CodePointTokenizer:
 
 @dataclass
 class ScriptedStages:
-    """Replays ``llm_ids`` one id per piece; token2wav returns its token count as samples."""
+    """Replays ``llm_ids`` one id per piece; token2wav returns its token count as samples.
+
+    Unpaced (``first_ids`` None) the LLM is infinitely fast: each token2wav call returns once the
+    pipeline's reader has taken the whole script. Paced, the LLM hands out ``first_ids`` ids, then
+    ``ids_per_conversion`` more during each token2wav call, which returns once the reader has taken
+    them: at every decision after the first chunk, exactly those ids have arrived. A paced LLM waits
+    for its next allowance until ``is_cancelled`` (which the pipeline also sets when it stops
+    reading) says to stop.
+    """
 
     llm_ids: list[int]
+    first_ids: int | None = None
+    ids_per_conversion: int = 0
     voice_prompts: list[NDArray[np.float32]] = field(default_factory=list)
     llm_requests: list[LLMRequest] = field(default_factory=list)
     token2wav_calls: list[Token2WavRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     generator_closed: bool = False
     pieces_served: int = 0
+    _allowed: float = 0.0
+    _waiting_at: int | None = None
+    _gate: threading.Condition = field(default_factory=threading.Condition)
 
     def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
         self.voice_prompts.append(reference_wav)
@@ -67,20 +85,45 @@ class ScriptedStages:
 
     def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
         self.llm_requests.append(request)
+        with self._gate:
+            self._allowed = math.inf if self.first_ids is None else self.first_ids
+            self.generator_closed = False
         try:
-            for llm_id in self.llm_ids:
-                self.pieces_served += 1
+            for index, llm_id in enumerate(self.llm_ids):
+                with self._gate:
+                    self._waiting_at = index
+                    self._gate.notify_all()
+                    while index >= self._allowed:
+                        if is_cancelled():
+                            return
+                        self._gate.wait(0.005)
+                    self._waiting_at = None
+                    self.pieces_served += 1
                 yield [llm_id]
         finally:
-            self.generator_closed = True
+            with self._gate:
+                self.generator_closed = True
+                self._gate.notify_all()
 
     def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
         self.token2wav_calls.append(request)
+        with self._gate:
+            self._allowed += self.ids_per_conversion
+            self._gate.notify_all()
+            # Wait until the reader has taken every id allowed: the generator then waits at the next.
+            arrived = self._gate.wait_for(
+                lambda: self.generator_closed or self._waiting_at == self._allowed, timeout=TIMEOUT_S
+            )
+            assert arrived, "the pipeline's reader stopped taking ids"
         start = 0 if request.token_offset is None else request.token_offset
         return np.full(request.speech_tokens.size - start, 0.5, dtype=np.float32)
 
     def release(self, session_id: str) -> None:
         self.released.append(session_id)
+
+    def wait_until_closed(self) -> bool:
+        with self._gate:
+            return self._gate.wait_for(lambda: self.generator_closed, timeout=TIMEOUT_S)
 
 
 def speech_ids(count: int, *, start: int = 0) -> list[int]:
@@ -177,9 +220,10 @@ def test_without_transcript_the_llm_gets_no_voice_prefix() -> None:
     assert stages.token2wav_calls[0].prompt.speech_tokens is PROMPT_TOKENS
 
 
-def test_streaming_follows_the_hop_schedule() -> None:
+def test_streaming_follows_the_hop_schedule_without_catching_up() -> None:
     stages = ScriptedStages([*speech_ids(100), vocab.EOS1_ID])
-    chunks = list(pipeline(stages).synthesize(request(), streaming=True))
+    no_catch_up = HopSchedule(first_hop=15, base_hop=25, policy=HopPolicy.EXPONENTIAL, max_hop=100, catch_up=False)
+    chunks = list(pipeline(stages, hop_schedule=no_catch_up).synthesize(request(), streaming=True))
 
     calls = [(c.token_offset, c.speech_tokens.size, c.finalize) for c in stages.token2wav_calls]
     # Hops 15, 25, 50 (each needs 3 look-ahead tokens), then the rest on finalize.
@@ -189,6 +233,37 @@ def test_streaming_follows_the_hop_schedule() -> None:
         assert call.speech_tokens.tolist() == list(range(call.speech_tokens.size))
     assert [chunk.size for chunk in chunks] == [18, 28, 53, 10]
     assert stages.released == []
+
+
+def test_once_the_llm_has_finished_the_next_chunk_is_the_last() -> None:
+    # The LLM finishes while the first chunk is converted: the rest goes in one final chunk.
+    stages = ScriptedStages([*speech_ids(100), vocab.EOS1_ID])
+    chunks = list(pipeline(stages).synthesize(request(), streaming=True))
+
+    calls = [(c.token_offset, c.speech_tokens.size, c.finalize) for c in stages.token2wav_calls]
+    assert calls == [(0, 18, False), (15, 100, True)]
+    assert stages.token2wav_calls[1].speech_tokens.tolist() == list(range(100))
+    assert [chunk.size for chunk in chunks] == [18, 85]
+
+
+def test_a_chunk_takes_the_largest_hop_that_arrived_tokens_cover() -> None:
+    # 100 ids arrive during each conversion: chunk 2 jumps from its hop of 25 to the cap of 100.
+    stages = ScriptedStages([*speech_ids(300), vocab.EOS1_ID], first_ids=18, ids_per_conversion=100)
+    chunks = list(pipeline(stages).synthesize(request(), streaming=True))
+
+    calls = [(c.token_offset, c.speech_tokens.size, c.finalize) for c in stages.token2wav_calls]
+    assert calls == [(0, 18, False), (15, 118, False), (115, 218, False), (215, 300, True)]
+    # The scripted token2wav answers a sample per token from the offset on, look-ahead included.
+    assert [chunk.size for chunk in chunks] == [18, 103, 103, 85]
+
+
+def test_a_chunk_stays_on_the_schedules_ladder() -> None:
+    # 60 ids arrive during each conversion: hops 25 and 50 become 50 (100 is not covered yet).
+    stages = ScriptedStages([*speech_ids(190), vocab.EOS1_ID], first_ids=18, ids_per_conversion=60)
+    list(pipeline(stages).synthesize(request(), streaming=True))
+
+    calls = [(c.token_offset, c.speech_tokens.size, c.finalize) for c in stages.token2wav_calls]
+    assert calls == [(0, 18, False), (15, 68, False), (65, 118, False), (115, 190, True)]
 
 
 def test_a_stream_with_a_tempo_change_is_converted_in_one_piece() -> None:
@@ -225,7 +300,7 @@ def test_a_non_speech_id_ends_the_utterance() -> None:
 
 
 def test_cancellation_stops_generation_and_releases_the_session() -> None:
-    stages = ScriptedStages(speech_ids(500))
+    stages = ScriptedStages(speech_ids(500), first_ids=20, ids_per_conversion=5)
     cancelled = False
     chunks = pipeline(stages).synthesize(request(), streaming=True, is_cancelled=lambda: cancelled)
 
@@ -235,17 +310,18 @@ def test_cancellation_stops_generation_and_releases_the_session() -> None:
 
     assert first.size == 18
     assert len(stages.token2wav_calls) == 1
-    assert stages.generator_closed
-    assert stages.pieces_served < 30
+    assert stages.wait_until_closed()
+    assert stages.pieces_served == 25
     assert stages.released == [stages.token2wav_calls[0].session_id]
 
 
 def test_a_consumer_that_stops_reading_releases_the_session() -> None:
-    stages = ScriptedStages(speech_ids(500))
+    stages = ScriptedStages(speech_ids(500), first_ids=20, ids_per_conversion=5)
     chunks = pipeline(stages).synthesize(request(), streaming=True)
     next(chunks)
     chunks.close()
-    assert stages.generator_closed
+    assert stages.wait_until_closed()
+    assert stages.pieces_served == 25
     assert stages.released == [stages.token2wav_calls[0].session_id]
 
 
@@ -291,6 +367,7 @@ def test_settings_from_parameters() -> None:
         "base_hop_tokens": "20",
         "hop_policy": "fixed",
         "max_hop_tokens": "0",
+        "hop_catch_up": "false",
         "min_token_text_ratio": "2",
         "max_token_text_ratio": "20",
         "max_output_tokens": "750",
@@ -298,9 +375,13 @@ def test_settings_from_parameters() -> None:
     }
     parsed = PipelineSettings.from_parameters(params)
     assert parsed.sampling == SamplingDefaults(0.7, 0.9, 25, 1.05)
-    assert parsed.hop_schedule == HopSchedule(first_hop=10, base_hop=20, policy=HopPolicy.FIXED, max_hop=None)
+    assert parsed.hop_schedule == HopSchedule(
+        first_hop=10, base_hop=20, policy=HopPolicy.FIXED, max_hop=None, catch_up=False
+    )
     assert parsed.max_output_tokens == 750
     with pytest.raises(ValueError, match="top_k"):
         PipelineSettings.from_parameters({k: v for k, v in params.items() if k != "top_k"})
     with pytest.raises(ValueError):
         PipelineSettings.from_parameters({**params, "hop_policy": "sometimes"})
+    with pytest.raises(ValueError, match="not a boolean"):
+        PipelineSettings.from_parameters({**params, "hop_catch_up": "often"})

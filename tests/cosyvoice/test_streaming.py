@@ -63,6 +63,27 @@ def test_time_based_policy_respects_the_cap_and_needs_a_measurement() -> None:
     assert schedule.next_hop(1, emitted_tokens=15, pending_tokens=200, elapsed_s=0.0) == 15
 
 
+def test_catching_up_takes_the_largest_ladder_hop_the_pending_tokens_cover() -> None:
+    schedule = HopSchedule(max_hop=100)
+    # Pending tokens include the 3 look-ahead tokens the chunk also needs.
+    assert [schedule.catch_up_hop(25, pending) for pending in (28, 52, 53, 102, 103, 400)] == [25, 25, 50, 50, 100, 100]
+    assert schedule.catch_up_hop(100, 400) == 100
+    # A cap off the doubling ladder is a hop of its own.
+    assert HopSchedule(base_hop=30, max_hop=100).catch_up_hop(30, 103) == 100
+    assert HopSchedule(base_hop=30, max_hop=100).catch_up_hop(30, 102) == 60
+
+
+def test_catching_up_without_a_cap_doubles_as_far_as_the_tokens_go() -> None:
+    assert HopSchedule().catch_up_hop(25, 403) == 400
+    assert HopSchedule().catch_up_hop(25, 402) == 200
+
+
+def test_catching_up_only_moves_the_exponential_ladder_and_can_be_turned_off() -> None:
+    assert HopSchedule(policy=HopPolicy.FIXED).catch_up_hop(25, 400) == 25
+    assert HopSchedule(policy=HopPolicy.TIME_BASED).catch_up_hop(15, 400) == 15
+    assert HopSchedule(catch_up=False).catch_up_hop(25, 400) == 25
+
+
 def test_a_chunk_is_emitted_once_hop_plus_lookahead_tokens_are_unconsumed() -> None:
     schedule = HopSchedule()
     assert not schedule.can_emit(available_tokens=17, token_offset=0, hop=15)

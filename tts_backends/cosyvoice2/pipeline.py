@@ -8,13 +8,16 @@ or against in-process fakes in unit tests.
 Per request: the voice prompt (speech tokens, mel feats, speaker embedding) comes from a
 cache keyed by the reference recording; the LLM turns the prompt ids into speech tokens;
 token2wav converts them into audio, either once (offline) or chunk by chunk as tokens
-arrive (streaming, hop sizes from :class:`HopSchedule`). Every request gets its own
+arrive (streaming: hop sizes from :class:`HopSchedule`, the tokens read ahead by
+:class:`TokenFeed` so that a chunk can take what arrived while the last one was converted,
+:meth:`HopSchedule.catch_up_hop`). Every request gets its own
 token2wav session id, so concurrent streams never share vocoder state.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -24,9 +27,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from tts_backends.contract import parse_bool
 from tts_backends.cosyvoice2 import vocab
 from tts_backends.cosyvoice2.prompt_cache import PromptCache, voice_key
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
+from tts_backends.cosyvoice2.token_feed import TokenFeed
 from tts_backends.request_parsing import ContractError, SpeechRequest
 from tts_backends.stage_trace import StageTrace
 
@@ -152,6 +157,7 @@ class PipelineSettings:
                 base_hop=int(get("base_hop_tokens")),
                 policy=HopPolicy(get("hop_policy")),
                 max_hop=max_hop if max_hop > 0 else None,
+                catch_up=parse_bool(get("hop_catch_up")),
             ),
             min_token_text_ratio=float(get("min_token_text_ratio")),
             max_token_text_ratio=float(get("max_token_text_ratio")),
@@ -247,14 +253,24 @@ class CosyVoice2Pipeline:
             request_id=_new_session_id(),
         )
 
-    def _speech_tokens(self, llm_request: LLMRequest, is_cancelled: _ThrottledCheck, times: _Times) -> Iterator[int]:
-        """Speech tokens (not LLM ids) as generated; ends at the first non-speech id or on cancel."""
-        pieces = self._stages.generate(llm_request, is_cancelled.always)
+    def _speech_tokens(
+        self,
+        llm_request: LLMRequest,
+        is_cancelled: _ThrottledCheck,
+        times: _Times,
+        closed: threading.Event | None = None,
+    ) -> Generator[int, None, None]:
+        """Speech tokens (not LLM ids) as generated; ends at the first non-speech id, on cancel or once ``closed``."""
+
+        def unwanted() -> bool:
+            return (closed is not None and closed.is_set()) or is_cancelled.always()
+
+        pieces = self._stages.generate(llm_request, unwanted)
         try:
             for piece in pieces:
                 if not times.first_token:
                     times.first_token = time.monotonic()
-                if is_cancelled():
+                if (closed is not None and closed.is_set()) or is_cancelled():
                     return
                 for llm_id in piece:
                     token = vocab.id_to_speech_token(llm_id)
@@ -299,18 +315,21 @@ class CosyVoice2Pipeline:
     ) -> Iterator[NDArray[np.float32]]:
         schedule = self._settings.hop_schedule
         session_id = llm_request.request_id
-        tokens: list[int] = []
         offset = 0
         chunk_index = 0
         hop = schedule.next_hop(0)
         started = time.monotonic()
         session_open = False
+        closed = threading.Event()
+        feed = TokenFeed(
+            self._speech_tokens(llm_request, is_cancelled, times, closed), closed, name=f"tokens-{session_id[:8]}"
+        )
 
-        def convert(end: int, *, finalize: bool) -> NDArray[np.float32]:
+        def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:
             return self._stages.token2wav(
                 Token2WavRequest(
                     session_id=session_id,
-                    speech_tokens=np.asarray(tokens[:end], dtype=np.int32),
+                    speech_tokens=np.asarray(tokens, dtype=np.int32),
                     prompt=prompt,
                     token_offset=offset,
                     finalize=finalize,
@@ -318,15 +337,19 @@ class CosyVoice2Pipeline:
                 )
             )
 
-        speech = self._speech_tokens(llm_request, is_cancelled, times)
         try:
-            for token in speech:
-                tokens.append(token)
-                if not schedule.can_emit(len(tokens), offset, hop):
-                    continue
+            while True:
+                needed = offset + hop + schedule.pre_lookahead
+                arrived = feed.wait_for(needed)
+                if arrived < needed:
+                    break
+                if chunk_index > 0 and schedule.catch_up:
+                    if feed.finished:
+                        break
+                    hop = schedule.catch_up_hop(hop, arrived - offset)
                 if not times.first_hop:
                     times.first_hop = time.monotonic()
-                chunk = convert(offset + hop + schedule.pre_lookahead, finalize=False)
+                chunk = convert(feed.tokens(offset + hop + schedule.pre_lookahead), finalize=False)
                 session_open = True
                 yield chunk
                 offset += hop
@@ -334,20 +357,21 @@ class CosyVoice2Pipeline:
                 hop = schedule.next_hop(
                     chunk_index,
                     emitted_tokens=offset,
-                    pending_tokens=len(tokens) - offset,
+                    pending_tokens=feed.arrived - offset,
                     elapsed_s=time.monotonic() - started,
                 )
                 if is_cancelled.always():
                     return
             if is_cancelled.always():
                 return
+            tokens = feed.all_tokens()
             if not tokens:
                 raise SynthesisError("the LLM produced no speech tokens")
-            final = convert(len(tokens), finalize=True)
+            final = convert(tokens, finalize=True)
             session_open = False
             yield final
         finally:
-            speech.close()
+            feed.close()
             if session_open:
                 self._stages.release(session_id)
 

@@ -2,8 +2,9 @@
 
 :class:`HopSchedule` decides how many new speech tokens each chunk converts. The first hop is
 small (first-chunk latency is the headline number); later hops grow so that the flow model,
-which re-runs over the whole prefix for every chunk, is called fewer times. How the chunks are
-joined is :mod:`tts_backends.cosyvoice2.hift_stream`. Plain Python, free of torch, so the
+which re-runs over the whole prefix for every chunk, is called fewer times, and with
+:attr:`HopSchedule.catch_up` a chunk takes a larger hop at once when the tokens for it have already
+arrived. How the chunks are joined is :mod:`tts_backends.cosyvoice2.hift_stream`. Plain Python, free of torch, so the
 pipeline and its BLS stages import where torch is absent (the tests' Python 3.12 leg).
 """
 
@@ -43,6 +44,9 @@ class HopSchedule:
     max_hop: int | None = None
     pre_lookahead: int = DEFAULT_PRE_LOOKAHEAD
     token_rate: float = DEFAULT_TOKEN_RATE
+    catch_up: bool = True
+    """Size chunks after the first by the tokens that have arrived (:meth:`catch_up_hop`), and make
+    the chunk after the LLM's last token the final one."""
 
     def __post_init__(self) -> None:
         if self.first_hop < 1 or self.base_hop < 1:
@@ -97,6 +101,27 @@ class HopSchedule:
         else:
             hop = self.first_hop
         return max(self.first_hop, hop)
+
+    def catch_up_hop(self, hop: int, pending_tokens: int) -> int:
+        """``hop``, or the largest later hop of the exponential schedule that arrived tokens cover.
+
+        While a stream waits for token2wav, the LLM runs ahead of it. Every chunk re-runs the flow
+        over the voice prompt and all tokens so far, so a stream that converts what has arrived in
+        fewer, larger chunks costs the GPU less where it is short of time, and its audio arrives no
+        later (the conversion starts when it would have). The hops stay on the schedule's ladder,
+        ``hop`` doubling up to ``max_hop``: the chunk sizes HiFT's graphs are recorded for.
+        ``pending_tokens`` counts the unconverted tokens, look-ahead included.
+        """
+        if not self.catch_up or self.policy is not HopPolicy.EXPONENTIAL:
+            return hop
+        usable = pending_tokens - self.pre_lookahead
+        chosen = hop
+        while chosen != self.max_hop:
+            larger = chosen * 2 if self.max_hop is None else min(chosen * 2, self.max_hop)
+            if larger > usable:
+                break
+            chosen = larger
+        return chosen
 
     def can_emit(self, available_tokens: int, token_offset: int, hop: int) -> bool:
         """Whether ``hop`` unconverted tokens plus the look-ahead exist beyond ``token_offset``."""

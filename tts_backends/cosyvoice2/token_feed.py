@@ -1,0 +1,91 @@
+"""A stream's speech tokens, read ahead of the orchestrator on a thread of their own.
+
+While the orchestrator waits for token2wav to convert a chunk, the LLM goes on generating. Read
+straight from the LLM's stream, those tokens sat unseen in its response queue, and each chunk was
+cut at the schedule's hop although far more had arrived. :class:`TokenFeed` collects them as they
+come, so the orchestrator can see without blocking how many have arrived and whether the LLM has
+finished (:meth:`HopSchedule.catch_up_hop` sizes the next chunk from that). Plain Python, free of
+torch and Triton.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+
+
+class TokenFeed:
+    """Reads ``source`` on a daemon thread until it ends or the feed is closed.
+
+    ``closed`` is set by :meth:`close`; the source should stop when it sees it (the reader also
+    stops at the source's next token). The source is closed on the reader's thread, since a
+    generator cannot be closed from another thread while it runs. An exception from the source is
+    raised to the consumer once it asks for tokens beyond those that arrived before it.
+    """
+
+    def __init__(self, source: Generator[int, None, None], closed: threading.Event, *, name: str) -> None:
+        self.closed = closed
+        self._tokens: list[int] = []
+        self._finished = False
+        self._error: Exception | None = None
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(source,), name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def arrived(self) -> int:
+        """How many tokens have arrived so far."""
+        with self._changed:
+            return len(self._tokens)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the source has ended: no token will arrive any more."""
+        with self._changed:
+            return self._finished
+
+    def wait_for(self, count: int) -> int:
+        """Block until ``count`` tokens have arrived or the source has ended; return how many arrived."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._tokens) >= count or self._finished)
+            if len(self._tokens) < count and self._error is not None:
+                raise self._error
+            return len(self._tokens)
+
+    def tokens(self, end: int) -> list[int]:
+        """A copy of the first ``end`` tokens (all that arrived, if fewer)."""
+        with self._changed:
+            return self._tokens[:end]
+
+    def all_tokens(self) -> list[int]:
+        """Every token, once the source has ended; raises the source's exception if it failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._finished)
+            if self._error is not None:
+                raise self._error
+            return list(self._tokens)
+
+    def close(self) -> None:
+        """Ask the reader to stop: it lets go of the source at its next token, or once the source sees ``closed``."""
+        self.closed.set()
+
+    def _read(self, source: Generator[int, None, None]) -> None:
+        error: Exception | None = None
+        try:
+            for token in source:
+                if self.closed.is_set():
+                    break
+                with self._changed:
+                    self._tokens.append(token)
+                    self._changed.notify_all()
+        except Exception as exc:  # raised to the consumer by wait_for
+            error = exc
+        finally:
+            try:
+                source.close()
+            except Exception as exc:
+                error = error or exc
+            with self._changed:
+                self._finished = True
+                self._error = error
+                self._changed.notify_all()
