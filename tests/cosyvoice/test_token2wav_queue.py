@@ -1,5 +1,4 @@
-"""token2wav's queue: which calls go together next (earliest due first), first chunks ahead of a busy worker,
-later chunks before their streams run dry, every call answered once."""
+"""token2wav's queue: which calls go together next, first chunks ahead of a busy worker, every call answered once."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from tts_backends.cosyvoice2.token2wav import Audio, Conversion, Token2Wav
 from tts_backends.cosyvoice2.token2wav_queue import (
     ConversionQueue,
     Converted,
-    Deadlines,
     GroupFailed,
     QueueClosed,
     Queued,
@@ -46,92 +44,30 @@ def call(name: str, tokens: int, offset: int | None = None, voice: VoicePrompt =
     return Conversion(name, np.arange(tokens), voice, offset, offset is None)
 
 
-def deadlines() -> Deadlines:
-    return Deadlines(first_chunk_s=0.25, seconds_per_token=0.04, offline_s=1.0)
-
-
-def queued(*calls: Conversion, at: float = 0.0) -> list[Queued]:
-    return [Queued(c, lambda result, group: None, at) for c in calls]
+def queued(*calls: Conversion) -> list[Queued]:
+    return [Queued(c, lambda result, group: None) for c in calls]
 
 
 def names(items: list[Queued]) -> list[str]:
     return [item.call.session_id for item in items]
 
 
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_groups_go_earliest_due_first_one_kind_and_length_class_at_a_time() -> None:
-    due = deadlines()
-    # s-late's playback began at 0: its chunk at token 15 is due at 0.6 s; s-ahead's (began at 9.5)
-    # at 9.5 + 4 = 13.5 s. First chunks are due 0.25 s after they were queued, offline calls 1 s after.
-    due.answered(call("s-late", 18, offset=0), ok=True, at=0.0)
-    due.answered(call("s-ahead", 18, offset=0), ok=True, at=9.5)
+def test_first_chunks_go_first_then_the_length_class_of_the_oldest_call() -> None:
     pending = queued(
-        call("s-ahead", 110, offset=100),
-        call("s-late", 60, offset=15),
+        call("long-later", 300, offset=40),
+        call("short-later", 60, offset=15),
         call("first-a", 18, offset=0),
         call("offline-long", 290),
         call("first-b", 18, offset=0),
         call("first-c", 200, offset=0),
-        call("s-long", 300, offset=40),
-        at=10.0,
     )
-    assert [due.due(q) for q in pending] == pytest.approx([13.5, 0.6, 10.25, 11.0, 10.25, 10.25, 11.6])
-    # The stream about to run dry goes first, its kind and class with it (s-ahead: 120 tokens, class 0).
-    assert names(take_group(pending, 8, due.due)) == ["s-late", "s-ahead"]
-    # Then the first chunks, one length class per group (one flow pass).
-    assert names(take_group(pending, 8, due.due)) == ["first-a", "first-b"]
-    assert names(take_group(pending, 8, due.due)) == ["first-c"]
-    # 300 and 310 tokens (prompt included) share a class of 128, earliest due first.
-    assert names(take_group(pending, 8, due.due)) == ["offline-long", "s-long"]
+    # One length class per group (one flow pass): the long first chunk goes on its own, still before the rest.
+    assert names(take_group(pending, max_rows=8)) == ["first-a", "first-b"]
+    assert names(take_group(pending, max_rows=8)) == ["first-c"]
+    # 310 and 300 tokens (prompt included) share a class of 128; the short call waits its turn.
+    assert names(take_group(pending, max_rows=8)) == ["long-later", "offline-long"]
+    assert names(take_group(pending, max_rows=8)) == ["short-later"]
     assert pending == []
-
-
-def test_groups_hold_at_most_max_rows_calls_earliest_due_first() -> None:
-    pending = queued(*(call(f"first-{i}", 18, offset=0) for i in range(5)))
-    pending += queued(call("first-old", 18, offset=0), at=-1.0)
-    assert names(take_group(pending, 2, deadlines().due)) == ["first-old", "first-0"]
-    assert names(pending) == ["first-1", "first-2", "first-3", "first-4"]
-
-
-def test_a_stream_plays_from_its_first_chunks_answer_until_its_last() -> None:
-    due = deadlines()
-    later = Queued(call("s", 60, offset=15), lambda result, group: None, 5.0)
-    # Unknown stream: counted from the call's own arrival.
-    assert due.due(later) == pytest.approx(5.6)
-    due.answered(call("s", 18, offset=0), ok=True, at=2.0)
-    assert due.due(later) == pytest.approx(2.6)
-    due.answered(call("s", 60, offset=15), ok=True, at=3.0)  # a later chunk does not move the start
-    assert due.due(later) == pytest.approx(2.6)
-    endings: list[Callable[[], None]] = [
-        lambda: due.answered(call("s", 60, offset=15), ok=False, at=4.0),
-        lambda: due.answered(Conversion("s", np.arange(80), VOICE, 60, True), ok=True, at=4.0),
-        lambda: due.forget("s"),
-    ]
-    for end in endings:
-        due.answered(call("s", 18, offset=0), ok=True, at=2.0)
-        end()
-        assert due.due(later) == pytest.approx(5.6)
-    # A first chunk that is also the last, or an offline call, starts nothing.
-    due.answered(Conversion("s", np.arange(10), VOICE, 0, True), ok=True, at=1.0)
-    due.answered(call("s", 10), ok=True, at=1.0)
-    assert due.due(later) == pytest.approx(5.6)
-
-
-def test_deadlines_remember_a_bounded_number_of_streams() -> None:
-    due = Deadlines(first_chunk_s=0.25, seconds_per_token=0.04, max_streams=2)
-    for index, name in enumerate(("a", "b", "c")):
-        due.answered(call(name, 18, offset=0), ok=True, at=float(index))
-    assert due.due(Queued(call("a", 60, offset=15), lambda result, group: None, 9.0)) == pytest.approx(9.6)
-    assert due.due(Queued(call("c", 60, offset=15), lambda result, group: None, 9.0)) == pytest.approx(2.6)
-    with pytest.raises(ValueError):
-        Deadlines(first_chunk_s=0.25, seconds_per_token=0.0)
 
 
 class Recorder:
@@ -200,7 +136,7 @@ def test_a_first_chunk_that_arrives_while_a_group_converts_goes_before_the_calls
         held.append(len(recorder.groups))
         yield
 
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines(), first_chunks_hold=hold)
+    queue = ConversionQueue(recorder, max_rows=4, first_chunks_hold=hold)
     try:
         answers.expected = 4
         queue.submit(call("running", 300, offset=40), answers("running"))
@@ -227,7 +163,7 @@ def test_a_first_chunk_that_arrives_while_a_group_converts_goes_before_the_calls
 
 def test_first_chunks_waiting_are_converted_between_the_halves_of_a_later_groups_solve() -> None:
     recorder, answers = Recorder(lend_after_release=True), Answers()
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines())
+    queue = ConversionQueue(recorder, max_rows=4)
     try:
         answers.expected = 5
         queue.submit(call("running", 300, offset=40), answers("running"))
@@ -251,7 +187,7 @@ def test_first_chunks_waiting_are_converted_between_the_halves_of_a_later_groups
 def test_only_first_chunks_are_converted_meanwhile_and_their_failure_is_their_own() -> None:
     recorder, answers = Recorder(fail_on="first-b", lend_after_release=True), Answers()
     errors: list[str] = []
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines(), log_error=errors.append)
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append)
     try:
         answers.expected = 2
         queue.submit(call("running", 300, offset=40), answers("running"))
@@ -284,50 +220,10 @@ def test_only_first_chunks_are_converted_meanwhile_and_their_failure_is_their_ow
     assert len(errors) == 1 and "first-b" not in errors[0] and "2 calls" in errors[0]
 
 
-def test_a_stream_about_to_run_dry_goes_before_first_chunks_queued_with_it() -> None:
-    recorder, answers, clock = Recorder(), Answers(), Clock(10.0)
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines(), clock=clock)
-    # "dry" began playing at 9.5 s: its audio up to token 15 runs out at 10.1 s. "ahead" began at
-    # 10 s with 100 tokens in hand: due at 14 s, after a first chunk queued at 10 s (10.25 s).
-    queue.deadlines.answered(call("dry", 18, offset=0), ok=True, at=9.5)
-    queue.deadlines.answered(call("ahead", 18, offset=0), ok=True, at=10.0)
-    try:
-        answers.expected = 4
-        queue.submit(call("running", 300), answers("running"))
-        assert recorder.started.wait(10)
-        queue.submit(call("first", 18, offset=0), answers("first"))
-        queue.submit(call("ahead", 500, offset=100), answers("ahead"))
-        queue.submit(call("dry", 60, offset=15), answers("dry"))
-        recorder.release.set()
-        assert answers.all_in.wait(10)
-    finally:
-        queue.close()
-    assert recorder.groups == [["running"], ["dry"], ["first"], ["ahead"]]
-
-
-def test_a_later_group_lends_the_gpu_only_to_first_chunks_due_before_its_own_calls() -> None:
-    recorder, answers, clock = Recorder(lend_after_release=True), Answers(), Clock(10.0)
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines(), clock=clock)
-    # The running group's stream began at 8 s: its chunk at token 40 was due at 9.6 s, before the
-    # first chunk queued at 10 s (due 10.25 s), which therefore waits for the whole group.
-    queue.deadlines.answered(call("running", 18, offset=0), ok=True, at=8.0)
-    try:
-        answers.expected = 2
-        queue.submit(call("running", 300, offset=40), answers("running"))
-        assert recorder.started.wait(10)
-        queue.submit(call("first", 18, offset=0), answers("first"))
-        recorder.release.set()
-        assert answers.all_in.wait(10)
-    finally:
-        queue.close()
-    assert recorder.groups == [["running"], ["first"]]
-    assert list(answers.got) == ["running", "first"]
-
-
 def test_a_failing_group_answers_its_calls_with_the_error_and_the_queue_goes_on() -> None:
     recorder, answers = Recorder(fail_on="b"), Answers()
     errors: list[str] = []
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines(), log_error=errors.append)
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append)
     try:
         answers.expected = 4
         queue.submit(call("running", 300), answers("running"))
@@ -350,7 +246,7 @@ def test_a_failing_group_answers_its_calls_with_the_error_and_the_queue_goes_on(
 def test_an_answer_that_raises_keeps_no_other_call_from_its_own() -> None:
     recorder, answers = Recorder(fail_on="c"), Answers()
     errors: list[str] = []
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines(), log_error=errors.append)
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append)
 
     def broken(result: Audio | Exception, group: Converted) -> None:
         raise OSError("the trace file is gone")
@@ -377,7 +273,7 @@ def test_an_answer_that_raises_keeps_no_other_call_from_its_own() -> None:
 
 def test_closing_answers_what_waits_and_refuses_new_calls() -> None:
     recorder, answers = Recorder(), Answers()
-    queue = ConversionQueue(recorder, max_rows=4, deadlines=deadlines())
+    queue = ConversionQueue(recorder, max_rows=4)
     answers.expected = 3
     queue.submit(call("running", 30, offset=0), answers("running"))
     assert recorder.started.wait(10)
@@ -405,7 +301,7 @@ def test_streams_converted_through_the_queue_sound_as_converted_alone(token2wav_
             t2w.stream_chunk(f"alone-{name}", tokens[:18], VOICE, 0, False),
             t2w.stream_chunk(f"alone-{name}", tokens, VOICE, 15, True),
         ]
-    queue = ConversionQueue(t2w, max_rows=8, deadlines=deadlines())
+    queue = ConversionQueue(t2w, max_rows=8)
     got: dict[str, list[NDArray[np.float32]]] = {name: [] for name in streams}
 
     def run(name: str) -> None:

@@ -238,11 +238,6 @@ class Token2Wav:
         return self.hift.m_source.sampling_rate
 
     @property
-    def seconds_per_token(self) -> float:
-        """Seconds of audio one speech token makes (0.04 for CosyVoice2: 2 mel frames of 480 samples at 24 kHz)."""
-        return self._token_mel_ratio * self.hift.samples_per_frame / self.sample_rate
-
-    @property
     def active_streams(self) -> int:
         """Requests whose streaming state is currently held."""
         with self._lock:

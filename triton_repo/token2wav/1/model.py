@@ -27,7 +27,7 @@ from tts_backends.cosyvoice2 import tensors
 from tts_backends.cosyvoice2.frontend import VoicePrompt
 from tts_backends.cosyvoice2.gpu_turns import GpuTurns
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
-from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, Deadlines, QueueClosed
+from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, QueueClosed
 from tts_backends.stage_trace import StageTrace
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,13 +60,9 @@ class TritonPythonModel:
         gpu = torch.device(device)
         self._turns = GpuTurns.of_server(gpu.index or 0) if gpu.type == "cuda" else None
         turns, slot = self._turns, int(args.get("model_instance_device_id", 0) or 0)
-        deadlines = Deadlines(
-            first_chunk_s=int(params["first_chunk_due_ms"]) / 1000, seconds_per_token=self._token2wav.seconds_per_token
-        )
         self._queue = ConversionQueue(
             self._token2wav,
             max_rows=int(config["max_batch_size"]),
-            deadlines=deadlines,
             first_chunks_hold=None if turns is None else lambda: turns.hold(slot),
             log_error=pb_utils.Logger.log_error,
         )
@@ -84,7 +80,6 @@ class TritonPythonModel:
                 continue
             if call.token_offset is not None and call.finalize and call.speech_tokens.size == 0:
                 self._token2wav.release(call.session_id)
-                self._queue.deadlines.forget(call.session_id)
                 self._send(sender, _waveform(np.zeros(0, dtype=np.float32)))
                 continue
             prompt = VoicePrompt(
