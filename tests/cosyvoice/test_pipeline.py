@@ -59,12 +59,13 @@ class ScriptedStages:
     ``ids_per_conversion`` more during each token2wav call, which returns once the reader has taken
     them: at every decision after the first chunk, exactly those ids have arrived. A paced LLM waits
     for its next allowance until ``is_cancelled`` (which the pipeline also sets when it stops
-    reading) says to stop.
+    reading) says to stop. At id ``fail_at`` the LLM fails.
     """
 
     llm_ids: list[int]
     first_ids: int | None = None
     ids_per_conversion: int = 0
+    fail_at: int | None = None
     voice_prompts: list[NDArray[np.float32]] = field(default_factory=list)
     llm_requests: list[LLMRequest] = field(default_factory=list)
     token2wav_calls: list[Token2WavRequest] = field(default_factory=list)
@@ -90,6 +91,8 @@ class ScriptedStages:
             self.generator_closed = False
         try:
             for index, llm_id in enumerate(self.llm_ids):
+                if index == self.fail_at:
+                    raise RuntimeError("the LLM went away")
                 with self._gate:
                     self._waiting_at = index
                     self._gate.notify_all()
@@ -115,6 +118,12 @@ class ScriptedStages:
                 lambda: self.generator_closed or self._waiting_at == self._allowed, timeout=TIMEOUT_S
             )
             assert arrived, "the pipeline's reader stopped taking ids"
+            ended = self.generator_closed
+        if ended:
+            # The script has ended: let the reader (named after the session) record that too.
+            for thread in threading.enumerate():
+                if thread.name == f"tokens-{request.session_id[:8]}":
+                    thread.join(TIMEOUT_S)
         start = 0 if request.token_offset is None else request.token_offset
         return np.full(request.speech_tokens.size - start, 0.5, dtype=np.float32)
 
@@ -264,6 +273,17 @@ def test_a_chunk_stays_on_the_schedules_ladder() -> None:
 
     calls = [(c.token_offset, c.speech_tokens.size, c.finalize) for c in stages.token2wav_calls]
     assert calls == [(0, 18, False), (15, 68, False), (65, 118, False), (115, 190, True)]
+
+
+def test_an_llm_that_fails_mid_stream_fails_the_request_after_the_chunks_before() -> None:
+    stages = ScriptedStages(speech_ids(200), first_ids=18, ids_per_conversion=100, fail_at=60)
+    chunks = pipeline(stages).synthesize(request(), streaming=True)
+    assert next(chunks).size == 18
+    with pytest.raises(RuntimeError, match="the LLM went away"):
+        next(chunks)
+    assert len(stages.token2wav_calls) == 1
+    assert stages.generator_closed
+    assert stages.released == [stages.token2wav_calls[0].session_id]
 
 
 def test_a_stream_with_a_tempo_change_is_converted_in_one_piece() -> None:

@@ -1,4 +1,4 @@
-"""TokenFeed: tokens read ahead on a thread, seen without blocking, errors and closing passed on."""
+"""TokenFeed: tokens read ahead on a thread, seen without blocking, errors and closing passed on; StopSignal."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Generator
 
 import pytest
 
-from tts_backends.cosyvoice2.token_feed import TokenFeed
+from tts_backends.cosyvoice2.token_feed import StopSignal, TokenFeed
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -19,14 +19,14 @@ class Source:
     """A token generator fed by the test through a queue; ``None`` ends it, an exception is raised."""
 
     def __init__(self) -> None:
-        self.items: queue.Queue[int | Exception | None] = queue.Queue()
+        self.items: queue.Queue[int | BaseException | None] = queue.Queue()
         self.closed_on: str | None = None
         self.closed = threading.Event()
 
     def tokens(self) -> Generator[int, None, None]:
         try:
             while (item := self.items.get(timeout=TIMEOUT_S)) is not None:
-                if isinstance(item, Exception):
+                if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
@@ -35,7 +35,7 @@ class Source:
 
 
 def feed_of(source: Source) -> TokenFeed:
-    return TokenFeed(source.tokens(), threading.Event(), name="feed-under-test")
+    return TokenFeed(source.tokens(), StopSignal(), name="feed-under-test")
 
 
 def test_tokens_arrive_while_the_consumer_is_away() -> None:
@@ -79,9 +79,52 @@ def test_closing_stops_the_reader_at_the_next_token_and_closes_the_source_on_its
     feed = feed_of(source)
     source.items.put(1)
     assert feed.wait_for(1) == 1
-    feed.close()
-    assert feed.closed.is_set()
+    # Nothing more comes: the reader waits inside the source, and closing gives up waiting for it.
+    assert not feed.close(wait_s=0.05)
+    assert feed.stop.is_set() and not source.closed.is_set()
     source.items.put(2)
-    assert source.closed.wait(TIMEOUT_S)
+    assert feed.close(wait_s=TIMEOUT_S)
     assert source.closed_on == "feed-under-test"
     assert feed.all_tokens() == [1]
+
+
+def test_closing_a_finished_feed_finds_its_reader_done() -> None:
+    source = Source()
+    feed = feed_of(source)
+    source.items.put(None)
+    assert feed.all_tokens() == []
+    assert feed.close(wait_s=TIMEOUT_S)
+    assert source.closed.is_set()
+
+
+def test_even_a_base_exception_from_the_source_reaches_the_consumer() -> None:
+    source = Source()
+    feed = feed_of(source)
+    source.items.put(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        feed.all_tokens()
+
+
+def test_no_check_runs_once_the_stop_signal_is_set() -> None:
+    stop = StopSignal()
+    asked: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_check() -> bool:
+        asked.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(TIMEOUT_S)
+        return False
+
+    checking = threading.Thread(target=lambda: asked.append(str(stop.unless_set(slow_check))), name="reader")
+    checking.start()
+    assert entered.wait(TIMEOUT_S)
+    setting = threading.Thread(target=stop.set)
+    setting.start()
+    setting.join(0.05)
+    assert setting.is_alive()  # set() waits for the check under way
+    release.set()
+    setting.join(TIMEOUT_S)
+    checking.join(TIMEOUT_S)
+    assert asked == ["reader", "False"]
+    assert stop.unless_set(slow_check) is True and asked == ["reader", "False"]

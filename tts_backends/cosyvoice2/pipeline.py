@@ -16,8 +16,8 @@ token2wav session id, so concurrent streams never share vocoder state.
 
 from __future__ import annotations
 
+import functools
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -31,7 +31,7 @@ from tts_backends.contract import parse_bool
 from tts_backends.cosyvoice2 import vocab
 from tts_backends.cosyvoice2.prompt_cache import PromptCache, voice_key
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
-from tts_backends.cosyvoice2.token_feed import TokenFeed
+from tts_backends.cosyvoice2.token_feed import StopSignal, TokenFeed
 from tts_backends.request_parsing import ContractError, SpeechRequest
 from tts_backends.stage_trace import StageTrace
 
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 # Seeds drawn for requests that bring none: the LLM backends take an unsigned 64-bit seed.
 _SEED_BITS = 63
+# How long a stream that ends early waits for its token reader to close the LLM's stream.
+_READER_WAIT_S = 2.0
 
 
 class SynthesisError(RuntimeError):
@@ -258,19 +260,24 @@ class CosyVoice2Pipeline:
         llm_request: LLMRequest,
         is_cancelled: _ThrottledCheck,
         times: _Times,
-        closed: threading.Event | None = None,
+        stop: StopSignal | None = None,
     ) -> Generator[int, None, None]:
-        """Speech tokens (not LLM ids) as generated; ends at the first non-speech id, on cancel or once ``closed``."""
+        """Speech tokens (not LLM ids) as generated; ends at the first non-speech id, on cancel or once ``stop`` is set.
 
-        def unwanted() -> bool:
-            return (closed is not None and closed.is_set()) or is_cancelled.always()
-
+        With ``stop`` (the tokens read on a thread of their own) every cancellation check goes through
+        it, so none reaches Triton after the consumer stopped and may have sent the final response.
+        """
+        cancelled: Callable[[], bool] = is_cancelled
+        unwanted: Callable[[], bool] = is_cancelled.always
+        if stop is not None:
+            cancelled = functools.partial(stop.unless_set, is_cancelled)
+            unwanted = functools.partial(stop.unless_set, is_cancelled.always)
         pieces = self._stages.generate(llm_request, unwanted)
         try:
             for piece in pieces:
                 if not times.first_token:
                     times.first_token = time.monotonic()
-                if (closed is not None and closed.is_set()) or is_cancelled():
+                if cancelled():
                     return
                 for llm_id in piece:
                     token = vocab.id_to_speech_token(llm_id)
@@ -320,9 +327,9 @@ class CosyVoice2Pipeline:
         hop = schedule.next_hop(0)
         started = time.monotonic()
         session_open = False
-        closed = threading.Event()
+        stop = StopSignal()
         feed = TokenFeed(
-            self._speech_tokens(llm_request, is_cancelled, times, closed), closed, name=f"tokens-{session_id[:8]}"
+            self._speech_tokens(llm_request, is_cancelled, times, stop), stop, name=f"tokens-{session_id[:8]}"
         )
 
         def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:
@@ -371,7 +378,9 @@ class CosyVoice2Pipeline:
             session_open = False
             yield final
         finally:
-            feed.close()
+            # A stream that ends early (cancelled, failed, abandoned) waits for the LLM's next token, when
+            # the reader closes the LLM's stream (cancelling it); one that finished has nothing to wait for.
+            feed.close(_READER_WAIT_S)
             if session_open:
                 self._stages.release(session_id)
 

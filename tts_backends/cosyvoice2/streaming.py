@@ -107,10 +107,11 @@ class HopSchedule:
 
         While a stream waits for token2wav, the LLM runs ahead of it. Every chunk re-runs the flow
         over the voice prompt and all tokens so far, so a stream that converts what has arrived in
-        fewer, larger chunks costs the GPU less where it is short of time, and its audio arrives no
-        later (the conversion starts when it would have). The hops stay on the schedule's ladder,
-        ``hop`` doubling up to ``max_hop``: the chunk sizes HiFT's graphs are recorded for.
-        ``pending_tokens`` counts the unconverted tokens, look-ahead included.
+        fewer, larger chunks costs the GPU less where it is short of time. The conversion starts
+        when the scheduled hop's would have; a larger chunk takes a little longer (HiFT grows with
+        it) but brings more audio. The hops stay on the schedule's ladder, ``hop`` doubling up to
+        ``max_hop``: the chunk sizes HiFT's graphs are recorded for. ``pending_tokens`` counts the
+        unconverted tokens, look-ahead included.
         """
         if not self.catch_up or self.policy is not HopPolicy.EXPONENTIAL:
             return hop

@@ -11,23 +11,49 @@ torch and Triton.
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+
+
+class StopSignal:
+    """Set once, by the consumer; checks made on the reader's thread go through :meth:`unless_set`.
+
+    A check that asks Triton whether the request was cancelled must not run once the request has
+    had its final response (the server frees what the question goes through). The consumer sends
+    that response only after :meth:`set` returned, and :meth:`set` waits for a check under way.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+
+    def is_set(self) -> bool:
+        with self._lock:
+            return self._set
+
+    def unless_set(self, check: Callable[[], bool]) -> bool:
+        """True once set; else what ``check()`` answers (never called after :meth:`set` returned)."""
+        with self._lock:
+            return self._set or check()
 
 
 class TokenFeed:
     """Reads ``source`` on a daemon thread until it ends or the feed is closed.
 
-    ``closed`` is set by :meth:`close`; the source should stop when it sees it (the reader also
-    stops at the source's next token). The source is closed on the reader's thread, since a
-    generator cannot be closed from another thread while it runs. An exception from the source is
-    raised to the consumer once it asks for tokens beyond those that arrived before it.
+    ``stop`` is set by :meth:`close`; the source should stop when it sees it (the reader also stops
+    at the source's next token). The source is closed on the reader's thread, since a generator
+    cannot be closed from another thread while it runs. An exception from the source is raised to
+    the consumer once it asks for tokens beyond those that arrived before it.
     """
 
-    def __init__(self, source: Generator[int, None, None], closed: threading.Event, *, name: str) -> None:
-        self.closed = closed
+    def __init__(self, source: Generator[int, None, None], stop: StopSignal, *, name: str) -> None:
+        self.stop = stop
         self._tokens: list[int] = []
         self._finished = False
-        self._error: Exception | None = None
+        self._error: BaseException | None = None
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._read, args=(source,), name=name, daemon=True)
         self._thread.start()
@@ -65,20 +91,26 @@ class TokenFeed:
                 raise self._error
             return list(self._tokens)
 
-    def close(self) -> None:
-        """Ask the reader to stop: it lets go of the source at its next token, or once the source sees ``closed``."""
-        self.closed.set()
+    def close(self, wait_s: float) -> bool:
+        """Stop reading and wait up to ``wait_s`` for the reader to let go of the source; whether it did.
+
+        A reader waiting inside the source lets go at the source's next token: an LLM that is
+        generating sends one within milliseconds, one that has stalled may not within ``wait_s``.
+        """
+        self.stop.set()
+        self._thread.join(wait_s)
+        return not self._thread.is_alive()
 
     def _read(self, source: Generator[int, None, None]) -> None:
-        error: Exception | None = None
+        error: BaseException | None = None
         try:
             for token in source:
-                if self.closed.is_set():
+                if self.stop.is_set():
                     break
                 with self._changed:
                     self._tokens.append(token)
                     self._changed.notify_all()
-        except Exception as exc:  # raised to the consumer by wait_for
+        except BaseException as exc:  # raised to the consumer by wait_for and all_tokens
             error = exc
         finally:
             try:

@@ -133,8 +133,9 @@ class _FinishedStreams:
     3.12 segfaults there (earlier versions race on the allocator). That thread serves a FIFO
     queue which ``request.is_cancelled()`` also goes through, so a query answered after a
     stream finished proves the stub let go of it: the last reference is then dropped here,
-    under the GIL. A ``True`` answer may come from a cache without the round trip; such
-    streams wait for the next query that does make it.
+    under the GIL. A ``True`` answer may come from a cache without the round trip, or from the
+    orchestrator having stopped reading the stream (its check then asks nothing); such streams
+    wait for the next query that does make it.
     """
 
     def __init__(self) -> None:
