@@ -86,10 +86,9 @@ def test_catching_up_only_moves_the_exponential_ladder_and_can_be_turned_off() -
 
 def test_a_chunk_is_emitted_once_hop_plus_lookahead_tokens_are_unconsumed() -> None:
     schedule = HopSchedule()
-    assert not schedule.can_emit(available_tokens=17, token_offset=0, hop=15)
-    assert schedule.can_emit(available_tokens=18, token_offset=0, hop=15)
-    assert not schedule.can_emit(available_tokens=42, token_offset=15, hop=25)
-    assert schedule.can_emit(available_tokens=43, token_offset=15, hop=25)
+    # 17 tokens are too few for the first chunk, 18 enough; 42 too few for the second, 43 enough.
+    assert schedule.chunk_end(token_offset=0, hop=15) == 18
+    assert schedule.chunk_end(token_offset=15, hop=25) == 43
 
 
 def test_driving_a_stream_converts_every_token_exactly_once() -> None:
@@ -97,7 +96,7 @@ def test_driving_a_stream_converts_every_token_exactly_once() -> None:
     total, offset, chunk, spans = 260, 0, 0, []
     for available in range(1, total + 1):
         hop = schedule.next_hop(chunk)
-        if schedule.can_emit(available, offset, hop):
+        if available >= schedule.chunk_end(offset, hop):
             spans.append((offset, offset + hop))
             offset, chunk = offset + hop, chunk + 1
     spans.append((offset, total))  # the final chunk takes the rest, look-ahead included

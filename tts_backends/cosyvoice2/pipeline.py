@@ -346,7 +346,7 @@ class CosyVoice2Pipeline:
 
         try:
             while True:
-                needed = offset + hop + schedule.pre_lookahead
+                needed = schedule.chunk_end(offset, hop)
                 arrived = feed.wait_for(needed)
                 if arrived < needed:
                     break
@@ -356,7 +356,7 @@ class CosyVoice2Pipeline:
                     hop = schedule.catch_up_hop(hop, arrived - offset)
                 if not times.first_hop:
                     times.first_hop = time.monotonic()
-                chunk = convert(feed.tokens(offset + hop + schedule.pre_lookahead), finalize=False)
+                chunk = convert(feed.tokens(schedule.chunk_end(offset, hop)), finalize=False)
                 session_open = True
                 yield chunk
                 offset += hop

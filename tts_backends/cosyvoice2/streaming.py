@@ -124,6 +124,7 @@ class HopSchedule:
             chosen = larger
         return chosen
 
-    def can_emit(self, available_tokens: int, token_offset: int, hop: int) -> bool:
-        """Whether ``hop`` unconverted tokens plus the look-ahead exist beyond ``token_offset``."""
-        return available_tokens - token_offset >= hop + self.pre_lookahead
+    def chunk_end(self, token_offset: int, hop: int) -> int:
+        """How many tokens a chunk of ``hop`` tokens after ``token_offset`` converts, look-ahead included:
+        they must all have arrived before it is emitted."""
+        return token_offset + hop + self.pre_lookahead
