@@ -192,7 +192,7 @@ class PassResult:
             "latency_ms": _stats([r.total_ms for r in ok]),
             # A stream falls behind its playback when the rest of its audio takes longer than it lasts.
             "behind_real_time": sum(1 for r in ok if (r.total_ms - r.first_chunk_ms) / 1000 > r.audio_s),
-            # Fewer chunks for the same audio: the orchestrator caught up with tokens that had arrived.
+            # Pieces of audio the client read: the stream's chunks directly, HTTP reads through the gateway.
             "chunks_per_request": round(sum(r.chunks for r in ok) / len(ok), 2) if ok else None,
             "gpu_peak_mib": self.gpu_peak_mib,
         }
@@ -440,12 +440,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{item['token2wav_batch'].get('mean', '-')} (max {item['token2wav_batch'].get('max', '-')})"
             for item in staged
         )
-        chunks = " / ".join(str(item.get("chunks_per_request", "-")) for item in staged)
+        chunks = " / ".join(str(item["token2wav_batch"].get("calls_per_stream", "-")) for item in staged)
         lines += [
             "",
             f"token2wav calls converted together (one group), mean (max) over the pass's calls: {batches}.",
             "",
-            f"Chunks per streamed request, mean (fewer where later chunks caught up with arrived tokens): {chunks}.",
+            "Chunks per Triton stream (token2wav calls; through the gateway the first sentence's), mean (fewer where "
+            f"later chunks caught up with arrived tokens): {chunks}.",
         ]
     lines += [
         "",

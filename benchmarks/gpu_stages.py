@@ -85,11 +85,19 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
 
 def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, float]:
     """How many calls token2wav converted together (one group, one flow pass): mean and max over the
-    calls of the streamed requests in ``sent`` (the warm-up's and other passes' excluded)."""
+    calls of the streamed requests in ``sent`` (the warm-up's and other passes' excluded); and how many
+    calls (chunks) each of those Triton streams took, the same count for direct streams and the
+    gateway's (whose HTTP reads split and join chunks)."""
     events = read_traces(trace_dir)
     sessions = {str(e["key"]) for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
     rows = [float(e["rows"]) for e in events if e["stage"] == "token2wav" and str(e["key"]) in sessions]
-    return {"mean": round(float(np.mean(rows)), 2), "max": max(rows)} if rows else {}
+    if not rows:
+        return {}
+    return {
+        "mean": round(float(np.mean(rows)), 2),
+        "max": max(rows),
+        "calls_per_stream": round(len(rows) / len(sessions), 2),
+    }
 
 
 def _percentiles(values: Iterable[float]) -> dict[str, float]:
