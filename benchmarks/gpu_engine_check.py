@@ -2,10 +2,11 @@
 
 On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``):
 
-- LLM: how many of 40 greedy tokens from the CUDA-graph engine equal the eager engine's before they
-  first differ (the recorded prefill pads the prompt to its bucket, so bf16 sums may round differently),
-  how many of 16 concurrent greedy requests match their solo tokens, and decode throughput with
-  1 / 16 / 64 requests in flight;
+- LLM, for each engine variant (CUDA graphs over whole slots; over attention spans; spans with the
+  regions and sampler compiled by inductor): how many of 40 greedy tokens equal the eager engine's
+  before they first differ (the recorded prefill pads the prompt to its bucket and compiled kernels
+  sum in another order, so bf16 sums may round differently), how many of 16 concurrent greedy
+  requests match their solo tokens, and decode throughput with 1 / 16 / 64 requests in flight;
 - token2wav: the graph-replayed flow solve against the eager one (relative error of the mel), the
   same for a streaming chunk solved after the recorded voice prefix, the time to record a voice's
   prefix, and the time of one batched conversion of 1 / 4 / 16 / 32 first chunks and of later
@@ -83,26 +84,41 @@ def run_all(llm: TorchSpeechLLM, prompts: list[list[int]], params: SamplingParam
     return results
 
 
-def check_llm(llm_dir: Path, report: dict[str, Any]) -> None:
-    started = time.monotonic()
-    graphs = TorchSpeechLLM(llm_dir, "cuda", "bfloat16", max_slots=64, max_seq_len=3072, cuda_graphs=True)
-    report["llm_load_and_capture_s"] = round(time.monotonic() - started, 1)
+# The LLM engines timed side by side: graphs over whole slots, uncompiled (the engine before spans and
+# compiling); graphs over attention spans; and spans with the regions and sampler compiled by inductor.
+LLM_VARIANTS: dict[str, dict[str, Any]] = {
+    "graphs": {"spans": (), "compile_backend": ""},
+    "graphs+spans": {"compile_backend": ""},
+    "graphs+spans+inductor": {"compile_backend": "inductor"},
+}
+
+
+def check_llm(llm_dir: Path, report: dict[str, Any], variants: list[str]) -> None:
+    """Each engine variant against the eager engine (greedy agreement), then its decode throughput."""
     eager = TorchSpeechLLM(llm_dir, "cuda", "bfloat16", max_slots=64, max_seq_len=3072, cuda_graphs=False)
-    solo = [run_all(graphs, [prompt_ids(i)], GREEDY, 40)[0] for i in range(16)]
     reference = run_all(eager, [prompt_ids(0)], GREEDY, 40)[0]
-    agree = next((i for i, (a, b) in enumerate(zip(solo[0], reference, strict=True)) if a != b), len(reference))
-    report["llm_graph_vs_eager_greedy_tokens_agreeing"] = f"{agree}/{len(reference)}"
-    batched = run_all(graphs, [prompt_ids(i) for i in range(16)], GREEDY, 40)
-    report["llm_batched_greedy_equal_solo"] = f"{sum(a == b for a, b in zip(solo, batched, strict=True))}/16"
-    for count in (1, 16, 64):
-        run_all(graphs, [prompt_ids(i) for i in range(count)], SAMPLED, 20)
-        started = time.monotonic()
-        out = run_all(graphs, [prompt_ids(100 + i) for i in range(count)], SAMPLED, 200)
-        wall = time.monotonic() - started
-        report[f"llm_tokens_per_s_{count}"] = round(sum(len(o) for o in out) / wall)
-        report[f"llm_ms_per_step_{count}"] = round(1000 * wall / 200, 2)
-    graphs.close()
     eager.close()
+    for name in variants:
+        started = time.monotonic()
+        llm = TorchSpeechLLM(
+            llm_dir, "cuda", "bfloat16", max_slots=64, max_seq_len=3072, cuda_graphs=True, **LLM_VARIANTS[name]
+        )
+        result: dict[str, Any] = {"load_and_capture_s": round(time.monotonic() - started, 1)}
+        solo = [run_all(llm, [prompt_ids(i)], GREEDY, 40)[0] for i in range(16)]
+        agree = next((i for i, (a, b) in enumerate(zip(solo[0], reference, strict=True)) if a != b), len(reference))
+        result["greedy_tokens_agreeing_with_eager"] = f"{agree}/{len(reference)}"
+        batched = run_all(llm, [prompt_ids(i) for i in range(16)], GREEDY, 40)
+        result["batched_greedy_equal_solo"] = f"{sum(a == b for a, b in zip(solo, batched, strict=True))}/16"
+        for count in (1, 16, 64):
+            run_all(llm, [prompt_ids(i) for i in range(count)], SAMPLED, 20)
+            started = time.monotonic()
+            out = run_all(llm, [prompt_ids(100 + i) for i in range(count)], SAMPLED, 200)
+            wall = time.monotonic() - started
+            result[f"tokens_per_s_{count}"] = round(sum(len(o) for o in out) / wall)
+            result[f"ms_per_step_{count}"] = round(1000 * wall / 200, 2)
+        llm.close()
+        report.setdefault("llm", {})[name] = result
+        print(name, result, flush=True)
 
 
 def check_token2wav(
@@ -279,7 +295,13 @@ def main() -> int:
     parser.add_argument("--graph-frames", type=int, default=1536)
     parser.add_argument("--hift-graph-rows", type=int, default=32)
     parser.add_argument("--counts", default="1,4,16,32", help="batch sizes of the token2wav timings")
+    parser.add_argument(
+        "--llm-variants", default=",".join(LLM_VARIANTS), help=f"LLM engines to time, of {', '.join(LLM_VARIANTS)}"
+    )
     args = parser.parse_args()
+    llm_variants = [name for name in args.llm_variants.split(",") if name]
+    if unknown := set(llm_variants) - set(LLM_VARIANTS):
+        parser.error(f"unknown LLM variants {sorted(unknown)}")
     device = "cpu" if args.cpu else torch.cuda.get_device_name()
     report: dict[str, Any] = {"device": device, "torch": torch.__version__}
     counts = [int(count) for count in args.counts.split(",")]
@@ -289,7 +311,7 @@ def main() -> int:
     else:
         checkpoint, _ = ensure_checkpoint(args.workdir.resolve() / "models", full_size())
         model_dir = checkpoint.model_dir
-        checks = [lambda: check_llm(checkpoint.llm_dir, report)]
+        checks = [lambda: check_llm(checkpoint.llm_dir, report, llm_variants)]
     if not args.llm_only:
         checks.append(
             lambda: check_token2wav(

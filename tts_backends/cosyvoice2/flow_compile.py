@@ -14,39 +14,16 @@ code's Python launchers cost nothing per call; the encoder, which runs eagerly, 
 
 from __future__ import annotations
 
-import codecs
-import locale
 import time
 from typing import Final
 
 import torch
 
+from tts_backends.cosyvoice2.compiling import read_text_as_utf8
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
 from tts_backends.cosyvoice2.flow_decoder import UNetLevel
 
 _WARM_UP_TOKENS: Final = 20
-
-
-def _utf8_locale() -> bool:
-    return codecs.lookup(locale.getpreferredencoding(False)).name == "utf-8"
-
-
-def _read_text_as_utf8() -> None:
-    """Make the process's text files UTF-8, as torch.compile's templates are.
-
-    Triton's Python stub embeds the interpreter without taking the locale from the environment:
-    ``LC_CTYPE`` stays "C", text files open as ASCII, and the first compile fails. This sets
-    ``LC_CTYPE`` from the environment, or to C.UTF-8 where that is not UTF-8 either.
-    """
-    for name in ("", "C.UTF-8"):
-        if _utf8_locale():
-            return
-        try:
-            locale.setlocale(locale.LC_CTYPE, name)
-        except locale.Error:
-            continue
-    if not _utf8_locale():
-        raise RuntimeError("compiling the flow needs a UTF-8 locale; set LANG=C.UTF-8")
 
 
 def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int) -> float:
@@ -57,7 +34,7 @@ def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int) -> 
     is the classifier-free-guidance pair, never 1, so the trace's sizes stay symbolic.)
     """
     started = time.monotonic()
-    _read_text_as_utf8()
+    read_text_as_utf8()
     try:
         for module in flow.decoder.estimator.modules():
             if isinstance(module, UNetLevel):

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from . import vocab
-from .llm_decoder import SlotDecoder
+from .llm_decoder import DEFAULT_SPANS, SlotDecoder
 from .llm_engine import (
     COLUMN_IDS,
     DEFAULT_BUCKETS,
@@ -72,9 +72,12 @@ class TorchSpeechLLM:
     """A CosyVoice2 LLM (Qwen2 with the extended vocabulary) on one torch device, batching its requests.
 
     Requests run through a :class:`~tts_backends.cosyvoice2.llm_engine.BatchingEngine`: ``max_slots``
-    requests decode together over a static KV cache of ``max_seq_len`` positions each, with CUDA
-    graphs on a CUDA device unless ``cuda_graphs`` says otherwise. :meth:`submit` streams tokens to a
-    sink (the Triton model); :meth:`generate` is the same as a blocking iterator.
+    requests decode together over a static KV cache of ``max_seq_len`` positions each (a step reads
+    the smallest of ``spans`` positions that holds its rows), with CUDA
+    graphs on a CUDA device unless ``cuda_graphs`` says otherwise; a ``compile_backend`` ("inductor" on
+    GPUs) compiles the decoder's regions and the sampler at load, before the graphs are recorded.
+    :meth:`submit` streams tokens to a sink (the Triton model); :meth:`generate` is the same as a
+    blocking iterator.
     """
 
     def __init__(
@@ -88,6 +91,8 @@ class TorchSpeechLLM:
         cuda_graphs: bool | None = None,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         gate: StepGate | None = None,
+        compile_backend: str = "",
+        spans: Sequence[int] = DEFAULT_SPANS,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -102,10 +107,16 @@ class TorchSpeechLLM:
         model = model.to(self._device).eval()
         self.vocab_size: int = config.vocab_size
         decoder = SlotDecoder(
-            model, slots=max_slots, max_len=max_seq_len, columns=torch.tensor(COLUMN_IDS, dtype=torch.long)
+            model,
+            slots=max_slots,
+            max_len=max_seq_len,
+            columns=torch.tensor(COLUMN_IDS, dtype=torch.long),
+            spans=spans,
         )
         graphs = self._device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.engine = BatchingEngine(decoder, cuda_graphs=graphs, buckets=buckets, gate=gate)
+        self.engine = BatchingEngine(
+            decoder, cuda_graphs=graphs, buckets=buckets, gate=gate, compile_backend=compile_backend
+        )
 
     def close(self) -> None:
         """Stop the engine; requests still in flight end with an error."""

@@ -7,11 +7,13 @@ Requests join and leave between steps: a finished or cancelled one frees its cac
 and the last live slot moves into the hole so that live requests always fill slots ``0..n-1``.
 
 On CUDA every decode step (forward pass, sampling and the bookkeeping that prepares the next
-step) is replayed from a CUDA graph, one per batch-size bucket, all captured when the engine
-starts. Steps are pipelined: the next step is launched (its inputs are already on the device)
-before the host reads and hands out the ids of the last one, so the GPU decodes while the host
-delivers. A request that ended at step ``k`` therefore runs one step more, whose id is dropped;
-that step stays within the request's positions. On the CPU the same loop runs eagerly at the
+step) is replayed from a CUDA graph, one per batch-size bucket and attention span (the cache
+positions the step reads, :class:`SlotDecoder`), all captured when the engine starts; with a
+``compile_backend`` the decoder's regions and the sampler are compiled first. Steps are
+pipelined: the next step is launched (its inputs are already on the device) before the host
+reads and hands out the ids of the last one, so the GPU decodes while the host delivers. A
+request that ended at step ``k`` therefore runs one step more, whose id is dropped; that step
+stays within the request's positions. On the CPU the same loop runs eagerly at the
 exact batch size.
 """
 
@@ -100,6 +102,8 @@ class GenerationHandle:
     first_token: float = 0.0
     last_token: float = 0.0
     produced: int = 0
+    # Decode steps launched with the request's row: its next step writes at prompt length + launched.
+    launched: int = 0
     # Decode steps the request ran in, their device time and how long the host waited for them:
     # the trace tells a GPU-bound engine (waits as long as the steps) from a host-bound one.
     steps: int = 0
@@ -187,7 +191,10 @@ class BatchingEngine:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_prefill_rows: int = 8,
         gate: StepGate | None = None,
+        compile_backend: str = "",
     ) -> None:
+        """``compile_backend`` (for example "inductor") compiles the decoder's regions and the sampler
+        before the graphs are recorded; a compile that fails raises RuntimeError."""
         self._decoder = decoder
         self._device = decoder.device
         self.slots = decoder.slots
@@ -200,7 +207,7 @@ class BatchingEngine:
         self._waiting: deque[GenerationHandle] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         prefill_width = min(max(PREFILL_BUCKETS), decoder.max_len)
         self._prefill_ids = torch.zeros(1, prefill_width, dtype=torch.int64, device=self._device)
@@ -210,6 +217,9 @@ class BatchingEngine:
         self._cuda = self._device.type == "cuda"
         self._host_ids = [torch.zeros(self.slots, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
         self._next_host = 0
+        self._sample = sample
+        if compile_backend:
+            self._compile(compile_backend)
         if cuda_graphs:
             self._capture()
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -217,7 +227,7 @@ class BatchingEngine:
 
     @property
     def graph_buckets(self) -> list[int]:
-        return sorted(self._graphs)
+        return sorted({bucket for bucket, _ in self._graphs})
 
     def submit(self, request: Generation, sink: TokenSink) -> GenerationHandle:
         """Queue ``request``; raises ValueError (before anything runs) when it cannot be served."""
@@ -350,16 +360,16 @@ class BatchingEngine:
         """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
         r = self._rows
         window = r.window(start, stop)
-        chosen = sample(logits, window)
+        chosen = self._sample(logits, window)
         drawn = self._columns[chosen]
         r.drawn[start:stop] = drawn
         r.tokens[start:stop] = drawn
         window.seen.scatter_(1, chosen.unsqueeze(1), True)
         window.steps.add_(1)
 
-    def _decode(self, rows: int) -> None:
+    def _decode(self, rows: int, span: int) -> None:
         r = self._rows
-        logits = self._decoder.decode(r.tokens[:rows], r.positions[:rows])
+        logits = self._decoder.decode(r.tokens[:rows], r.positions[:rows], span)
         r.positions[:rows].add_(1)
         self._advance(logits, 0, rows)
 
@@ -368,14 +378,19 @@ class BatchingEngine:
         live = len(self._live)
         started = time.perf_counter()
         bucket = next((b for b in self._buckets if b >= live), self.slots)
-        graph = self._graphs.get(bucket)
+        end = 0
+        for handle in self._live:
+            end = max(end, len(handle.request.input_ids) + handle.launched + 1)
+            handle.launched += 1
+        span = self._decoder.span_for(end)
+        graph = self._graphs.get((bucket, span))
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
         if events is not None:
             events[0].record()
         if graph is not None:
             graph.replay()
         else:
-            self._decode(live)
+            self._decode(live, span)
         host = self._host_ids[self._next_host][:live]
         self._next_host ^= 1
         host.copy_(self._rows.drawn[:live], non_blocking=True)
@@ -434,8 +449,32 @@ class BatchingEngine:
         handle.ended = True
         _finish(handle, None)
 
+    def _compile(self, backend: str) -> None:
+        """Compile the decoder's regions and the sampler, and run them once: a request never waits for a compile."""
+        started = time.monotonic()
+        saved = [tensor.clone() for tensor in self._rows.all()]
+        try:
+            self._decoder.compile(backend)
+            self._sample = torch.compile(sample, backend=backend, dynamic=True)
+            for rows in (1, 2):
+                # One row and several are separate compiles (dynamo specialises sizes of one). The
+                # slots written (0 and 1; there is always a staging slot after the first) are free.
+                self._decode(rows, self._decoder.spans[0])
+                ids = torch.zeros(rows, 2, dtype=torch.int64, device=self._device)
+                self._decoder.prefill(ids, torch.full((rows,), 2, device=self._device), first_slot=0)
+        except Exception as exc:
+            raise RuntimeError(
+                f"compiling the LLM with {backend!r} failed ({type(exc).__name__}: {exc}); "
+                "an empty compile_backend runs it uncompiled"
+            ) from exc
+        finally:
+            for tensor, value in zip(self._rows.all(), saved, strict=True):
+                tensor.copy_(value)
+        _log.info("LLM regions and sampler compiled (%s) in %.1f s", backend, time.monotonic() - started)
+
     def _capture(self) -> None:
-        """Record one decode step per bucket and one prefill per prompt-length bucket, sharing one memory pool."""
+        """Record one decode step per bucket and span and one prefill per prompt-length bucket, sharing one memory
+        pool."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -443,12 +482,13 @@ class BatchingEngine:
         staging = self._decoder.staging_slot
         with torch.cuda.stream(stream):
             for bucket in sorted(self._buckets, reverse=True):
-                for _ in range(2):
-                    self._decode(bucket)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._decode(bucket)
-                self._graphs[bucket] = graph
+                for span in sorted(self._decoder.spans, reverse=True):
+                    for _ in range(2):
+                        self._decode(bucket, span)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._decode(bucket, span)
+                    self._graphs[bucket, span] = graph
             for width in sorted((b for b in PREFILL_BUCKETS if b <= self._prefill_ids.shape[1]), reverse=True):
                 ids = self._prefill_ids[:, :width]
                 self._decoder.prefill(ids, self._prefill_length, first_slot=staging)

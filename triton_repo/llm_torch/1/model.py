@@ -46,6 +46,7 @@ class TritonPythonModel:
             max_slots=int(params["max_slots"]),
             max_seq_len=int(params["max_seq_len"]),
             cuda_graphs=None if graphs == "auto" else graphs == "true",
+            compile_backend=params["compile_backend"],
             gate=None
             if self._turns is None
             else YieldToFirstChunks(self._turns, max_rows=yield_rows, after_tokens=int(params["yield_after_tokens"])),

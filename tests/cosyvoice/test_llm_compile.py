@@ -1,0 +1,109 @@
+"""The LLM engine's decode step over attention spans and with its regions compiled: the same tokens.
+
+The GPU profile compiles with inductor; here ``aot_eager`` runs the same dynamo and AOTAutograd
+tracing with symbolic shapes on the CPU, without generating kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch._dynamo.utils import counters
+
+from tests.cosyvoice.test_llm_engine import GREEDY, SAMPLED, submit
+from tts_backends.cosyvoice2 import tiny_frontend
+from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
+
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
+
+SLOTS = 4
+MAX_LEN = 128
+SPANS = (16, 32, 64)
+# Prompts of 8 to 12 ids and 90 new tokens: every request crosses the spans 16, 32 and 64.
+TOKENS = 90
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_frontend.write_tiny_llm(tmp_path_factory.mktemp("llm") / "cosyvoice2_llm")
+
+
+@pytest.fixture(scope="module")
+def whole(llm_dir: Path) -> Iterator[TorchSpeechLLM]:
+    """Every step attends to all positions of a slot."""
+    model = TorchSpeechLLM(llm_dir, max_slots=SLOTS, max_seq_len=MAX_LEN, spans=())
+    yield model
+    model.close()
+
+
+def together(llm: TorchSpeechLLM, params: SamplingParams, count: int = 6) -> list[list[int]]:
+    """``count`` seeded requests submitted at once (more than the slots: some join later)."""
+    runs = [submit(llm, index, params, tokens=TOKENS) for index in range(count)]
+    for recorder, _ in runs:
+        assert recorder.done.wait(120)
+        assert recorder.error is None
+    return [recorder.tokens for recorder, _ in runs]
+
+
+def _compiled_graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_spans_are_the_smallest_that_hold_a_position(llm_dir: Path) -> None:
+    model = TorchSpeechLLM(llm_dir, max_slots=1, max_seq_len=MAX_LEN, spans=(*SPANS, 500))
+    try:
+        decoder = model.engine._decoder
+        assert decoder.spans == (*SPANS, MAX_LEN)
+        assert [decoder.span_for(end) for end in (1, 16, 17, 64, 65, 128, 129)] == [16, 16, 32, 64, 128, 128, 128]
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_steps_over_growing_spans_draw_what_steps_over_whole_slots_draw(
+    llm_dir: Path, whole: TorchSpeechLLM, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spanned = TorchSpeechLLM(llm_dir, max_slots=SLOTS, max_seq_len=MAX_LEN, spans=SPANS)
+    decoder = spanned.engine._decoder
+    used: set[int] = set()
+    decode = decoder.decode
+
+    def recording(tokens: Any, positions: Any, span: int) -> Any:
+        # Every row's position lies within the span its step reads.
+        assert int(positions.max()) < span
+        used.add(span)
+        return decode(tokens, positions, span)
+
+    monkeypatch.setattr(decoder, "decode", recording)
+    try:
+        assert together(spanned, params) == together(whole, params)
+    finally:
+        spanned.close()
+    assert used == {*SPANS, MAX_LEN}
+
+
+def test_compiled_regions_draw_the_uncompiled_tokens_without_compiling_after_load(
+    llm_dir: Path, whole: TorchSpeechLLM
+) -> None:
+    before = _compiled_graphs()
+    compiled = TorchSpeechLLM(llm_dir, max_slots=SLOTS, max_seq_len=MAX_LEN, spans=SPANS, compile_backend="aot_eager")
+    loaded = _compiled_graphs()
+    try:
+        # The layers' alike regions share their graphs: one per region kind and shape class
+        # (one row or several; a decode step or a prompt), not one per layer.
+        assert 0 < loaded - before <= 12
+        for params in (GREEDY, SAMPLED):
+            assert together(compiled, params) == together(whole, params)
+        one = submit(compiled, 9, SAMPLED, tokens=5)[0]
+        assert one.done.wait(60) and len(one.tokens) == 5
+    finally:
+        compiled.close()
+    assert _compiled_graphs() == loaded
+
+
+def test_a_compile_that_fails_says_how_to_run_without(llm_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match="empty compile_backend runs it uncompiled"):
+        TorchSpeechLLM(llm_dir, max_slots=1, max_seq_len=MAX_LEN, compile_backend="no-such-backend")
