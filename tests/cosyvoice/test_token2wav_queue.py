@@ -70,6 +70,32 @@ def test_first_chunks_go_first_then_the_length_class_of_the_oldest_call() -> Non
     assert pending == []
 
 
+def test_a_later_chunk_whose_audio_runs_out_goes_before_first_chunks_with_its_class() -> None:
+    pending = queued(
+        call("first-a", 18, offset=0),
+        call("ample", 60, offset=15),
+        call("running-dry", 62, offset=15),
+        call("drier", 300, offset=40),
+        call("offline-short", 50),
+    )
+    runs_out = {"ample": 9.0, "running-dry": 4.5, "drier": 4.0}
+    # Before 5.0 two streams run dry: the one that runs out first leads, with the later chunks and
+    # offline calls of its class (310 tokens with the prompt, alone in its class of 128).
+    assert names(take_group(pending, max_rows=8, runs_out=runs_out, before=5.0)) == ["drier"]
+    assert names(take_group(pending, max_rows=8, runs_out=runs_out, before=5.0)) == [
+        "running-dry",
+        "ample",
+        "offline-short",
+    ]
+    assert names(take_group(pending, max_rows=8, runs_out=runs_out, before=5.0)) == ["first-a"]
+
+
+def test_streams_with_audio_in_hand_leave_first_chunks_first() -> None:
+    pending = queued(call("later", 60, offset=15), call("first", 18, offset=0), call("unknown", 60, offset=30))
+    # "unknown" is a stream whose playback the queue did not follow: it is not promoted.
+    assert names(take_group(pending, max_rows=8, runs_out={"later": 9.0}, before=5.0)) == ["first"]
+
+
 class Recorder:
     """Stands in for Token2Wav where the order of groups is what is tested: answers each call with its
     length in samples; the first group blocks until released, so that others queue behind it."""
@@ -376,3 +402,99 @@ def test_a_first_chunk_converted_between_the_halves_of_a_later_solve_sounds_as_c
     for mine, reference in ((first_a, alone_a[0]), (later_a[0], alone_a[1]), (meanwhile[0], alone_b)):
         assert not isinstance(mine, Exception), mine
         np.testing.assert_allclose(mine, reference, atol=1e-5)
+
+
+def _playing_stream_then_a_first_chunk(guard_s: float, sample_rate: int) -> list[list[str]]:
+    """Stream "playing" gets its first chunk (18 samples), then, while another group converts, its next
+    chunk and a new stream's first chunk queue: the order they are converted in."""
+    recorder, answers = Recorder(), Answers()
+    queue = ConversionQueue(recorder, max_rows=4, playback_guard_s=guard_s, sample_rate=sample_rate)
+    try:
+        answers.expected = 1
+        queue.submit(call("playing", 18, offset=0), answers("playing"))
+        assert recorder.started.wait(10)
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+        answers.expected, answers.all_in = 4, threading.Event()
+        busy, gate = threading.Event(), threading.Event()
+        original = recorder.convert
+
+        def blocking(calls: Sequence[Conversion], *args: Any, **kwargs: Any) -> list[Audio | Exception]:
+            if calls[0].session_id == "busy":
+                busy.set()
+                assert gate.wait(10)
+            return original(calls, *args, **kwargs)
+
+        recorder.convert = blocking  # type: ignore[method-assign]
+        queue.submit(call("busy", 300, offset=40), answers("busy"))
+        assert busy.wait(10)
+        queue.submit(call("playing", 60, offset=15), answers("playing"))
+        queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
+        gate.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    return recorder.groups
+
+
+def test_a_stream_about_to_run_dry_goes_before_a_new_streams_first_chunk() -> None:
+    # 18 samples at 100 Hz: 0.18 s of audio, run out before the 1 s guard ends.
+    groups = _playing_stream_then_a_first_chunk(guard_s=1.0, sample_rate=100)
+    assert groups[-2:] == [["playing"], ["newcomer"]]
+
+
+def test_a_stream_with_audio_to_spare_or_no_guard_leaves_the_first_chunk_first() -> None:
+    # 18 samples at 1 Hz: 18 s of audio in hand.
+    assert _playing_stream_then_a_first_chunk(guard_s=1.0, sample_rate=1)[-2:] == [["newcomer"], ["playing"]]
+    assert _playing_stream_then_a_first_chunk(guard_s=0.0, sample_rate=100)[-2:] == [["newcomer"], ["playing"]]
+
+
+def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() -> None:
+    """Stream "playing" has 0.18 s of audio (18 samples at 100 Hz) and a 1 s guard: its next chunk's group
+    converts the first chunks waiting between its halves only while none of its streams would run dry."""
+    order: list[str] = []
+    halfway, go_on = threading.Event(), threading.Event()
+
+    class Lending:
+        def convert(
+            self,
+            calls: Sequence[Conversion],
+            on_result: Callable[[int, Audio | Exception], None] | None = None,
+            *,
+            between_segments: Callable[[], None] | None = None,
+        ) -> list[Audio | Exception]:
+            names = "+".join(c.session_id for c in calls)
+            if between_segments is not None:
+                halfway.set()
+                assert go_on.wait(10)
+                between_segments()
+            order.append(names)
+            results: list[Audio | Exception] = [np.zeros(int(np.size(c.tokens)), dtype=np.float32) for c in calls]
+            assert on_result is not None
+            for index, result in enumerate(results):
+                on_result(index, result)
+            return results
+
+    answers = Answers()
+    queue = ConversionQueue(Lending(), max_rows=4, playback_guard_s=1.0, sample_rate=100)
+    try:
+        answers.expected = 5
+        queue.submit(call("playing", 18, offset=0), answers("playing"))
+        queue.submit(call("unfollowed", 60, offset=15), answers("unfollowed"))
+        assert halfway.wait(10)
+        queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
+        go_on.set()
+        while "unfollowed" not in order:
+            time.sleep(0.001)
+        # A stream the queue did not see start lends as before: the newcomer went in between.
+        assert order == ["playing", "newcomer", "unfollowed"]
+        halfway.clear()
+        go_on.clear()
+        queue.submit(call("playing", 60, offset=15), answers("playing"))
+        assert halfway.wait(10)
+        queue.submit(call("second-newcomer", 18, offset=0), answers("second-newcomer"))
+        go_on.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert order[3:] == ["playing", "second-newcomer"]

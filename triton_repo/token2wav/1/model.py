@@ -65,6 +65,8 @@ class TritonPythonModel:
             max_rows=int(config["max_batch_size"]),
             first_chunks_hold=None if turns is None else lambda: turns.hold(slot),
             log_error=pb_utils.Logger.log_error,
+            playback_guard_s=int(params["playback_guard_ms"]) / 1000.0,
+            sample_rate=self._token2wav.sample_rate,
         )
 
     def execute(self, requests: list[Any]) -> None:
