@@ -57,7 +57,9 @@ def test_spans_are_the_smallest_that_hold_a_position(llm_dir: Path) -> None:
     try:
         decoder = model.engine._decoder
         assert decoder.spans == (*SPANS, MAX_LEN)
-        assert [decoder.span_for(end) for end in (1, 16, 17, 64, 65, 128, 129)] == [16, 16, 32, 64, 128, 128, 128]
+        assert [decoder.span_for(end) for end in (1, 16, 17, 64, 65, 128)] == [16, 16, 32, 64, 128, 128]
+        with pytest.raises(ValueError, match="past the cache"):
+            decoder.span_for(129)
     finally:
         model.close()
 
@@ -99,6 +101,24 @@ def test_compiled_regions_draw_the_uncompiled_tokens_without_compiling_after_loa
             assert together(compiled, params) == together(whole, params)
         one = submit(compiled, 9, SAMPLED, tokens=5)[0]
         assert one.done.wait(60) and len(one.tokens) == 5
+    finally:
+        compiled.close()
+    assert _compiled_graphs() == loaded
+
+
+def test_logits_copied_out_of_a_recorded_prefill_compile_nothing_more(
+    llm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the engine's thread copies a recorded prefill's logits out of the graph's buffer; the sampler
+    must take that copy as it took the logits it was compiled with."""
+    compiled = TorchSpeechLLM(llm_dir, max_slots=SLOTS, max_seq_len=MAX_LEN, spans=SPANS, compile_backend="aot_eager")
+    decoder = compiled.engine._decoder
+    prefill = decoder.prefill
+    monkeypatch.setattr(decoder, "prefill", lambda *args, **kwargs: prefill(*args, **kwargs).clone())
+    loaded = _compiled_graphs()
+    try:
+        # Several prompts admitted at once, then one at a time as slots free up.
+        assert all(together(compiled, SAMPLED))
     finally:
         compiled.close()
     assert _compiled_graphs() == loaded

@@ -449,34 +449,43 @@ def test_a_stream_with_audio_to_spare_or_no_guard_leaves_the_first_chunk_first()
     assert _playing_stream_then_a_first_chunk(guard_s=0.0, sample_rate=100)[-2:] == [["newcomer"], ["playing"]]
 
 
+class Lending:
+    """Stands in for Token2Wav where lending the GPU is tested: a group that may lend stops halfway
+    (``halfway``) until ``go_on``, then converts the first chunks waiting; every call gets its length in
+    samples, and ``order`` lists the groups as they finish."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.halfway, self.go_on = threading.Event(), threading.Event()
+
+    def convert(
+        self,
+        calls: Sequence[Conversion],
+        on_result: Callable[[int, Audio | Exception], None] | None = None,
+        *,
+        between_segments: Callable[[], None] | None = None,
+    ) -> list[Audio | Exception]:
+        names = "+".join(c.session_id for c in calls)
+        if between_segments is not None:
+            self.halfway.set()
+            assert self.go_on.wait(10)
+            between_segments()
+        self.order.append(names)
+        results: list[Audio | Exception] = [np.zeros(int(np.size(c.tokens)), dtype=np.float32) for c in calls]
+        assert on_result is not None
+        for index, result in enumerate(results):
+            on_result(index, result)
+        return results
+
+
 def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() -> None:
     """Stream "playing" has 0.18 s of audio (18 samples at 100 Hz) and a 1 s guard: its next chunk's group
     converts the first chunks waiting between its halves only while none of its streams would run dry."""
-    order: list[str] = []
-    halfway, go_on = threading.Event(), threading.Event()
-
-    class Lending:
-        def convert(
-            self,
-            calls: Sequence[Conversion],
-            on_result: Callable[[int, Audio | Exception], None] | None = None,
-            *,
-            between_segments: Callable[[], None] | None = None,
-        ) -> list[Audio | Exception]:
-            names = "+".join(c.session_id for c in calls)
-            if between_segments is not None:
-                halfway.set()
-                assert go_on.wait(10)
-                between_segments()
-            order.append(names)
-            results: list[Audio | Exception] = [np.zeros(int(np.size(c.tokens)), dtype=np.float32) for c in calls]
-            assert on_result is not None
-            for index, result in enumerate(results):
-                on_result(index, result)
-            return results
+    lending = Lending()
+    order, halfway, go_on = lending.order, lending.halfway, lending.go_on
 
     answers = Answers()
-    queue = ConversionQueue(Lending(), max_rows=4, playback_guard_s=1.0, sample_rate=100)
+    queue = ConversionQueue(lending, max_rows=4, playback_guard_s=1.0, sample_rate=100)
     try:
         answers.expected = 5
         queue.submit(call("playing", 18, offset=0), answers("playing"))
@@ -484,7 +493,9 @@ def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() ->
         assert halfway.wait(10)
         queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
         go_on.set()
+        deadline = time.monotonic() + 10
         while "unfollowed" not in order:
+            assert time.monotonic() < deadline, order
             time.sleep(0.001)
         # A stream the queue did not see start lends as before: the newcomer went in between.
         assert order == ["playing", "newcomer", "unfollowed"]
@@ -498,3 +509,22 @@ def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() ->
     finally:
         queue.close()
     assert order[3:] == ["playing", "second-newcomer"]
+
+
+def test_a_later_group_stops_lending_the_gpu_when_another_streams_next_chunk_would_wait_too_long() -> None:
+    lending, answers = Lending(), Answers()
+    queue = ConversionQueue(lending, max_rows=4, playback_guard_s=1.0, sample_rate=100)
+    try:
+        answers.expected = 4
+        # "dry" has 0.18 s of audio; "roomy" is a stream the queue did not see start (nothing to guard).
+        queue.submit(call("dry", 18, offset=0), answers("dry"))
+        queue.submit(call("roomy", 300, offset=40), answers("roomy"))
+        assert lending.halfway.wait(10)
+        queue.submit(call("dry", 60, offset=15), answers("dry"))
+        queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
+        lending.go_on.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    # "roomy" lent nothing: "dry"'s next chunk, about to run out, went first, the newcomer after it.
+    assert lending.order == ["dry", "roomy", "dry", "newcomer"]

@@ -142,8 +142,10 @@ class SlotDecoder:
             region.compile(backend=backend, dynamic=True)
 
     def span_for(self, end: int) -> int:
-        """The smallest span holding positions ``0..end-1``."""
-        return next(span for span in self.spans if span >= end) if end <= self.max_len else self.max_len
+        """The smallest span holding positions ``0..end-1``; ValueError past ``max_len``."""
+        if end > self.max_len:
+            raise ValueError(f"position {end - 1} lies past the cache's {self.max_len} positions")
+        return next(span for span in self.spans if span >= end)
 
     @property
     def cache_bytes(self) -> int:

@@ -225,10 +225,6 @@ class BatchingEngine:
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def graph_buckets(self) -> list[int]:
-        return sorted({bucket for bucket, _ in self._graphs})
-
     def submit(self, request: Generation, sink: TokenSink) -> GenerationHandle:
         """Queue ``request``; raises ValueError (before anything runs) when it cannot be served."""
         if len(request.input_ids) + request.max_new_tokens > self._decoder.max_len:
@@ -250,7 +246,10 @@ class BatchingEngine:
             self._wake.notify()
         self._thread.join()
 
+    @torch.inference_mode()
     def _run(self) -> None:
+        # Everything the engine runs is in inference mode, as its compiled regions and sampler were traced:
+        # a tensor made outside it (a recorded prefill's logits copied out) would make dynamo compile again.
         if self._cuda:
             # Events, copies and replays of this thread must all go to the model's device.
             torch.cuda.set_device(self._device)
@@ -449,6 +448,7 @@ class BatchingEngine:
         handle.ended = True
         _finish(handle, None)
 
+    @torch.inference_mode()
     def _compile(self, backend: str) -> None:
         """Compile the decoder's regions and the sampler, and run them once: a request never waits for a compile."""
         started = time.monotonic()
@@ -472,6 +472,7 @@ class BatchingEngine:
                 tensor.copy_(value)
         _log.info("LLM regions and sampler compiled (%s) in %.1f s", backend, time.monotonic() - started)
 
+    @torch.inference_mode()
     def _capture(self) -> None:
         """Record one decode step per bucket and span and one prefill per prompt-length bucket, sharing one memory
         pool."""

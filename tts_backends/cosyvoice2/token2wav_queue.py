@@ -138,7 +138,8 @@ class ConversionQueue:
         self._log_error = log_error
         self._guard_s = playback_guard_s
         self._sample_rate = sample_rate
-        # When each playing stream's audio runs out, by session: kept by the worker thread alone.
+        # When each playing stream's audio runs out, by session, the most recently supplied last: kept by
+        # the worker thread alone (and by close() once the worker has ended).
         self._runs_out: dict[str, float] = {}
         self._pending: list[Queued] = []
         self._ready = threading.Condition()
@@ -178,15 +179,17 @@ class ConversionQueue:
 
     def _first_chunks_meanwhile(self, lender: list[Queued]) -> None:
         """Between two parts of a later group's flow solve: convert the streams' first chunks waiting,
-        a group at a time (those that arrive meanwhile too), until a stream of the ``lender`` group
-        would run out of audio within the playback guard."""
+        a group at a time (those that arrive meanwhile too), until a stream of the ``lender`` group, or
+        one whose later chunk waits, would run out of audio within the playback guard."""
         while True:
             with self._ready:
                 if self._closed or not any(queued.call.token_offset == 0 for queued in self._pending):
                     return
                 if self._guard_s > 0:
+                    # The lender's streams, and those whose next chunk waits, must not run dry meanwhile.
                     before = time.monotonic() + self._guard_s
-                    if any(self._runs_out.get(queued.call.session_id, before) < before for queued in lender):
+                    later = (queued for queued in self._pending if queued.call.token_offset)
+                    if any(self._runs_out.get(q.call.session_id, before) < before for q in (*lender, *later)):
                         return
                 group = take_group(self._pending, self._max_rows)
             self._convert(group)
@@ -228,9 +231,9 @@ class ConversionQueue:
             self._runs_out.pop(session, None)
             return
         now = time.monotonic()
-        start = now if call.token_offset == 0 else max(now, self._runs_out.get(session, now))
+        start = now if call.token_offset == 0 else max(now, self._runs_out.pop(session, now))
         self._runs_out[session] = start + result.size / self._sample_rate
-        # Streams cancelled mid-way never send a final chunk through the queue: forget the oldest.
+        # Streams cancelled mid-way never send a final chunk through the queue: forget the least recently supplied.
         while len(self._runs_out) > _MAX_PLAYING:
             del self._runs_out[next(iter(self._runs_out))]
 
