@@ -18,11 +18,11 @@ arrives during the second half still does); the later chunks have audio in hand 
 Up to a point, where the operator asks for it: a stream whose audio is playing need not run dry
 because new streams keep arriving. With a ``playback_guard_s``, the queue follows how much audio
 each stream has been given and since when; a later chunk whose stream would run out of audio
-within that guard goes before the first chunks waiting, and a group holding one stops lending
-the GPU between the halves of its solve. Under a load the GPU barely keeps up with, new streams
-then wait longer for their first audio instead of streams already playing stalling. On the H100
-a guard of 800 ms kept all of 64 streams in real time, but 16 streams' first audio doubled; the
-profiles leave it off.
+within that guard goes before the first chunks waiting, and a later group stops lending the GPU
+between the halves of its solve while such a stream is among its own or waits. Under a load the
+GPU barely keeps up with, new streams then wait longer for their first audio instead of streams
+already playing stalling. On the H100 a guard of 800 ms kept all of 64 streams in real time, but
+16 streams' first audio doubled; the profiles leave it off.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
