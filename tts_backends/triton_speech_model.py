@@ -85,6 +85,13 @@ class SpeechContractModel:
         return pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, waveform)])
 
     def _stream(self, request: Any, sender: Any) -> None:
+        """Send the chunks, then end the stream; an error is the final response itself.
+
+        An error followed by a separate final flag crashed Triton 2.51 now and then (SIGSEGV in the
+        server, every model's requests lost): a client that sees the error cancels the stream, and
+        the cancellation met the server completing it.
+        """
+        final = None
         try:
             for chunk in self._chunks(request, self._watch(request)):
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, chunk)]))
@@ -92,11 +99,14 @@ class SpeechContractModel:
                 error = pb_utils.TritonError(
                     f"[UNAVAILABLE] model {self.name} is unloading", pb_utils.TritonError.UNAVAILABLE
                 )
-                sender.send(pb_utils.InferenceResponse(error=error))
+                final = pb_utils.InferenceResponse(error=error)
         except Exception as exc:
-            sender.send(pb_utils.InferenceResponse(error=self._error(exc)))
+            final = pb_utils.InferenceResponse(error=self._error(exc))
         finally:
-            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if final is None:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _chunks(self, request: Any, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         if cancelled():

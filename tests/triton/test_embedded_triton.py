@@ -89,8 +89,10 @@ class StreamEvent:
     final: bool
 
 
-def stream_request(text: str, *, speed: float | None = None, request_id: str = "") -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name="piper_stream", id=request_id)
+def stream_request(
+    text: str, *, speed: float | None = None, request_id: str = "", model: str = "piper_stream"
+) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=model, id=request_id)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
     request.inputs.add(name=contract.TARGET_TEXT, datatype="BYTES", shape=[1])
     request.raw_input_contents.append(serialize_byte_tensor(np.array([text.encode()], dtype=np.object_)).item())
@@ -101,9 +103,9 @@ def stream_request(text: str, *, speed: float | None = None, request_id: str = "
 
 
 def to_event(response: service_pb2.ModelStreamInferResponse) -> StreamEvent:
-    if response.error_message:
-        return StreamEvent(waveform=None, error=response.error_message, final=False)
     final = response.infer_response.parameters["triton_final_response"].bool_param
+    if response.error_message:
+        return StreamEvent(waveform=None, error=response.error_message, final=final)
     waveform = None if final else InferResult(response.infer_response).as_numpy(contract.WAVEFORM)
     return StreamEvent(waveform=waveform, error=None, final=final)
 
@@ -175,12 +177,27 @@ async def test_bad_values_are_invalid_argument(
     assert message in str(excinfo.value.message())
 
 
-async def test_stream_reports_bad_values_then_final(cpu_triton: EmbeddedTriton) -> None:
+async def test_stream_reports_bad_values_in_its_final_response(cpu_triton: EmbeddedTriton) -> None:
     events = await stream(cpu_triton, stream_request("   "))
-    assert len(events) == 2
+    assert len(events) == 1
     assert events[0].error is not None
     assert "'target_text' is empty" in events[0].error
-    assert events[1].final
+    assert events[0].final
+
+
+@pytest.mark.parametrize(
+    ("script", "code"), [("tone unavailable", "[UNAVAILABLE]"), ("tone reject", "[INVALID_ARG]"), ("fail", "failed")]
+)
+async def test_a_streamed_error_is_the_final_response_itself(
+    scripted_triton: EmbeddedTriton, script: str, code: str
+) -> None:
+    """Sent apart, a final flag after an error met the client's cancellation of the stream (a client
+    stops at the error) and crashed Triton 2.51 now and then: 3 of 30 fresh servers sent 16 such
+    streams, 8 at a time, on a 2-core machine under load."""
+    events = await stream(scripted_triton, stream_request(script, model="scripted_stream"))
+    chunks = script.count("tone")
+    assert [(event.error is not None, event.final) for event in events] == [(False, False)] * chunks + [(True, True)]
+    assert code in str(events[-1].error)
 
 
 async def test_nothing_to_speak_gives_empty_waveform(cpu_triton: EmbeddedTriton) -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from app.embedded_triton import EmbeddedTriton
 from app.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
 from app.triton_client import TritonClient
-from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS, start_scripted_triton
+from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS
 from tts_backends import contract
 
 pytestmark = pytest.mark.triton
@@ -53,13 +52,6 @@ async def test_a_server_that_is_not_there_is_unavailable() -> None:
             await client.infer("piper", {contract.TARGET_TEXT: "hi"}, request_id="d")
     finally:
         await client.close()
-
-
-@pytest.fixture(scope="module")
-def scripted_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
-    server = start_scripted_triton(tmp_path_factory.mktemp("scripted_triton"))
-    yield server
-    server.stop(grace=2.0)
 
 
 async def test_a_stalled_stream_is_given_up_after_the_chunk_timeout(scripted_triton: EmbeddedTriton) -> None:
