@@ -4,7 +4,8 @@ The gateway and the Triton models agree on these names and nothing else, so a
 new backend (Piper, CosyVoice2 on PyTorch, CosyVoice2 on TensorRT-LLM) plugs in
 without gateway changes. Each speech model is deployed twice from one source
 directory: ``NAME`` (offline, one response) and ``NAME_stream`` (decoupled, one
-response per audio chunk, then an empty final response).
+response per audio chunk, then an empty final response; an error ends the stream as
+the final response itself).
 
 Inputs (all ``max_batch_size: 0``; only ``target_text`` is required):
 

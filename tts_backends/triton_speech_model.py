@@ -7,7 +7,8 @@ same way for every backend:
 
 - offline deployment: one response with the whole waveform;
 - decoupled deployment (``NAME_stream``): each request runs on a bounded worker pool
-  so that ``execute`` returns at once, one response per chunk, then the final flag;
+  so that ``execute`` returns at once, one response per chunk, then the final flag (an
+  error is sent as the final response itself);
 - cancellation (client gone, or the model unloading) is checked between chunks;
 - :class:`ContractError` becomes ``INVALID_ARG``, :class:`BackendUnavailableError`
   ``UNAVAILABLE`` (logged as a warning); anything else is logged and
@@ -103,10 +104,8 @@ class SpeechContractModel:
         except Exception as exc:
             final = pb_utils.InferenceResponse(error=self._error(exc))
         finally:
-            if final is None:
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            else:
-                sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            # None sends the final flag alone.
+            sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _chunks(self, request: Any, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         if cancelled():
