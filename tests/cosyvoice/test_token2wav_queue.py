@@ -81,19 +81,39 @@ def test_a_later_chunk_whose_audio_runs_out_goes_before_first_chunks_with_its_cl
     runs_out = {"ample": 9.0, "running-dry": 4.5, "drier": 4.0}
     # Before 5.0 two streams run dry: the one that runs out first leads, with the later chunks and
     # offline calls of its class (310 tokens with the prompt, alone in its class of 128).
-    assert names(take_group(pending, max_rows=8, runs_out=runs_out, before=5.0)) == ["drier"]
-    assert names(take_group(pending, max_rows=8, runs_out=runs_out, before=5.0)) == [
+    assert names(take_group(pending, max_rows=8, runs_out=runs_out, guard_until=5.0)) == ["drier"]
+    assert names(take_group(pending, max_rows=8, runs_out=runs_out, guard_until=5.0)) == [
         "running-dry",
         "ample",
         "offline-short",
     ]
-    assert names(take_group(pending, max_rows=8, runs_out=runs_out, before=5.0)) == ["first-a"]
+    assert names(take_group(pending, max_rows=8, runs_out=runs_out, guard_until=5.0)) == ["first-a"]
 
 
 def test_streams_with_audio_in_hand_leave_first_chunks_first() -> None:
     pending = queued(call("later", 60, offset=15), call("first", 18, offset=0), call("unknown", 60, offset=30))
     # "unknown" is a stream whose playback the queue did not follow: it is not promoted.
-    assert names(take_group(pending, max_rows=8, runs_out={"later": 9.0}, before=5.0)) == ["first"]
+    assert names(take_group(pending, max_rows=8, runs_out={"later": 9.0}, guard_until=5.0)) == ["first"]
+
+
+def test_later_chunks_go_in_the_order_their_streams_run_dry_offline_calls_as_they_were_queued() -> None:
+    pending = [
+        Queued(call("long-a", 60, offset=40), lambda result, group: None, queued_at=1.0),
+        Queued(call("long-b", 60, offset=40), lambda result, group: None, queued_at=2.0),
+        Queued(call("offline", 50), lambda result, group: None, queued_at=5.0),
+        Queued(call("short-last", 58, offset=15), lambda result, group: None, queued_at=3.0),
+    ]
+    runs_out = {"long-a": 8.0, "long-b": 6.0, "short-last": 4.0}
+    # Queued last, the short stream's chunk leads: its audio runs out first.
+    assert names(take_group(list(pending), max_rows=8, runs_out=runs_out)) == [
+        "short-last",
+        "offline",
+        "long-b",
+        "long-a",
+    ]
+    assert names(take_group(list(pending), max_rows=1, runs_out=runs_out)) == ["short-last"]
+    # A stream whose playback is not followed is due when its chunk was queued.
+    assert names(take_group(list(pending), max_rows=8, runs_out={})) == ["long-a", "long-b", "short-last", "offline"]
 
 
 class Recorder:
@@ -404,6 +424,27 @@ def test_a_first_chunk_converted_between_the_halves_of_a_later_solve_sounds_as_c
         np.testing.assert_allclose(mine, reference, atol=1e-5)
 
 
+@contextmanager
+def _worker_busy(queue: ConversionQueue, recorder: Recorder, answers: Answers, busy_call: Conversion) -> Iterator[None]:
+    """Holds the queue's worker in ``busy_call``'s group while the body queues calls behind it."""
+    busy, gate = threading.Event(), threading.Event()
+    original = recorder.convert
+
+    def blocking(calls: Sequence[Conversion], *args: Any, **kwargs: Any) -> list[Audio | Exception]:
+        if calls[0].session_id == busy_call.session_id:
+            busy.set()
+            assert gate.wait(10)
+        return original(calls, *args, **kwargs)
+
+    recorder.convert = blocking  # type: ignore[method-assign]
+    queue.submit(busy_call, answers(busy_call.session_id))
+    assert busy.wait(10)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
 def _playing_stream_then_a_first_chunk(guard_s: float, sample_rate: int) -> list[list[str]]:
     """Stream "playing" gets its first chunk (18 samples), then, while another group converts, its next
     chunk and a new stream's first chunk queue: the order they are converted in."""
@@ -416,25 +457,35 @@ def _playing_stream_then_a_first_chunk(guard_s: float, sample_rate: int) -> list
         recorder.release.set()
         assert answers.all_in.wait(10)
         answers.expected, answers.all_in = 4, threading.Event()
-        busy, gate = threading.Event(), threading.Event()
-        original = recorder.convert
-
-        def blocking(calls: Sequence[Conversion], *args: Any, **kwargs: Any) -> list[Audio | Exception]:
-            if calls[0].session_id == "busy":
-                busy.set()
-                assert gate.wait(10)
-            return original(calls, *args, **kwargs)
-
-        recorder.convert = blocking  # type: ignore[method-assign]
-        queue.submit(call("busy", 300, offset=40), answers("busy"))
-        assert busy.wait(10)
-        queue.submit(call("playing", 60, offset=15), answers("playing"))
-        queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
-        gate.set()
+        with _worker_busy(queue, recorder, answers, call("busy", 300, offset=40)):
+            queue.submit(call("playing", 60, offset=15), answers("playing"))
+            queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
         assert answers.all_in.wait(10)
     finally:
         queue.close()
     return recorder.groups
+
+
+def test_the_stream_with_the_least_audio_in_hand_gets_its_next_chunk_first() -> None:
+    """Two streams get their first chunks, 10 s and 0.18 s of audio (samples at 100 Hz); while another
+    group converts, the long stream's next chunk queues before the short one's: the short one goes first."""
+    recorder, answers = Recorder(), Answers()
+    queue = ConversionQueue(recorder, max_rows=1, sample_rate=100)
+    try:
+        answers.expected = 2
+        queue.submit(call("long", 1000, offset=0), answers("long"))
+        assert recorder.started.wait(10)
+        queue.submit(call("short", 18, offset=0), answers("short"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+        answers.expected, answers.all_in = 5, threading.Event()
+        with _worker_busy(queue, recorder, answers, call("busy", 40)):
+            queue.submit(call("long", 1040, offset=1000), answers("long"))
+            queue.submit(call("short", 58, offset=15), answers("short"))
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert recorder.groups == [["long"], ["short"], ["busy"], ["short"], ["long"]]
 
 
 def test_a_stream_about_to_run_dry_goes_before_a_new_streams_first_chunk() -> None:

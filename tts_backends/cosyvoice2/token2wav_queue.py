@@ -7,19 +7,22 @@ the H100, 16 streams' first audio waited 563 ms there at p90). So the token2wav 
 its calls and returns; their responses leave later through each request's response sender, which
 Triton allows for a model that is not decoupled (one final response per request). One worker
 thread converts the queue a group at a time and picks the next group after each: the first chunks
-waiting, else the calls of about the length of the one waiting longest (a group pads its rows to
-its longest, so like lengths go together). A group is one flow pass; a first chunk waits for the
-group being converted and, only when more first chunks wait than a group takes, for those before it.
-A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
+waiting, else the calls of about the length of the most urgent one (a group pads its rows to its
+longest, so like lengths go together). The queue follows how much audio each stream has been given
+and since when; a stream's later chunk is due when that audio runs out, an offline call when it was
+queued, and the call due first leads. (In order of arrival instead, a short stream's last chunk
+queued behind the later chunks of long streams with seconds of audio in hand, and at 64 streams on
+the H100 it was the short streams that fell behind real time.) A group is one flow pass; a first
+chunk waits for the group being converted and, only when more first chunks wait than a group takes,
+for those before it. A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
 flow solve, where it is replayed from CUDA graphs (``flow_graphs.py``): the first chunks that
 arrive during the first half wait for the rest of it, not for the whole pass and HiFT (one that
 arrives during the second half still does); the later chunks have audio in hand and can wait.
 
 Up to a point, where the operator asks for it: a stream whose audio is playing need not run dry
-because new streams keep arriving. With a ``playback_guard_s``, the queue follows how much audio
-each stream has been given and since when; a later chunk whose stream would run out of audio
-within that guard goes before the first chunks waiting, and a later group stops lending the GPU
-between the halves of its solve while such a stream is among its own or waits. Under a load the
+because new streams keep arriving. With a ``playback_guard_s``, a later chunk whose stream would
+run out of audio within that guard goes before the first chunks waiting, and a later group stops
+lending the GPU between the halves of its solve while such a stream is among its own or waits. Under a load the
 GPU barely keeps up with, new streams then wait longer for their first audio instead of streams
 already playing stalling. On the H100 a guard of 800 ms kept all of 64 streams in real time, but
 16 streams' first audio doubled; the profiles leave it off.
@@ -35,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from tts_backends.cosyvoice2.token2wav import Audio, Conversion, length_class
@@ -73,31 +76,45 @@ Answer = Callable[[Audio | Exception, Converted], None]
 class Queued:
     call: Conversion
     answer: Answer
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 def take_group(
-    pending: list[Queued], max_rows: int, *, runs_out: Mapping[str, float] | None = None, before: float = 0.0
+    pending: list[Queued],
+    max_rows: int,
+    *,
+    runs_out: Mapping[str, float] | None = None,
+    guard_until: float | None = None,
 ) -> list[Queued]:
-    """Remove the next group from ``pending`` (oldest first) and return it: up to ``max_rows`` calls of
-    one length class, the class of the oldest first chunk if streams' first chunks wait, else of the
-    oldest call.
+    """Remove the next group from ``pending`` and return it: up to ``max_rows`` calls of one length
+    class, the first chunks of the class of the oldest one if streams' first chunks wait, else the
+    other calls of the class of the one due first, in the order they are due.
 
-    Except where a stream's later chunk waits whose audio runs out (``runs_out``: when, by session)
-    before ``before``: then the later chunks and offline calls of the class of the one that runs out
-    first, that one leading.
+    A later chunk is due when its stream's audio runs out (``runs_out``: when, by session), an offline
+    call (or a later chunk of a stream not followed there) when it was queued. With ``guard_until``,
+    a later chunk whose audio runs out before then goes before the first chunks, leading its group.
     """
-    if runs_out:
-        later = [q for q in pending if q.call.token_offset and runs_out.get(q.call.session_id, before) < before]
-        if later:
-            lead = min(later, key=lambda q: runs_out[q.call.session_id])
-            lead_class = length_class(lead.call)
-            rest = [q for q in pending if q is not lead and q.call.token_offset != 0]
-            group = [lead, *(q for q in rest if length_class(q.call) == lead_class)][:max_rows]
-            return _remove(pending, group)
+    runs_out = runs_out or {}
+
+    def due(queued: Queued) -> float:
+        if queued.call.token_offset:
+            return runs_out.get(queued.call.session_id, queued.queued_at)
+        return queued.queued_at
+
     firsts = [queued for queued in pending if queued.call.token_offset == 0]
-    candidates = firsts or pending
-    oldest = length_class(candidates[0].call)
-    return _remove(pending, [queued for queued in candidates if length_class(queued.call) == oldest][:max_rows])
+    others = sorted((queued for queued in pending if queued.call.token_offset != 0), key=due)
+    if guard_until is not None:
+        until = guard_until
+        dry = next((q for q in others if q.call.token_offset and runs_out.get(q.call.session_id, until) < until), None)
+        if dry is not None:
+            return _remove(pending, _of_class([dry, *(q for q in others if q is not dry)], max_rows))
+    return _remove(pending, _of_class(firsts or others, max_rows))
+
+
+def _of_class(candidates: list[Queued], max_rows: int) -> list[Queued]:
+    """The first of ``candidates`` and those after it of its length class, up to ``max_rows``."""
+    lead_class = length_class(candidates[0].call)
+    return [queued for queued in candidates if length_class(queued.call) == lead_class][:max_rows]
 
 
 def _remove(pending: list[Queued], group: list[Queued]) -> list[Queued]:
@@ -173,7 +190,10 @@ class ConversionQueue:
                 if self._closed:
                     return
                 group = take_group(
-                    self._pending, self._max_rows, runs_out=self._runs_out, before=time.monotonic() + self._guard_s
+                    self._pending,
+                    self._max_rows,
+                    runs_out=self._runs_out,
+                    guard_until=time.monotonic() + self._guard_s if self._guard_s > 0 else None,
                 )
             self._convert(group)
 
@@ -216,7 +236,7 @@ class ConversionQueue:
                     self._deliver(queued, failed, converted)
 
     def _deliver(self, queued: Queued, result: Audio | Exception, converted: Converted) -> None:
-        if self._guard_s > 0 and queued.call.token_offset is not None:
+        if queued.call.token_offset is not None:
             self._played(queued.call, result)
         try:
             queued.answer(result, converted)
