@@ -6,8 +6,8 @@ small: layer norms, activations, residual adds and cuDNN's layout copies around 
 static shapes took 70-80 s for each of token2wav's 72 CUDA-graph buckets, so this compiles its
 levels instead (what PyTorch calls regional compilation), with symbolic shapes: the 12 mid levels
 are instances of one class with parameters of one shape and share one compiled graph, and a graph
-serves every row and frame count that is a multiple of 8, as the recorded buckets' are and eager
-solves are padded to (:data:`.flow.ALIGNED_FRAMES`). The levels run inside the recorded solve, where the compiled
+serves every row and frame count (on the H100 recording the CUDA graphs compiled each level once
+more, still at load). The levels run inside the recorded solve, where the compiled
 code's Python launchers cost nothing per call; the encoder, which runs eagerly, is left as it is
 (compiled, its blocks made a first chunk slower in Triton, where the host is busy).
 """
