@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from tts_backends.cosyvoice2 import flow as flow_module
 from tts_backends.cosyvoice2.config import FlowConfig, tiny_config
 from tts_backends.cosyvoice2.flow import CausalFlow
 
@@ -180,3 +181,25 @@ def test_malformed_inputs_are_rejected(flow: CausalFlow, change: dict[str, Tenso
 def test_final_call_needs_no_lookahead(flow: CausalFlow) -> None:
     mel = run(flow, make_inputs(2), streaming=True, finalize=True)
     assert mel.shape == (1, MEL, 4)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_eager_solve_pads_its_frames_to_the_compiled_alignment_without_changing_the_mel(
+    flow: CausalFlow, streaming: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 + 13 tokens give 66 frames: the estimator sees 72, the target's mel is what 66 give."""
+    seen: list[int] = []
+    hook = flow.decoder.estimator.register_forward_pre_hook(lambda module, args: seen.append(args[0].size(2)))
+    inputs = make_inputs(13)
+    try:
+        padded = run(flow, inputs, streaming=streaming, finalize=True)
+        assert seen and {frames % flow_module.ALIGNED_FRAMES for frames in seen} == {0}
+        assert set(seen) == {72}
+        seen.clear()
+        monkeypatch.setattr(flow_module, "ALIGNED_FRAMES", 1)
+        plain = run(flow, inputs, streaming=streaming, finalize=True)
+        assert set(seen) == {66}
+    finally:
+        hook.remove()
+    assert padded.shape == plain.shape == (1, MEL, 26)
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)

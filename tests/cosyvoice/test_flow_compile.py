@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.cosyvoice.test_token2wav_batching import calls, tokens, voice
-from tts_backends.cosyvoice2.flow import CausalFlow
+from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
 from tts_backends.cosyvoice2.flow_compile import compile_flow_levels
 from tts_backends.cosyvoice2.flow_decoder import UNetLevel
 from tts_backends.cosyvoice2.random_checkpoint import official_config
@@ -67,3 +67,16 @@ def test_compiling_needs_the_voice_prefix_cache_off(token2wav_dir: Path) -> None
 def test_a_compile_that_fails_says_how_to_run_without(token2wav_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="empty compile_backend runs it uncompiled"):
         Token2Wav.from_model_dir(token2wav_dir, compile_backend="no-such-backend")
+
+
+def test_without_a_warm_up_the_first_solve_compiles_the_levels() -> None:
+    """What token2wav does before recording CUDA graphs: their largest bucket is the first call."""
+    flow = CausalFlow(official_config().flow).eval()
+    torch._dynamo.reset()
+    before = _compiled_graphs()
+    compile_flow_levels(flow, "aot_eager", n_timesteps=2, warm_up=False)
+    assert _compiled_graphs() == before
+    tokens = torch.zeros(20, dtype=torch.long)
+    item = FlowItem(tokens, tokens, torch.zeros(40, 80), torch.ones(192), streaming=True, finalize=False)
+    flow.inference_batch([item], n_timesteps=2)
+    assert _compiled_graphs() - before == 3

@@ -35,6 +35,18 @@ from tts_backends.cosyvoice2.flow_prefix import (
     prefix_frames,
 )
 
+ALIGNED_FRAMES = 8
+"""An eager solve pads its frames to a multiple of this. Inductor specialises the compiled U-Net levels
+(:mod:`.flow_compile`) on whether the frame count is a multiple of 8 (its alignment check around
+attention); the recorded solves' buckets always are, so eager solves padded alike run the same
+compiled graphs: three compiles at load instead of six. The padding is masked like a batch's
+shorter rows, so the mel is the same."""
+
+
+def _aligned(frames: int, *, limit: int) -> int:
+    """``frames`` rounded up to a multiple of :data:`ALIGNED_FRAMES`, but not past ``limit``."""
+    return max(frames, min(-(-frames // ALIGNED_FRAMES) * ALIGNED_FRAMES, limit))
+
 
 class MelSolver(Protocol):
     """A replacement for the eager solve (CUDA-graph replays): the mel, or None where it has no fitting shape.
@@ -250,7 +262,9 @@ class CausalFlow(nn.Module):
             tape = None
             if prefix is not None:
                 tape = PrefixReplay(prefix.tensors, torch.ones(start, dtype=torch.bool, device=device))
-            noise = self.decoder.noise(start, mu.size(2))
+            padded = _aligned(mu.size(2), limit=NOISE_FRAMES - start)
+            mu, mask, cond = (F.pad(tensor, (0, padded - tensor.size(2))) for tensor in (mu, mask, cond))
+            noise = self.decoder.noise(start, padded)
             mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming, noise=noise, tape=tape)
         ends = [(item.prompt_feat.size(0) - start, ratio * voiced[row] - start) for row, item in enumerate(items)]
         return [mel[row, :, first:last] for row, (first, last) in enumerate(ends)]

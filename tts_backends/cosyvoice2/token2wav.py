@@ -191,16 +191,18 @@ class Token2Wav:
         flow = CausalFlow.from_checkpoint(cfg.flow, model_dir / "flow.pt", device, dtype)
         hift = HiFTGenerator.from_checkpoint(cfg.hift, model_dir / "hift.pt", device, hift_dtype)
         solver = None
+        records_graphs = graph_rows > 0 and device.type == "cuda"
         prefix_cache = VoicePrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         if compile_backend:
             if prefix_cache is not None:
                 raise ValueError(
                     "compiling the flow's U-Net levels needs the voice prefix cache off (prefix_cache_mb 0)"
                 )
-            seconds = compile_flow_levels(flow, compile_backend, n_timesteps=n_timesteps)
+            # Recording the graphs compiles the levels at its largest bucket (see compile_flow_levels).
+            seconds = compile_flow_levels(flow, compile_backend, n_timesteps=n_timesteps, warm_up=not records_graphs)
             _log.info("flow U-Net levels compiled (%s) in %.1f s", compile_backend, seconds)
         prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
-        if graph_rows > 0 and device.type == "cuda":
+        if records_graphs:
             solver = FlowSolverGraphs(
                 flow.decoder,
                 n_timesteps=n_timesteps,
