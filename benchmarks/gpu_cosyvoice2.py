@@ -558,7 +558,7 @@ async def _measure(
                 raise RuntimeError(f"{len(failed)} warm-up requests failed, e.g. {failed[0]}")
     report["setup"]["warmup_s"] = round(time.perf_counter() - warm, 1)
     last_wall: dict[tuple[str, str], float] = {}
-    for level in levels:
+    for index, level in enumerate(levels):
         for target in targets:
             for mode in modes:
                 remaining = deadline - time.perf_counter()
@@ -570,7 +570,8 @@ async def _measure(
                     continue
                 batch = level_jobs(jobs, level)
                 log(f"{target} {mode} c={level}: {len(batch)} requests")
-                result = await run_pass(client, target, mode, level, batch, gpu=gpu)
+                # A level given twice gets new request ids: its stage traces must not match the first pass's.
+                result = await run_pass(client, target, mode, level, batch, gpu=gpu, label=f"pass{index}")
                 summary = result.summary()
                 if mode == "stream":
                     sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
