@@ -45,7 +45,8 @@ def call(name: str, tokens: int, offset: int | None = None, voice: VoicePrompt =
 
 
 def queued(*calls: Conversion) -> list[Queued]:
-    return [Queued(c, lambda result, group: None) for c in calls]
+    """``calls`` queued one second apart, from 0."""
+    return [Queued(c, lambda result, group: None, queued_at=float(index)) for index, c in enumerate(calls)]
 
 
 def names(items: list[Queued]) -> list[str]:
@@ -96,24 +97,34 @@ def test_streams_with_audio_in_hand_leave_first_chunks_first() -> None:
     assert names(take_group(pending, max_rows=8, runs_out={"later": 9.0}, guard_until=5.0)) == ["first"]
 
 
-def test_later_chunks_go_in_the_order_their_streams_run_dry_offline_calls_as_they_were_queued() -> None:
-    pending = [
-        Queued(call("long-a", 60, offset=40), lambda result, group: None, queued_at=1.0),
-        Queued(call("long-b", 60, offset=40), lambda result, group: None, queued_at=2.0),
-        Queued(call("offline", 50), lambda result, group: None, queued_at=5.0),
-        Queued(call("short-last", 58, offset=15), lambda result, group: None, queued_at=3.0),
-    ]
+def test_later_chunks_go_in_the_order_their_streams_run_dry_offline_calls_as_they_came() -> None:
+    def pending(offline_queued_at: float) -> list[Queued]:
+        return [
+            Queued(call("long-a", 60, offset=40), lambda result, group: None, queued_at=1.0),
+            Queued(call("long-b", 60, offset=40), lambda result, group: None, queued_at=2.0),
+            Queued(call("offline", 50), lambda result, group: None, queued_at=offline_queued_at),
+            Queued(call("short-last", 58, offset=15), lambda result, group: None, queued_at=3.0),
+        ]
+
     runs_out = {"long-a": 8.0, "long-b": 6.0, "short-last": 4.0}
-    # Queued last, the short stream's chunk leads: its audio runs out first.
-    assert names(take_group(list(pending), max_rows=8, runs_out=runs_out)) == [
+    # Queued last of the streams, the short stream's chunk leads: its audio runs out first. The
+    # offline call came after the streams' oldest chunk, so the streams' chunks go first.
+    assert names(take_group(pending(5.0), max_rows=8, runs_out=runs_out)) == [
         "short-last",
+        "long-b",
+        "long-a",
         "offline",
+    ]
+    assert names(take_group(pending(5.0), max_rows=1, runs_out=runs_out)) == ["short-last"]
+    # An offline call that came before every waiting later chunk goes first, as in order of arrival.
+    assert names(take_group(pending(0.5), max_rows=8, runs_out=runs_out)) == [
+        "offline",
+        "short-last",
         "long-b",
         "long-a",
     ]
-    assert names(take_group(list(pending), max_rows=1, runs_out=runs_out)) == ["short-last"]
     # A stream whose playback is not followed is due when its chunk was queued.
-    assert names(take_group(list(pending), max_rows=8, runs_out={})) == ["long-a", "long-b", "short-last", "offline"]
+    assert names(take_group(pending(5.0), max_rows=8, runs_out={})) == ["long-a", "long-b", "short-last", "offline"]
 
 
 class Recorder:

@@ -9,10 +9,11 @@ Triton allows for a model that is not decoupled (one final response per request)
 thread converts the queue a group at a time and picks the next group after each: the first chunks
 waiting, else the calls of about the length of the most urgent one (a group pads its rows to its
 longest, so like lengths go together). The queue follows how much audio each stream has been given
-and since when; a stream's later chunk is due when that audio runs out, an offline call when it was
-queued, and the call due first leads. (In order of arrival instead, a short stream's last chunk
-queued behind the later chunks of long streams with seconds of audio in hand, and at 64 streams on
-the H100 it was the short streams that fell behind real time.) A group is one flow pass; a first
+and since when, and takes streams' later chunks in the order their streams run out of it. (In order
+of arrival instead, a short stream's last chunk queued behind the later chunks of long streams with
+seconds of audio in hand, and at 64 streams on the H100 it was the short streams that fell behind
+real time.) Offline calls go in the order they came, and against later chunks as in order of arrival.
+A group is one flow pass; a first
 chunk waits for the group being converted and, only when more first chunks wait than a group takes,
 for those before it. A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
 flow solve, where it is replayed from CUDA graphs (``flow_graphs.py``): the first chunks that
@@ -87,28 +88,37 @@ def take_group(
     guard_until: float | None = None,
 ) -> list[Queued]:
     """Remove the next group from ``pending`` and return it: up to ``max_rows`` calls of one length
-    class, the first chunks of the class of the oldest one if streams' first chunks wait, else the
-    other calls of the class of the one due first, in the order they are due.
+    class, led by the first of these that exists:
 
-    A later chunk is due when its stream's audio runs out (``runs_out``: when, by session), an offline
-    call (or a later chunk of a stream not followed there) when it was queued. With ``guard_until``,
-    a later chunk whose audio runs out before then goes before the first chunks, leading its group.
+    * a stream's later chunk whose audio runs out (``runs_out``: when, by session) before
+      ``guard_until``, where that is given;
+    * the oldest first chunk of a stream;
+    * the later chunk whose stream runs out first, or the oldest offline call. Between those two
+      kinds the one whose oldest call has waited longer leads, as in order of arrival, so that a
+      backlog of offline calls does not hold streams back until they run dry.
+
+    The rest of the group are calls of the leader's class: first chunks with a first chunk, else
+    later chunks in the order their streams run out (a stream not followed in ``runs_out``, when
+    its chunk was queued) and offline calls in the order they came, the leader's kind first.
     """
     runs_out = runs_out or {}
 
-    def due(queued: Queued) -> float:
-        if queued.call.token_offset:
-            return runs_out.get(queued.call.session_id, queued.queued_at)
-        return queued.queued_at
+    def runs_dry(queued: Queued) -> float:
+        return runs_out.get(queued.call.session_id, queued.queued_at)
 
     firsts = [queued for queued in pending if queued.call.token_offset == 0]
-    others = sorted((queued for queued in pending if queued.call.token_offset != 0), key=due)
+    later = sorted((queued for queued in pending if queued.call.token_offset), key=runs_dry)
+    offline = [queued for queued in pending if queued.call.token_offset is None]
     if guard_until is not None:
         until = guard_until
-        dry = next((q for q in others if q.call.token_offset and runs_out.get(q.call.session_id, until) < until), None)
+        dry = next((q for q in later if runs_out.get(q.call.session_id, until) < until), None)
         if dry is not None:
-            return _remove(pending, _of_class([dry, *(q for q in others if q is not dry)], max_rows))
-    return _remove(pending, _of_class(firsts or others, max_rows))
+            return _remove(pending, _of_class([dry, *(q for q in later if q is not dry), *offline], max_rows))
+    if firsts:
+        return _remove(pending, _of_class(firsts, max_rows))
+    if later and offline and offline[0].queued_at < min(queued.queued_at for queued in later):
+        return _remove(pending, _of_class([*offline, *later], max_rows))
+    return _remove(pending, _of_class([*later, *offline], max_rows))
 
 
 def _of_class(candidates: list[Queued], max_rows: int) -> list[Queued]:
