@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from tts_backends.cosyvoice2 import flow as flow_module
 from tts_backends.cosyvoice2.config import FlowConfig, tiny_config
 from tts_backends.cosyvoice2.flow import CausalFlow
 
@@ -184,22 +183,22 @@ def test_final_call_needs_no_lookahead(flow: CausalFlow) -> None:
 
 
 @pytest.mark.parametrize("streaming", [False, True])
-def test_an_eager_solve_pads_its_frames_to_the_compiled_alignment_without_changing_the_mel(
-    flow: CausalFlow, streaming: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """20 + 13 tokens give 66 frames: the estimator sees 72, the target's mel is what 66 give."""
+def test_a_frame_multiple_pads_an_eager_solve_without_changing_the_mel(flow: CausalFlow, streaming: bool) -> None:
+    """20 + 13 tokens give 66 frames: with a multiple of 8 (what compiling sets) the estimator sees 72,
+    and the target's mel is what 66 give."""
     seen: list[int] = []
     hook = flow.decoder.estimator.register_forward_pre_hook(lambda module, args: seen.append(args[0].size(2)))
     inputs = make_inputs(13)
     try:
-        padded = run(flow, inputs, streaming=streaming, finalize=True)
-        assert seen and {frames % flow_module.ALIGNED_FRAMES for frames in seen} == {0}
-        assert set(seen) == {72}
-        seen.clear()
-        monkeypatch.setattr(flow_module, "ALIGNED_FRAMES", 1)
+        assert flow.frame_multiple == 1
         plain = run(flow, inputs, streaming=streaming, finalize=True)
         assert set(seen) == {66}
+        seen.clear()
+        flow.frame_multiple = 8
+        padded = run(flow, inputs, streaming=streaming, finalize=True)
+        assert set(seen) == {72}
     finally:
+        flow.frame_multiple = 1
         hook.remove()
     assert padded.shape == plain.shape == (1, MEL, 26)
     torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)

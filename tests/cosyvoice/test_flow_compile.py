@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from tests.cosyvoice.test_token2wav_batching import calls, tokens, voice
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
-from tts_backends.cosyvoice2.flow_compile import compile_flow_levels
+from tts_backends.cosyvoice2.flow_compile import ALIGNED_FRAMES, compile_flow_levels
 from tts_backends.cosyvoice2.flow_decoder import UNetLevel
 from tts_backends.cosyvoice2.random_checkpoint import official_config
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
@@ -64,6 +64,11 @@ def test_compiling_needs_the_voice_prefix_cache_off(token2wav_dir: Path) -> None
         Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager", prefix_cache_mb=64)
 
 
+def test_compiling_needs_graph_buckets_of_aligned_frames(token2wav_dir: Path) -> None:
+    with pytest.raises(ValueError, match="graph_frame_step a multiple of 8"):
+        Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager", graph_rows=4, graph_frame_step=60)
+
+
 def test_a_compile_that_fails_says_how_to_run_without(token2wav_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="empty compile_backend runs it uncompiled"):
         Token2Wav.from_model_dir(token2wav_dir, compile_backend="no-such-backend")
@@ -76,6 +81,7 @@ def test_without_a_warm_up_the_first_solve_compiles_the_levels() -> None:
     before = _compiled_graphs()
     compile_flow_levels(flow, "aot_eager", n_timesteps=2, warm_up=False)
     assert _compiled_graphs() == before
+    assert flow.frame_multiple == ALIGNED_FRAMES
     tokens = torch.zeros(20, dtype=torch.long)
     item = FlowItem(tokens, tokens, torch.zeros(40, 80), torch.ones(192), streaming=True, finalize=False)
     flow.inference_batch([item], n_timesteps=2)

@@ -35,17 +35,10 @@ from tts_backends.cosyvoice2.flow_prefix import (
     prefix_frames,
 )
 
-ALIGNED_FRAMES = 8
-"""An eager solve pads its frames to a multiple of this. Inductor specialises the compiled U-Net levels
-(:mod:`.flow_compile`) on whether the frame count is a multiple of 8 (its alignment check around
-attention); the recorded solves' buckets always are, so eager solves padded alike run the same
-compiled graphs: three compiles at load instead of six. The padding is masked like a batch's
-shorter rows, so the mel is the same."""
 
-
-def _aligned(frames: int, *, limit: int) -> int:
-    """``frames`` rounded up to a multiple of :data:`ALIGNED_FRAMES`, but not past ``limit``."""
-    return max(frames, min(-(-frames // ALIGNED_FRAMES) * ALIGNED_FRAMES, limit))
+def _padded(frames: int, multiple: int, *, limit: int) -> int:
+    """``frames`` rounded up to a multiple of ``multiple``, but not past ``limit``."""
+    return max(frames, min(-(-frames // multiple) * multiple, limit))
 
 
 class MelSolver(Protocol):
@@ -94,6 +87,9 @@ class CausalFlow(nn.Module):
         self.encoder = UpsampleConformerEncoder(cfg.encoder, cfg.pre_lookahead_len, cfg.token_mel_ratio)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
         self.decoder = CausalConditionalCFM(cfg.decoder, cfg.output_size)
+        # An eager solve pads its frames to a multiple of this (masked, so the mel is the same);
+        # compiling the estimator's levels sets it (flow_compile.ALIGNED_FRAMES).
+        self.frame_multiple = 1
 
     @classmethod
     def from_checkpoint(cls, cfg: FlowConfig, path: Path, device: torch.device, dtype: torch.dtype) -> CausalFlow:
@@ -262,7 +258,7 @@ class CausalFlow(nn.Module):
             tape = None
             if prefix is not None:
                 tape = PrefixReplay(prefix.tensors, torch.ones(start, dtype=torch.bool, device=device))
-            padded = _aligned(mu.size(2), limit=NOISE_FRAMES - start)
+            padded = _padded(mu.size(2), self.frame_multiple, limit=NOISE_FRAMES - start)
             mu, mask, cond = (F.pad(tensor, (0, padded - tensor.size(2))) for tensor in (mu, mask, cond))
             noise = self.decoder.noise(start, padded)
             mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming, noise=noise, tape=tape)

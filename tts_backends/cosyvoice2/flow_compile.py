@@ -7,7 +7,7 @@ static shapes took 70-80 s for each of token2wav's 72 CUDA-graph buckets, so thi
 levels instead (what PyTorch calls regional compilation), with symbolic shapes: the 12 mid levels
 are instances of one class with parameters of one shape and share one compiled graph, and a graph
 serves every row and frame count that is a multiple of 8, as the recorded buckets' are and eager
-solves are padded to (:data:`.flow.ALIGNED_FRAMES`). The levels run inside the recorded solve, where the compiled
+solves are padded to (:data:`ALIGNED_FRAMES`). The levels run inside the recorded solve, where the compiled
 code's Python launchers cost nothing per call; the encoder, which runs eagerly, is left as it is
 (compiled, its blocks made a first chunk slower in Triton, where the host is busy).
 """
@@ -25,6 +25,12 @@ from tts_backends.cosyvoice2.flow_decoder import UNetLevel
 
 _WARM_UP_TOKENS: Final = 20
 
+ALIGNED_FRAMES: Final = 8
+"""Frames of a compiled flow's eager solves are padded to a multiple of this. Inductor specialises a
+compiled level on whether its frame count is a multiple of 8 (its alignment check around attention);
+the recorded solves' buckets must be, and eager solves padded alike run the same compiled graphs:
+three compiles at load instead of six."""
+
 
 def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, warm_up: bool = True) -> float:
     """Compile the U-Net levels of ``flow``'s estimator in place with ``backend``; seconds taken.
@@ -39,6 +45,7 @@ def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, war
     """
     started = time.monotonic()
     read_text_as_utf8()
+    flow.frame_multiple = ALIGNED_FRAMES
     try:
         for module in flow.decoder.estimator.modules():
             if isinstance(module, UNetLevel):
@@ -46,11 +53,16 @@ def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, war
         if warm_up:
             _warm_up(flow, n_timesteps)
     except Exception as exc:
-        raise RuntimeError(
-            f"compiling the flow with {backend!r} failed ({type(exc).__name__}: {exc}); "
-            "an empty compile_backend runs it uncompiled"
-        ) from exc
+        raise compile_failed(backend, exc) from exc
     return time.monotonic() - started
+
+
+def compile_failed(backend: str, exc: Exception) -> RuntimeError:
+    """The error to raise when compiling the flow's levels (at the warm-up or the first recorded graph) fails."""
+    return RuntimeError(
+        f"compiling the flow with {backend!r} failed ({type(exc).__name__}: {exc}); "
+        "an empty compile_backend runs it uncompiled"
+    )
 
 
 def _warm_up(flow: CausalFlow, n_timesteps: int) -> None:

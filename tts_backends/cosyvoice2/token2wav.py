@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from numpy.typing import NDArray
 from torch import Tensor
+from torch._dynamo.exc import TorchDynamoException
 
 from tts_backends.cosyvoice2.config import load_config
 from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem, MelSolver
-from tts_backends.cosyvoice2.flow_compile import compile_flow_levels
+from tts_backends.cosyvoice2.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
 from tts_backends.cosyvoice2.flow_decoder import NOISE_FRAMES
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.flow_prefix import VoicePrefix, VoicePrefixCache, frames_within, prefix_nbytes, voice_key
@@ -183,8 +184,9 @@ class Token2Wav:
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
         ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
-        A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels before the graphs are
-        recorded (:mod:`.flow_compile`); it needs the voice prefix cache off.
+        A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels
+        (:mod:`.flow_compile`): where graphs are recorded, while recording the largest one, else at a
+        warm-up. It needs the voice prefix cache off and buckets of a multiple of 8 frames.
         """
         device = torch.device(device)
         cfg = load_config(model_dir / "cosyvoice2.yaml")
@@ -198,22 +200,33 @@ class Token2Wav:
                 raise ValueError(
                     "compiling the flow's U-Net levels needs the voice prefix cache off (prefix_cache_mb 0)"
                 )
+            if graph_rows > 0 and graph_frame_step % ALIGNED_FRAMES:
+                raise ValueError(
+                    f"compiling the flow's U-Net levels needs graph_frame_step a multiple of {ALIGNED_FRAMES}, "
+                    f"not {graph_frame_step}"
+                )
             # Recording the graphs compiles the levels at its largest bucket (see compile_flow_levels).
             seconds = compile_flow_levels(flow, compile_backend, n_timesteps=n_timesteps, warm_up=not records_graphs)
-            _log.info("flow U-Net levels compiled (%s) in %.1f s", compile_backend, seconds)
+            if not records_graphs:
+                _log.info("flow U-Net levels compiled (%s) in %.1f s", compile_backend, seconds)
         prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
         if records_graphs:
-            solver = FlowSolverGraphs(
-                flow.decoder,
-                n_timesteps=n_timesteps,
-                mel_bins=cfg.flow.output_size,
-                max_rows=graph_rows,
-                max_frames=graph_frames,
-                frame_step=graph_frame_step,
-                device=device,
-                dtype=dtype,
-                prefix_frames=prefix_frames,
-            )
+            try:
+                solver = FlowSolverGraphs(
+                    flow.decoder,
+                    n_timesteps=n_timesteps,
+                    mel_bins=cfg.flow.output_size,
+                    max_rows=graph_rows,
+                    max_frames=graph_frames,
+                    frame_step=graph_frame_step,
+                    device=device,
+                    dtype=dtype,
+                    prefix_frames=prefix_frames,
+                )
+            except TorchDynamoException as exc:
+                raise compile_failed(compile_backend, exc) from exc
+            if compile_backend:
+                _log.info("flow U-Net levels compiled (%s) while the first graph was recorded", compile_backend)
         hift_graphs = None
         if hift_graph_rows > 0 and hift_graph_hops and device.type == "cuda":
             hift_graphs = HiftGraphs(
