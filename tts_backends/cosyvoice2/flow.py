@@ -259,7 +259,8 @@ class CausalFlow(nn.Module):
             if prefix is not None:
                 tape = PrefixReplay(prefix.tensors, torch.ones(start, dtype=torch.bool, device=device))
             padded = _padded(mu.size(2), self.frame_multiple, limit=NOISE_FRAMES - start)
-            mu, mask, cond = (F.pad(tensor, (0, padded - tensor.size(2))) for tensor in (mu, mask, cond))
+            if padded > mu.size(2):
+                mu, mask, cond = (F.pad(tensor, (0, padded - tensor.size(2))) for tensor in (mu, mask, cond))
             noise = self.decoder.noise(start, padded)
             mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming, noise=noise, tape=tape)
         ends = [(item.prompt_feat.size(0) - start, ratio * voiced[row] - start) for row, item in enumerate(items)]

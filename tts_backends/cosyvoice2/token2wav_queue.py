@@ -12,19 +12,19 @@ longest, so like lengths go together). The queue follows how much audio each str
 and since when, and takes streams' later chunks in the order their streams run out of it. (In order
 of arrival instead, a short stream's last chunk queued behind the later chunks of long streams with
 seconds of audio in hand, and at 64 streams on the H100 it was the short streams that fell behind
-real time.) Offline calls go in the order they came, and against later chunks as in order of arrival.
-A group is one flow pass; a first
-chunk waits for the group being converted and, only when more first chunks wait than a group takes,
-for those before it. A group of later chunks lends the GPU to the first chunks waiting between the two halves of its
-flow solve, where it is replayed from CUDA graphs (``flow_graphs.py``): the first chunks that
-arrive during the first half wait for the rest of it, not for the whole pass and HiFT (one that
-arrives during the second half still does); the later chunks have audio in hand and can wait.
+real time.) Offline calls go in the order they came, and against later chunks as in order of
+arrival. A group is one flow pass; a first chunk waits for the group being converted and, only when
+more first chunks wait than a group takes, for those before it. A group of later chunks lends the
+GPU to the first chunks waiting between the two halves of its flow solve, where it is replayed from
+CUDA graphs (``flow_graphs.py``): the first chunks that arrive during the first half wait for the
+rest of it, not for the whole pass and HiFT (one that arrives during the second half still does);
+the later chunks have audio in hand and can wait.
 
 Up to a point, where the operator asks for it: a stream whose audio is playing need not run dry
 because new streams keep arriving. With a ``playback_guard_s``, a later chunk whose stream would
 run out of audio within that guard goes before the first chunks waiting, and a later group stops
-lending the GPU between the halves of its solve while such a stream is among its own or waits. Under a load the
-GPU barely keeps up with, new streams then wait longer for their first audio instead of streams
+lending the GPU between the halves of its solve while such a stream is among its own or waits.
+Under a load the GPU barely keeps up with, new streams then wait longer for their first audio instead of streams
 already playing stalling. On the H100 a guard of 800 ms kept all of 64 streams in real time, but
 16 streams' first audio doubled; the profiles leave it off.
 
