@@ -57,6 +57,7 @@ import tritonclient.grpc.aio as aio_grpcclient
 from bench_stack import GatewayServer
 from gpu_sanity import ROOT, Voice, cosyvoice_models
 from numpy.typing import NDArray
+from server_startup import load_timeline
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
@@ -464,6 +465,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{setup.get('gateway_workers', 1)}; overrides: "
         f"{', '.join(setup['overrides']) or 'none'}."
     )
+    if setup.get("load_timeline"):
+        lines += ["", "The server's start, from its log (seconds after its first line):", ""]
+        lines += [f"- {event}" for event in setup["load_timeline"]]
     return "\n".join(lines) + "\n"
 
 
@@ -656,6 +660,7 @@ def run(args: argparse.Namespace) -> bool:
                 "gateway_workers": args.gateway_workers,
                 "checkpoint_s": round(checkpoint_s, 1),
                 "startup_s": round(startup_s, 1),
+                "load_timeline": load_timeline(Path(triton.log_path).read_text(encoding="utf-8", errors="replace")),
                 "warmup_s": 0.0,
             },
             "passes": [],

@@ -10,6 +10,7 @@ seed, isolation between concurrent streams, and that a cancelled stream stops wo
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -338,3 +339,18 @@ def test_token2wav_answers_each_call_of_a_batch_on_its_own(server: CosyVoiceServ
         assert result.as_numpy(tensors.WAVEFORM_OUTPUT).size == tokens * SAMPLES_PER_TOKEN
     _, error = answers["unknown"]
     assert error is not None and "no streaming state" in error.message()
+
+
+def test_the_models_write_their_load_phases_to_the_server_log(server: CosyVoiceServer) -> None:
+    """The backends' log records reach Triton's log, named by model; the benchmark reads the start from them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from server_startup import load_timeline
+
+    log = Path(server.triton.log_path).read_text(encoding="utf-8", errors="replace")
+    assert "token2wav: tts_backends.cosyvoice2.token2wav: flow and HiFT weights loaded onto cpu in " in log
+    assert "llm: tts_backends.cosyvoice2.llm: LLM weights loaded onto cpu in " in log
+    timeline = load_timeline(log)
+    weights = next(i for i, event in enumerate(timeline) if "token2wav: flow and HiFT weights loaded" in event)
+    loaded = timeline.index(next(event for event in timeline if event.endswith(" token2wav: loaded")))
+    assert weights < loaded
+    assert all(event.startswith("+") for event in timeline)

@@ -119,14 +119,17 @@ class FlowSolverGraphs:
         # The static buffers serve one solve at a time; one called between the segments of another
         # (same thread) keeps and restores that one's state.
         self._lock = threading.RLock()
+        # How long recording the first graph took (with a compiled estimator, that one compiles it).
+        self.first_capture_s = 0.0
         started = time.monotonic()
         self._capture(device)
         self.capture_s = time.monotonic() - started
         _log.info(
-            "flow solve captured in segments of %d steps for %d buckets in %.1f s",
+            "flow solve captured in segments of %d steps for %d buckets in %.1f s (the first %.1f s)",
             self.segment_steps,
             len(self._graphs),
             self.capture_s,
+            self.first_capture_s,
         )
 
     @property
@@ -263,6 +266,7 @@ class FlowSolverGraphs:
             for key in itertools.product(self._rows, self._frames, families):
                 self._graphs[key] = EagerReplay(functools.partial(self._segment, *key))
             return
+        started = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -276,5 +280,7 @@ class FlowSolverGraphs:
                         with torch.cuda.graph(graph, pool=pool, stream=stream):
                             self._segment(rows, frames, after_prefix)
                         self._graphs[rows, frames, after_prefix] = graph
+                        if len(self._graphs) == 1:
+                            self.first_capture_s = time.monotonic() - started
         torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)

@@ -14,6 +14,8 @@ checkpoint holds ``lm_head.bias`` the head is built with a bias so that it is lo
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from .llm_engine import (
     generate,
 )
 
+_log = logging.getLogger(__name__)
 _DTYPES: Final = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHTS_FILE: Final = "model.safetensors"
 _WEIGHTS_INDEX: Final = "model.safetensors.index.json"
@@ -102,9 +105,11 @@ class TorchSpeechLLM:
         if config.vocab_size < vocab.TOKENIZER_SIZE:
             raise ValueError(f"{hf_dir}: vocab_size {config.vocab_size} lacks the speech tokens")
         model_class = _Qwen2WithHeadBias if _has_head_bias(hf_dir) else Qwen2ForCausalLM
+        started = time.monotonic()
         model = model_class.from_pretrained(hf_dir, config=config, dtype=_DTYPES[dtype])
         self._device = torch.device(device)
         model = model.to(self._device).eval()
+        _log.info("LLM weights loaded onto %s in %.1f s", self._device, time.monotonic() - started)
         self.vocab_size: int = config.vocab_size
         decoder = SlotDecoder(
             model,

@@ -221,7 +221,13 @@ class BatchingEngine:
         if compile_backend:
             self._compile(compile_backend)
         if cuda_graphs:
+            started = time.monotonic()
             self._capture()
+            _log.info(
+                "LLM decode steps and prefills recorded as %d CUDA graphs in %.1f s",
+                len(self._graphs) + len(self._prefill_graphs),
+                time.monotonic() - started,
+            )
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
         self._thread.start()
 

@@ -189,9 +189,11 @@ class Token2Wav:
         warm-up. It needs the voice prefix cache off and buckets of a multiple of 8 frames.
         """
         device = torch.device(device)
+        started = time.monotonic()
         cfg = load_config(model_dir / "cosyvoice2.yaml")
         flow = CausalFlow.from_checkpoint(cfg.flow, model_dir / "flow.pt", device, dtype)
         hift = HiFTGenerator.from_checkpoint(cfg.hift, model_dir / "hift.pt", device, hift_dtype)
+        _log.info("flow and HiFT weights loaded onto %s in %.1f s", device, time.monotonic() - started)
         solver = None
         records_graphs = graph_rows > 0 and device.type == "cuda"
         prefix_cache = VoicePrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
@@ -426,6 +428,8 @@ class Token2Wav:
                 audio.append(self._to_numpy(stream.hift.finish(mel, wav, source, final=call.finalize)))
         self.last_timing = {
             "rows": float(len(group)),
+            # Mel frames of the group's solve (its longest call, voice prompt included).
+            "frames": float(self._token_mel_ratio * max(i.prompt_token.numel() + i.token.numel() for i in items)),
             "flow_s": flowed - started - lent,
             "hift_s": time.monotonic() - flowed,
         }

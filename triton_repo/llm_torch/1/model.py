@@ -27,6 +27,7 @@ from tts_backends.cosyvoice2.llm_engine import GenerationHandle
 from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox, TokenStream
 from tts_backends.cosyvoice2.pipeline import LLMRequest
 from tts_backends.stage_trace import StageTrace
+from tts_backends.triton_logging import forward_to_triton
 
 
 class TritonPythonModel:
@@ -34,6 +35,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self.name = args["model_name"]
+        forward_to_triton(pb_utils.Logger, self.name)
         graphs = params["cuda_graphs"].lower()
         # On a GPU shared with token2wav, a first chunk being converted goes before decoding ahead.
         device = torch.device(params["device"])

@@ -29,6 +29,7 @@ from tts_backends.cosyvoice2.gpu_turns import GpuTurns
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
 from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, QueueClosed
 from tts_backends.stage_trace import StageTrace
+from tts_backends.triton_logging import forward_to_triton
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,6 +39,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self._name = args["model_name"]
+        forward_to_triton(pb_utils.Logger, self._name)
         device = params["device"]
         if device == "cuda" and args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
@@ -136,6 +138,7 @@ class TritonPythonModel:
             started=group.started,
             ended=time.monotonic(),
             rows=group.rows,
+            frames=timing.get("frames", 0.0),
             flow_s=timing.get("flow_s", 0.0),
             hift_s=timing.get("hift_s", 0.0),
         )
