@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
-from tts_backends.cosyvoice2.hift import HiFTGenerator, _fourier_bases
+from tts_backends.cosyvoice2.hift import ExcitationNoise, HiFTGenerator, _fourier_bases
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -215,3 +215,37 @@ def test_the_fourier_bases_are_rfft_and_irfft(n_fft: int) -> None:
     inverse = spectrum.real @ inverse_real + spectrum.imag @ inverse_imag
     torch.testing.assert_close(inverse, torch.fft.irfft(spectrum, n=n_fft), atol=1e-6, rtol=0)
     torch.testing.assert_close(window, torch.hann_window(n_fft), atol=1e-6, rtol=0)
+
+
+def test_rows_of_different_lengths_padded_into_one_batch_vocode_as_each_alone(cfg: HiftConfig) -> None:
+    """Padding is cleared before every convolution, the excitation's phase held and its STFT reflected at
+    each row's own end, the inverse STFT's envelope cut there: each row's samples are its own."""
+    torch.manual_seed(0)
+    vocoder = HiFTGenerator(cfg).eval()
+    # Voiced throughout (random weights predict an F0 near 0 Hz): the excitation's phase matters.
+    vocoder.f0_predictor.classifier.bias.data.fill_(220.0)
+    lengths = [9, FRAMES, 12]
+    mels = [torch.randn(1, 80, n, generator=torch.Generator().manual_seed(n)) for n in lengths]
+    cache = torch.randn(1, 1, 3840, generator=torch.Generator().manual_seed(9)) * 0.1
+    alone = []
+    noises = []
+    with torch.inference_mode():
+        for seed, mel in enumerate(mels):
+            noise = vocoder.draw_noise(1, mel.shape[2], torch.Generator().manual_seed(seed))
+            noises.append(noise)
+            alone.append(vocoder.vocode(mel, noise, cache))
+        samples = FRAMES * SAMPLES_PER_FRAME
+        batch = torch.cat([torch.nn.functional.pad(mel, (0, FRAMES - mel.shape[2])) for mel in mels])
+        padded = ExcitationNoise(
+            torch.cat([noise.phase for noise in noises]),
+            torch.cat([torch.nn.functional.pad(n.gaussian, (0, samples - n.gaussian.shape[2])) for n in noises]),
+        )
+        caches = cache.expand(3, -1, -1)
+        wav, source = vocoder.vocode(batch, padded, caches, torch.tensor(lengths))
+        unmasked, _ = vocoder.vocode(batch, padded, caches)
+    for row, (length, (alone_wav, alone_source)) in enumerate(zip(lengths, alone, strict=True)):
+        end = length * SAMPLES_PER_FRAME
+        torch.testing.assert_close(wav[row, :end], alone_wav[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(source[row, :, :end], alone_source[0], rtol=0, atol=1e-6)
+    # Without the lengths a short row's end hears the padding after it.
+    assert (unmasked[0, : 9 * SAMPLES_PER_FRAME] - alone[0][0][0]).abs().max() > 1e-3

@@ -161,3 +161,33 @@ def test_a_failing_group_fails_the_calls_not_answered_yet_and_drops_their_stream
     (rest,) = t2w.convert([Conversion("fail-first", tokens(30, 1), voice(1, 10), 15, True)])
     assert isinstance(rest, np.ndarray) and rest.size > 0
     assert t2w.active_streams == 0
+
+
+def test_calls_of_different_lengths_are_vocoded_in_one_call_per_excitation_cache(
+    t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's mels of any length are padded into one HiFT call (streams' first chunks are one group,
+    the rest another); streams' later chunks, which continue a cached excitation, make a call of their own."""
+    vocoded: list[tuple[int, bool]] = []
+    vocode = t2w.hift.vocode
+
+    def counting(mel: torch.Tensor, *args: Any) -> Any:
+        vocoded.append((mel.shape[0], args[1] is not None))
+        return vocode(mel, *args)
+
+    monkeypatch.setattr(t2w.hift, "vocode", counting)
+    results = t2w.convert(calls("lengths"))
+    assert all(isinstance(result, np.ndarray) for result in results)
+    assert vocoded == [(4, False), (2, False)]
+    vocoded.clear()
+    later = [
+        Conversion("lengths-first-a", tokens(43, 1), voice(1, 10), 15, False),
+        Conversion("lengths-first-b", tokens(50, 2), voice(2, 17), 18, True),
+        Conversion("lengths-offline-2", tokens(33, 7), voice(1, 10)),
+    ]
+    results = t2w.convert(later)
+    assert all(isinstance(result, np.ndarray) for result in results)
+    assert sorted(vocoded) == [(1, False), (2, True)]
+    for stream in ("lengths-first-a", "lengths-first-c"):
+        t2w.release(stream)
+    assert t2w.active_streams == 0

@@ -38,6 +38,8 @@ Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 _SNAKE_EPS = 1e-9
 _MAX_MAGNITUDE = 1e2
+# The window envelope past a padded row's end, where no frame overlaps (those samples are discarded).
+_EMPTY_ENVELOPE = 1e-6
 
 
 class ExcitationNoise(NamedTuple):
@@ -58,6 +60,18 @@ def _draw(generator: Generators, rows: int, draw: Callable[[int, torch.Generator
 
 def _same_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size - 1) * dilation // 2
+
+
+def _keep(x: Tensor, valid: Tensor | None) -> Tensor:
+    """``x`` [B, C, L] with each row's positions from its ``valid`` length on set to zero.
+
+    Rows of different lengths vocoded as one right-padded batch: a convolution then reads zeros past
+    a row's end, as the zero padding of that row vocoded alone does, so every row's own samples come
+    out as they would alone. ``None``: one length, nothing to clear."""
+    if valid is None:
+        return x
+    inside = torch.arange(x.shape[-1], device=x.device) < valid[:, None]
+    return x * inside.unsqueeze(1).to(x.dtype)
 
 
 @functools.cache
@@ -118,11 +132,13 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
+        """``valid``: each row's length when rows are padded (``x`` is zero past it, and so is the result)."""
         for conv1, conv2, act1, act2 in zip(
             self.convs1, self.convs2, self.activations1, self.activations2, strict=True
         ):
-            x = x + conv2(act2(conv1(act1(x))))
+            # Snake(0) = 0: an input cleared past a row's end stays cleared through the activations.
+            x = _keep(x + conv2(act2(_keep(conv1(act1(x)), valid))), valid)
         return x
 
 
@@ -138,9 +154,12 @@ class ConvRNNF0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
-    def forward(self, mel: Tensor) -> Tensor:
-        """``mel`` [B, 80, T] -> F0 [B, T]."""
-        hidden: Tensor = self.condnet(mel).transpose(1, 2)
+    def forward(self, mel: Tensor, valid: Tensor | None = None) -> Tensor:
+        """``mel`` [B, 80, T] -> F0 [B, T]; ``valid``: each row's frames when rows are padded (ELU(0) = 0)."""
+        hidden = _keep(mel, valid)
+        for layer in self.condnet:
+            hidden = _keep(layer(hidden), valid) if isinstance(layer, nn.Conv1d) else layer(hidden)
+        hidden = hidden.transpose(1, 2)
         f0: Tensor = self.classifier(hidden).squeeze(-1).abs()
         return f0
 
@@ -205,8 +224,10 @@ class HarmonicSource(nn.Module):
         )
         return ExcitationNoise(phase, gaussian)
 
-    def forward(self, f0: Tensor, noise: ExcitationNoise) -> Tensor:
-        """``f0`` [B, T] in Hz and the draws of :meth:`draw_noise` -> excitation [B, 1, T * upsample_scale]."""
+    def forward(self, f0: Tensor, noise: ExcitationNoise, valid: Tensor | None = None) -> Tensor:
+        """``f0`` [B, T] in Hz and the draws of :meth:`draw_noise` -> excitation [B, 1, T * upsample_scale].
+
+        ``valid``: each row's frames when rows are padded; a row's samples past them are not its own."""
         scale = float(self.upsample_scale)
         f0 = F.interpolate(f0.float()[:, None], scale_factor=scale, mode="nearest")
         orders = torch.arange(1, self.nb_harmonics + 2, dtype=torch.float32, device=f0.device)[None, :, None]
@@ -218,6 +239,11 @@ class HarmonicSource(nn.Module):
 
         per_frame = F.interpolate(increments, scale_factor=1 / scale, mode="linear")
         phase = torch.cumsum(per_frame, dim=2) * 2 * math.pi
+        if valid is not None:
+            # Resampled alone, a row's last half frame holds its last phase (the edge is clamped):
+            # the frames after it repeat that phase.
+            last = torch.minimum(torch.arange(phase.shape[2], device=phase.device), valid[:, None] - 1)
+            phase = phase.gather(2, last[:, None, :].expand_as(phase))
         phase = F.interpolate(phase * scale, scale_factor=scale, mode="linear")
         sines = torch.sin(phase) * self.sine_amp
 
@@ -316,24 +342,42 @@ class HiFTGenerator(nn.Module):
             if parametrize.is_parametrized(module, "weight"):
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
 
-    def _source_spectrum(self, source: Tensor) -> Tensor:
-        """``torch.stft`` of the excitation (centred, reflect-padded, Hann window): real then imaginary bins."""
+    def _source_spectrum(self, source: Tensor, samples: Tensor | None = None) -> Tensor:
+        """``torch.stft`` of the excitation (centred, reflect-padded, Hann window): real then imaginary bins.
+
+        ``samples``: each row's length when rows are padded; a row is reflected at its own end."""
         window, forward, _, _ = _fourier_bases(self.n_fft, source.device)
         half = self.n_fft // 2
-        padded = F.pad(source.float(), (half, half), mode="reflect").squeeze(1)
+        if samples is None:
+            padded = F.pad(source.float(), (half, half), mode="reflect").squeeze(1)
+        else:
+            length = source.shape[2]
+            at = torch.arange(-half, length + half, device=source.device).expand(source.shape[0], -1)
+            end = samples[:, None] - 1
+            reflected = torch.where(at < 0, -at, torch.where(at > end, 2 * end - at, at))
+            padded = source.float().squeeze(1).gather(1, reflected.clamp(0, length - 1))
         frames = padded.unfold(1, self.n_fft, self.hop_len) * window  # [B, frames, n_fft]
         return (frames @ forward).transpose(1, 2)
 
-    def _inverse_stft(self, magnitude: Tensor, phase: Tensor) -> Tensor:
-        """``torch.istft`` (centred, one-sided, Hann window) of the spectrum ``magnitude * exp(i * phase)``."""
+    def _inverse_stft(self, magnitude: Tensor, phase: Tensor, valid: Tensor | None = None) -> Tensor:
+        """``torch.istft`` (centred, one-sided, Hann window) of the spectrum ``magnitude * exp(i * phase)``.
+
+        ``valid``: each row's frames when rows are padded; frames past them add nothing, to the signal
+        or to the window envelope it is divided by."""
         window, _, inverse_real, inverse_imag = _fourier_bases(self.n_fft, magnitude.device)
-        magnitude = magnitude.clamp(max=_MAX_MAGNITUDE)
+        magnitude = _keep(magnitude.clamp(max=_MAX_MAGNITUDE), valid)
         real, imag = (magnitude * torch.cos(phase)).transpose(1, 2), (magnitude * torch.sin(phase)).transpose(1, 2)
         frames = ((real @ inverse_real + imag @ inverse_imag) * window).transpose(1, 2)  # [B, n_fft, frames]
         windows = (window * window)[None, :, None].expand(1, self.n_fft, frames.shape[2])
+        if valid is not None:
+            windows = _keep(windows.expand(frames.shape[0], -1, -1), valid)
         signal, envelope = (self._overlap_add(tensor) for tensor in (frames, windows))
         half = self.n_fft // 2
-        return signal[:, half:-half] / envelope[:, half:-half]
+        signal, envelope = signal[:, half:-half], envelope[:, half:-half]
+        if valid is not None:
+            # Past a row's end nothing overlaps: keep those (discarded) samples finite.
+            envelope = envelope.clamp(min=_EMPTY_ENVELOPE)
+        return signal / envelope
 
     def _overlap_add(self, frames: Tensor) -> Tensor:
         """Frames [B, n_fft, T] laid ``hop_len`` apart and summed -> [B, (T - 1) * hop_len + n_fft]."""
@@ -341,39 +385,61 @@ class HiFTGenerator(nn.Module):
         summed = F.fold(frames, output_size=(1, length), kernel_size=(1, self.n_fft), stride=(1, self.hop_len))
         return summed.reshape(frames.shape[0], length)
 
-    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
-        """Mel [B, 80, T] and excitation [B, 1, T * samples_per_frame] -> waveform [B, T * samples_per_frame]."""
-        source_spec = self._source_spectrum(source).to(mel.dtype)
-        x = self.conv_pre(mel)
+    def decode(self, mel: Tensor, source: Tensor, frames: Tensor | None = None) -> Tensor:
+        """Mel [B, 80, T] and excitation [B, 1, T * samples_per_frame] -> waveform [B, T * samples_per_frame].
+
+        ``frames``: each row's mel frames when rows of different lengths are padded to T (see :func:`_keep`)."""
+        # Each row's length at each rate: stage i runs at prod(upsample_rates[:i + 1]) x the frame rate.
+        rate = 1
+        stages: list[Tensor | None] = []
+        for up in self.ups:
+            rate *= up.stride[0]
+            stages.append(None if frames is None else frames * rate)
+        # The last stage gains one sample on the left (reflection_pad); the excitation's STFT has as many frames.
+        spectrum = None if frames is None else frames * rate + 1
+        samples = None if frames is None else frames * self.samples_per_frame
+        source_spec = _keep(self._source_spectrum(source, samples).to(mel.dtype), spectrum)
+        x = _keep(self.conv_pre(_keep(mel, frames)), frames)
         for i in range(self.num_upsamples):
             x = self.ups[i](F.leaky_relu(x, self.lrelu_slope))
+            valid = stages[i]
             if i == self.num_upsamples - 1:
                 x = self.reflection_pad(x)
-            x = x + self.source_resblocks[i](self.source_downs[i](source_spec))
+                valid = spectrum
+            x = _keep(x + self.source_resblocks[i](_keep(self.source_downs[i](source_spec), valid), valid), valid)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            total = blocks[0](x)
+            total = blocks[0](x, valid)
             for block in blocks[1:]:
-                total = total + block(x)
+                total = total + block(x, valid)
             x = total / self.num_kernels
         # Upstream's last activation uses leaky_relu's default slope, not lrelu_slope.
         x = self.conv_post(F.leaky_relu(x)).float()
         bins = self.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :bins, :])
         phase = torch.sin(x[:, bins:, :])
-        wav = self._inverse_stft(magnitude, phase)
+        wav = self._inverse_stft(magnitude, phase, spectrum)
         return wav.clamp(-self.audio_limit, self.audio_limit)
 
-    def vocode(self, mel: Tensor, noise: ExcitationNoise, cache_source: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def vocode(
+        self,
+        mel: Tensor,
+        noise: ExcitationNoise,
+        cache_source: Tensor | None = None,
+        frames: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """:meth:`inference` with the excitation's draws given: deterministic, and free of host syncs.
 
-        ``mel`` must already be on the model's device and in its dtype.
+        ``mel`` must already be on the model's device and in its dtype. ``frames`` (a tensor on that
+        device): each row's own frames, the rest of its mel padding; each row's waveform and
+        excitation up to its own ``frames * samples_per_frame`` samples are then what vocoding that row
+        alone gives (its noise drawn for its own length, zero-padded), the samples after it are not.
         """
-        f0 = self.f0_predictor(mel)
-        source = self.m_source(f0, noise)
+        f0 = self.f0_predictor(mel, frames)
+        source = self.m_source(f0, noise, frames)
         if cache_source is not None and cache_source.shape[2] > 0:
             cached = cache_source.shape[2]
             source = torch.cat([cache_source.to(source), source[:, :, cached:]], dim=2)
-        return self.decode(mel, source), source
+        return self.decode(mel, source, frames), source
 
     def draw_noise(self, rows: int, frames: int, generator: Generators = None) -> ExcitationNoise:
         """The excitation's draws for ``rows`` mels of ``frames`` frames (see :meth:`HarmonicSource.draw_noise`)."""
