@@ -2,14 +2,14 @@
 
 Eager, HiFT took 24 ms of a stream's first chunk (30 mel frames) on an H100 (2026-11-24 benchmark),
 in a few hundred small kernels; replayed from a graph they launch at once, as the flow's do.
-HiFT is not mask-aware (its convolutions see past the end of a mel), so frames cannot be padded
-as the flow's graphs pad them: a graph is recorded per exact chunk shape. Streaming makes few
-shapes, since every non-final chunk converts one of the hop schedule's hops (``hops``, in
-tokens): its mel is ``token_mel_ratio`` frames a token, after the ``cache_frames`` mel frames
-carried from the previous chunk (none for a stream's first chunk). Graphs are recorded for
-batches of a power of two up to ``max_rows`` rows, a batch padded up to the next (rows never mix,
-so padding changes nothing). A batch of another shape (most final chunks, offline requests) or
-larger than every bucket runs eagerly.
+A graph is recorded per exact chunk shape (HiFT vocodes padded rows exactly only when told each
+row's frames, which these graphs do not record). Streaming makes few shapes, since every
+non-final chunk converts one of the hop schedule's hops (``hops``, in tokens): its mel is
+``token_mel_ratio`` frames a token, after the ``cache_frames`` mel frames carried from the
+previous chunk (none for a stream's first chunk). Graphs are recorded for batches of a power of
+two up to ``max_rows`` rows, a batch padded up to the next (rows never mix, so padding changes
+nothing). A batch of another shape (most final chunks, offline requests) or larger than every
+bucket runs eagerly (token2wav pads a group's such calls into one).
 
 The excitation's random draws are made before the replay (:meth:`HiFTGenerator.draw_noise`, with
 each request's own generator) and copied in, so graph and eager give the same audio up to
