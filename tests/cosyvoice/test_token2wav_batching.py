@@ -191,3 +191,39 @@ def test_calls_of_different_lengths_are_vocoded_in_one_call_per_excitation_cache
     for stream in ("lengths-first-a", "lengths-first-c"):
         t2w.release(stream)
     assert t2w.active_streams == 0
+
+
+def test_a_mel_much_longer_than_the_rest_is_vocoded_apart() -> None:
+    """Padding short chunks to one long final chunk would cost more than the call it saves."""
+    from tts_backends.cosyvoice2.hift import ExcitationNoise
+    from tts_backends.cosyvoice2.token2wav import _padding_batches
+
+    def part(index: int, rows: int, frames: int) -> tuple[list[int], torch.Tensor, ExcitationNoise, None]:
+        return [index], torch.zeros(rows, 80, frames), ExcitationNoise(torch.zeros(0), torch.zeros(0)), None
+
+    spread = [part(i, 1, frames) for i, frames in enumerate((110, 40, 75, 58, 90))]
+    assert [[p[0] for p in batch] for batch in _padding_batches(spread)] == [[[1], [3], [2], [4], [0]]]
+    lopsided = [part(0, 31, 58), part(1, 1, 300), part(2, 2, 70)]
+    assert [[p[0] for p in batch] for batch in _padding_batches(lopsided)] == [[[0], [2]], [[1]]]
+
+
+def test_later_chunks_of_different_lengths_vocoded_together_sound_as_alone(t2w: Token2Wav) -> None:
+    """Two streams' later chunks (each continuing its own cached excitation), one longer: padded into one
+    HiFT call, each gives the audio it gives converted alone."""
+    a, b = voice(1, 10), voice(2, 17)
+    for tag in ("alone", "together"):
+        opened = t2w.convert(
+            [Conversion(f"{tag}-a", tokens(18, 1), a, 0, False), Conversion(f"{tag}-b", tokens(18, 2), b, 0, False)]
+        )
+        assert all(isinstance(result, np.ndarray) for result in opened)
+    short = lambda tag: Conversion(f"{tag}-a", tokens(43, 1), a, 15, False)  # noqa: E731
+    long = lambda tag: Conversion(f"{tag}-b", tokens(60, 2), b, 15, True)  # noqa: E731
+    alone = [t2w.convert([short("alone")])[0], t2w.convert([long("alone")])[0]]
+    together = t2w.convert([short("together"), long("together")])
+    for single, batched in zip(alone, together, strict=True):
+        assert isinstance(single, np.ndarray) and isinstance(batched, np.ndarray)
+        assert single.shape == batched.shape
+        np.testing.assert_allclose(batched, single, atol=1e-5)
+    for tag in ("alone", "together"):
+        t2w.release(f"{tag}-a")
+    assert t2w.active_streams == 0

@@ -71,7 +71,7 @@ def _keep(x: Tensor, valid: Tensor | None) -> Tensor:
     if valid is None:
         return x
     inside = torch.arange(x.shape[-1], device=x.device) < valid[:, None]
-    return x * inside.unsqueeze(1).to(x.dtype)
+    return torch.where(inside.unsqueeze(1), x, 0.0)
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -480,7 +480,7 @@ class Token2Wav:
             groups.setdefault((mel.shape[2], cached), []).append(index)
         out: list[tuple[Tensor, Tensor]] = [(torch.zeros(0), torch.zeros(1, 1, 0))] * len(calls)
         dtype = self.hift.conv_pre.bias.dtype
-        eager: dict[int, list[tuple[list[int], Tensor, ExcitationNoise, Tensor | None]]] = {}
+        eager: dict[int, list[_SameLength]] = {}
         for (frames, cached), members in groups.items():
             if frames == 0:
                 continue
@@ -495,7 +495,7 @@ class Token2Wav:
                 continue
             for row, index in enumerate(members):
                 out[index] = (graphed[0][row], graphed[1][row : row + 1])
-        for parts in eager.values():
+        for parts in (batch for same_cache in eager.values() for batch in _padding_batches(same_cache)):
             members, mel, noise, cache, frames = _padded_batch(parts, self.hift.samples_per_frame)
             wav, source = self.hift.vocode(mel, noise, cache, frames)
             lengths = [calls[i][0].shape[2] * self.hift.samples_per_frame for i in members]
@@ -595,8 +595,34 @@ def _unwrap(result: NDArray[np.float32] | Exception) -> NDArray[np.float32]:
     return result
 
 
+# Calls of one mel length to vocode: their indices, mels, noise and excitation caches.
+_SameLength: TypeAlias = tuple[list[int], Tensor, ExcitationNoise, Tensor | None]
+# A padded HiFT batch computes at most this many times the frames its rows hold; beyond it, a longer
+# mel starts a batch of its own (one launch-bound call, about 15-20 ms on an H100, costs less than
+# padding a group of short chunks to one long final chunk).
+MAX_PADDING_WASTE: Final = 2.0
+
+
+def _padding_batches(
+    parts: list[_SameLength],
+) -> list[list[_SameLength]]:
+    """``parts`` (calls of one mel length each) shortest first, in runs whose padding to their longest mel
+    stays within :data:`MAX_PADDING_WASTE`."""
+    batches: list[list[_SameLength]] = []
+    rows = held = 0
+    for part in sorted(parts, key=lambda part: part[1].shape[2]):
+        count, length = part[1].shape[0], part[1].shape[2]
+        if batches and (rows + count) * length <= MAX_PADDING_WASTE * (held + count * length):
+            batches[-1].append(part)
+            rows, held = rows + count, held + count * length
+        else:
+            batches.append([part])
+            rows, held = count, count * length
+    return batches
+
+
 def _padded_batch(
-    parts: list[tuple[list[int], Tensor, ExcitationNoise, Tensor | None]], samples_per_frame: int
+    parts: list[_SameLength], samples_per_frame: int
 ) -> tuple[list[int], Tensor, ExcitationNoise, Tensor | None, Tensor | None]:
     """Groups of calls with mels of different lengths (and one excitation cache length) as one batch: mels
     and noise zero-padded to the longest, with each row's frames (None when there is only one length)."""
