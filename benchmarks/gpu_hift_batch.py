@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from gpu_engine_check import ROOT, _flow_and_hift
 
 from tts_backends.cosyvoice2.config import load_config
-from tts_backends.cosyvoice2.hift import ExcitationNoise, HiFTGenerator
+from tts_backends.cosyvoice2.hift import HiFTGenerator
 from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES
 
 REPEATS = 10
@@ -58,14 +57,7 @@ def compare(hift: HiFTGenerator, rows: int, min_frames: int, max_frames: int, se
     mels = [torch.randn(1, 80, n, generator=rng).to(device) for n in lengths]
     cache = (torch.randn(1, 1, DEFAULT_MEL_CACHE_FRAMES * hift.samples_per_frame, generator=rng) * 0.1).to(device)
     noises = [hift.draw_noise(1, n, torch.Generator(device=device).manual_seed(i)) for i, n in enumerate(lengths)]
-    longest = max(lengths)
-    batch = torch.cat([F.pad(mel, (0, longest - mel.shape[2])) for mel in mels])
-    samples = longest * hift.samples_per_frame
-    padded = ExcitationNoise(
-        torch.cat([noise.phase for noise in noises]),
-        torch.cat([F.pad(noise.gaussian, (0, samples - noise.gaussian.shape[2])) for noise in noises]),
-    )
-    frames = torch.tensor(lengths, device=device)
+    batch, padded, frames = hift.padded(mels, noises)
     caches = cache.expand(rows, -1, -1)
     alone = [hift.vocode(mel, noise, cache)[0][0] for mel, noise in zip(mels, noises, strict=True)]
     wav, _ = hift.vocode(batch, padded, caches, frames)

@@ -62,16 +62,22 @@ def _same_padding(kernel_size: int, dilation: int) -> int:
     return (kernel_size - 1) * dilation // 2
 
 
-def _keep(x: Tensor, valid: Tensor | None) -> Tensor:
-    """``x`` [B, C, L] with each row's positions from its ``valid`` length on set to zero.
+def _inside(valid: Tensor | None, length: int) -> Tensor | None:
+    """Which of ``length`` positions [B, 1, length] lie within each row's ``valid`` length (None: all do).
+
+    Built once per rate of a padded batch, for every :func:`_keep` at that rate."""
+    if valid is None:
+        return None
+    return (torch.arange(length, device=valid.device) < valid[:, None]).unsqueeze(1)
+
+
+def _keep(x: Tensor, inside: Tensor | None) -> Tensor:
+    """``x`` [B, C, L] with each row's positions outside its length (``inside``, from :func:`_inside`) zeroed.
 
     Rows of different lengths vocoded as one right-padded batch: a convolution then reads zeros past
     a row's end, as the zero padding of that row vocoded alone does, so every row's own samples come
     out as they would alone. ``None``: one length, nothing to clear."""
-    if valid is None:
-        return x
-    inside = torch.arange(x.shape[-1], device=x.device) < valid[:, None]
-    return torch.where(inside.unsqueeze(1), x, 0.0)
+    return x if inside is None else torch.where(inside, x, 0.0)
 
 
 @functools.cache
@@ -132,13 +138,14 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
-        """``valid``: each row's length when rows are padded (``x`` is zero past it, and so is the result)."""
+    def forward(self, x: Tensor, inside: Tensor | None = None) -> Tensor:
+        """``inside``: each row's positions when rows are padded (:func:`_inside`; ``x`` is zero past them,
+        and so is the result)."""
         for conv1, conv2, act1, act2 in zip(
             self.convs1, self.convs2, self.activations1, self.activations2, strict=True
         ):
             # Snake(0) = 0: an input cleared past a row's end stays cleared through the activations.
-            x = _keep(x + conv2(act2(_keep(conv1(act1(x)), valid))), valid)
+            x = _keep(x + conv2(act2(_keep(conv1(act1(x)), inside))), inside)
         return x
 
 
@@ -154,11 +161,12 @@ class ConvRNNF0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)
         self.classifier = nn.Linear(cond_channels, num_class)
 
-    def forward(self, mel: Tensor, valid: Tensor | None = None) -> Tensor:
-        """``mel`` [B, 80, T] -> F0 [B, T]; ``valid``: each row's frames when rows are padded (ELU(0) = 0)."""
-        hidden = _keep(mel, valid)
+    def forward(self, mel: Tensor, frames: Tensor | None = None) -> Tensor:
+        """``mel`` [B, 80, T] -> F0 [B, T]; ``frames``: each row's frames when rows are padded (ELU(0) = 0)."""
+        inside = _inside(frames, mel.shape[2])
+        hidden = _keep(mel, inside)
         for layer in self.condnet:
-            hidden = _keep(layer(hidden), valid) if isinstance(layer, nn.Conv1d) else layer(hidden)
+            hidden = _keep(layer(hidden), inside) if isinstance(layer, nn.Conv1d) else layer(hidden)
         hidden = hidden.transpose(1, 2)
         f0: Tensor = self.classifier(hidden).squeeze(-1).abs()
         return f0
@@ -359,22 +367,22 @@ class HiFTGenerator(nn.Module):
         frames = padded.unfold(1, self.n_fft, self.hop_len) * window  # [B, frames, n_fft]
         return (frames @ forward).transpose(1, 2)
 
-    def _inverse_stft(self, magnitude: Tensor, phase: Tensor, valid: Tensor | None = None) -> Tensor:
+    def _inverse_stft(self, magnitude: Tensor, phase: Tensor, inside: Tensor | None = None) -> Tensor:
         """``torch.istft`` (centred, one-sided, Hann window) of the spectrum ``magnitude * exp(i * phase)``.
 
-        ``valid``: each row's frames when rows are padded; frames past them add nothing, to the signal
-        or to the window envelope it is divided by."""
+        ``inside``: each row's frames when rows are padded (:func:`_inside`); frames past them add nothing,
+        to the signal or to the window envelope it is divided by."""
         window, _, inverse_real, inverse_imag = _fourier_bases(self.n_fft, magnitude.device)
-        magnitude = _keep(magnitude.clamp(max=_MAX_MAGNITUDE), valid)
+        magnitude = _keep(magnitude.clamp(max=_MAX_MAGNITUDE), inside)
         real, imag = (magnitude * torch.cos(phase)).transpose(1, 2), (magnitude * torch.sin(phase)).transpose(1, 2)
         frames = ((real @ inverse_real + imag @ inverse_imag) * window).transpose(1, 2)  # [B, n_fft, frames]
         windows = (window * window)[None, :, None].expand(1, self.n_fft, frames.shape[2])
-        if valid is not None:
-            windows = _keep(windows.expand(frames.shape[0], -1, -1), valid)
+        if inside is not None:
+            windows = _keep(windows.expand(frames.shape[0], -1, -1), inside)
         signal, envelope = (self._overlap_add(tensor) for tensor in (frames, windows))
         half = self.n_fft // 2
         signal, envelope = signal[:, half:-half], envelope[:, half:-half]
-        if valid is not None:
+        if inside is not None:
             # Past a row's end nothing overlaps: keep those (discarded) samples finite.
             envelope = envelope.clamp(min=_EMPTY_ENVELOPE)
         return signal / envelope
@@ -389,28 +397,30 @@ class HiFTGenerator(nn.Module):
         """Mel [B, 80, T] and excitation [B, 1, T * samples_per_frame] -> waveform [B, T * samples_per_frame].
 
         ``frames``: each row's mel frames when rows of different lengths are padded to T (see :func:`_keep`)."""
-        # Each row's length at each rate: stage i runs at prod(upsample_rates[:i + 1]) x the frame rate.
+        # Each row's positions at each rate: stage i runs at prod(upsample_rates[:i + 1]) x the frame rate.
+        length = mel.shape[2]
         rate = 1
         stages: list[Tensor | None] = []
         for up in self.ups:
             rate *= up.stride[0]
-            stages.append(None if frames is None else frames * rate)
+            stages.append(None if frames is None else _inside(frames * rate, length * rate))
         # The last stage gains one sample on the left (reflection_pad); the excitation's STFT has as many frames.
-        spectrum = None if frames is None else frames * rate + 1
+        spectrum = None if frames is None else _inside(frames * rate + 1, length * rate + 1)
         samples = None if frames is None else frames * self.samples_per_frame
         source_spec = _keep(self._source_spectrum(source, samples).to(mel.dtype), spectrum)
-        x = _keep(self.conv_pre(_keep(mel, frames)), frames)
+        at_frames = _inside(frames, length)
+        x = _keep(self.conv_pre(_keep(mel, at_frames)), at_frames)
         for i in range(self.num_upsamples):
             x = self.ups[i](F.leaky_relu(x, self.lrelu_slope))
-            valid = stages[i]
+            inside = stages[i]
             if i == self.num_upsamples - 1:
                 x = self.reflection_pad(x)
-                valid = spectrum
-            x = _keep(x + self.source_resblocks[i](_keep(self.source_downs[i](source_spec), valid), valid), valid)
+                inside = spectrum
+            x = _keep(x + self.source_resblocks[i](_keep(self.source_downs[i](source_spec), inside), inside), inside)
             blocks = self.resblocks[i * self.num_kernels : (i + 1) * self.num_kernels]
-            total = blocks[0](x, valid)
+            total = blocks[0](x, inside)
             for block in blocks[1:]:
-                total = total + block(x, valid)
+                total = total + block(x, inside)
             x = total / self.num_kernels
         # Upstream's last activation uses leaky_relu's default slope, not lrelu_slope.
         x = self.conv_post(F.leaky_relu(x)).float()
@@ -440,6 +450,21 @@ class HiFTGenerator(nn.Module):
             cached = cache_source.shape[2]
             source = torch.cat([cache_source.to(source), source[:, :, cached:]], dim=2)
         return self.decode(mel, source, frames), source
+
+    def padded(
+        self, mels: Sequence[Tensor], noises: Sequence[ExcitationNoise]
+    ) -> tuple[Tensor, ExcitationNoise, Tensor]:
+        """Mels [B_i, 80, T_i] and their draws as one batch zero-padded to the longest, with each row's frames:
+        what :meth:`vocode` takes to vocode each row as it would alone."""
+        longest = max(mel.shape[2] for mel in mels)
+        samples = longest * self.samples_per_frame
+        noise = ExcitationNoise(
+            torch.cat([part.phase for part in noises]),
+            torch.cat([F.pad(part.gaussian, (0, samples - part.gaussian.shape[2])) for part in noises]),
+        )
+        frames = [mel.shape[2] for mel in mels for _ in range(mel.shape[0])]
+        batch = torch.cat([F.pad(mel, (0, longest - mel.shape[2])) for mel in mels])
+        return batch, noise, torch.tensor(frames, device=batch.device)
 
     def draw_noise(self, rows: int, frames: int, generator: Generators = None) -> ExcitationNoise:
         """The excitation's draws for ``rows`` mels of ``frames`` frames (see :meth:`HarmonicSource.draw_noise`)."""

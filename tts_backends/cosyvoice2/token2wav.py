@@ -496,7 +496,7 @@ class Token2Wav:
             for row, index in enumerate(members):
                 out[index] = (graphed[0][row], graphed[1][row : row + 1])
         for parts in (batch for same_cache in eager.values() for batch in _padding_batches(same_cache)):
-            members, mel, noise, cache, frames = _padded_batch(parts, self.hift.samples_per_frame)
+            members, mel, noise, cache, frames = _padded_batch(parts, self.hift)
             wav, source = self.hift.vocode(mel, noise, cache, frames)
             lengths = [calls[i][0].shape[2] * self.hift.samples_per_frame for i in members]
             for row, (index, length) in enumerate(zip(members, lengths, strict=True)):
@@ -622,7 +622,7 @@ def _padding_batches(
 
 
 def _padded_batch(
-    parts: list[_SameLength], samples_per_frame: int
+    parts: list[_SameLength], hift: HiFTGenerator
 ) -> tuple[list[int], Tensor, ExcitationNoise, Tensor | None, Tensor | None]:
     """Groups of calls with mels of different lengths (and one excitation cache length) as one batch: mels
     and noise zero-padded to the longest, with each row's frames (None when there is only one length)."""
@@ -630,19 +630,6 @@ def _padded_batch(
     if len(parts) == 1:
         _, mel, noise, cache = parts[0]
         return members, mel, noise, cache, None
-    mels = [part_mel for _, part_mel, _, _ in parts]
-    longest = max(part_mel.shape[2] for part_mel in mels)
-    samples = longest * samples_per_frame
-    noise = ExcitationNoise(
-        torch.cat([part_noise.phase for _, _, part_noise, _ in parts]),
-        torch.cat([F.pad(n.gaussian, (0, samples - n.gaussian.shape[2])) for _, _, n, _ in parts]),
-    )
+    mel, noise, frames = hift.padded([part_mel for _, part_mel, _, _ in parts], [n for _, _, n, _ in parts])
     caches = [part_cache for _, _, _, part_cache in parts if part_cache is not None]
-    frames = [part_mel.shape[2] for part_mel in mels for _ in range(part_mel.shape[0])]
-    return (
-        members,
-        torch.cat([F.pad(part_mel, (0, longest - part_mel.shape[2])) for part_mel in mels]),
-        noise,
-        torch.cat(caches) if caches else None,
-        torch.tensor(frames, device=mels[0].device),
-    )
+    return members, mel, noise, torch.cat(caches) if caches else None, frames
