@@ -166,6 +166,30 @@ class RequestResult:
     request_id: str = ""
     sent: float = 0.0
     first_at: float = 0.0
+    stall_ms: float = 0.0
+
+
+# Playback waits shorter than this are not counted as a stall (about one packet of real-time audio).
+STALL_MS: Final = 10.0
+
+
+def playback_stall_s(arrivals: list[tuple[float, int]], sample_rate: int) -> float:
+    """Seconds a listener who plays a stream from its first chunk on waits for audio not arrived yet.
+
+    ``arrivals`` are each chunk's arrival time (seconds) and samples, in order. A stream can be behind
+    real time here and yet finish within its length (the laxer ``behind_real_time``): a second chunk
+    late by 0.3 s stalls playback even when the chunks after it come fast.
+    """
+    stalled = 0.0
+    runs_out: float | None = None
+    for at, samples in arrivals:
+        if runs_out is None:
+            runs_out = at
+        elif at > runs_out:
+            stalled += at - runs_out
+            runs_out = at
+        runs_out += samples / sample_rate
+    return stalled
 
 
 @dataclass
@@ -193,10 +217,20 @@ class PassResult:
             "latency_ms": _stats([r.total_ms for r in ok]),
             # A stream falls behind its playback when the rest of its audio takes longer than it lasts.
             "behind_real_time": sum(1 for r in ok if (r.total_ms - r.first_chunk_ms) / 1000 > r.audio_s),
+            # Stricter: a listener playing from the first chunk on waited for audio (streams only).
+            "stalled": sum(1 for r in ok if r.stall_ms > STALL_MS) if self.mode == "stream" else None,
+            "stall_ms_max": max((r.stall_ms for r in ok), default=0.0) if self.mode == "stream" else None,
             # Pieces of audio the client read: the stream's chunks directly, HTTP reads through the gateway.
             "chunks_per_request": round(sum(r.chunks for r in ok) / len(ok), 2) if ok else None,
             "gpu_peak_mib": self.gpu_peak_mib,
         }
+
+
+def _stalls(item: dict[str, Any]) -> str:
+    """A streaming pass's stalled streams and longest stall; '-' offline or in reports from before the figure."""
+    if item["mode"] != "stream" or "stalled" not in item:
+        return "-"
+    return f"{item['stalled']} ({item['stall_ms_max']:.0f})"
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
@@ -249,6 +283,7 @@ def request_inputs(job: Job) -> list[grpcclient.InferInput]:
 async def synthesize(client: Client, target: str, mode: str, job: Job, request_id: str) -> RequestResult:
     """One request; a stream's first-chunk time is taken when its first audio arrives."""
     chunks: list[NDArray[np.float32]] = []
+    arrivals: list[tuple[float, int]] = []
     first = 0.0
     error: str | None = None
     sent = time.monotonic()
@@ -258,6 +293,7 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
             async for chunk in _gateway_audio(client, mode, job, request_id):
                 first = first or time.perf_counter() - started
                 chunks.append(chunk)
+                arrivals.append((time.perf_counter(), chunk.size))
         elif mode == "offline":
             result = await client.grpc.infer(
                 MODEL, request_inputs(job), request_id=request_id, client_timeout=client.timeout_s
@@ -280,6 +316,7 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
                 if chunk is not None and chunk.size:
                     first = first or time.perf_counter() - started
                     chunks.append(chunk)
+                    arrivals.append((time.perf_counter(), chunk.size))
     except (InferenceServerException, grpc.RpcError, aiohttp.ClientError, TimeoutError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     total = time.perf_counter() - started
@@ -298,6 +335,7 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
         request_id=f"{request_id}-0" if target == "gateway" else request_id,
         sent=sent,
         first_at=sent + (first or total),
+        stall_ms=round(1000 * playback_stall_s(arrivals, SAMPLE_RATE), 1),
     )
 
 
@@ -393,12 +431,15 @@ def markdown(report: dict[str, Any]) -> str:
         "RTF = wall time of the pass / seconds of audio (upstream's definition). `direct` is gRPC straight to "
         "Triton, first chunk = first audio; `gateway` is the gateway process over HTTP (OpenAI's speech API, "
         "pcm), first chunk = first audio byte at the client. Offline latency is the whole response. A stream "
-        "is behind real time when the audio after its first chunk took longer to arrive than it lasts. Voice "
-        "prompts are cached after the warm-up.",
+        "is behind real time when the audio after its first chunk took longer to arrive than it lasts; it "
+        f"stalled when a listener playing it from its first chunk on waited more than {STALL_MS:g} ms in all for "
+        "audio (the longest such wait of the pass in brackets). Voice prompts are cached after the "
+        "warm-up.",
         "",
         "| target | mode | streams | requests | first audio ms avg / p50 / p90 | latency ms avg / p50 / p90 | RTF | "
-        "streams behind real time | L20 first chunk / latency avg ms | L20 RTF | GPU memory peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "streams behind real time | streams stalled (max ms) | L20 first chunk / latency avg ms | L20 RTF | "
+        "GPU memory peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in report["passes"]:
         key = (item["mode"], item["concurrency"])
@@ -406,7 +447,7 @@ def markdown(report: dict[str, Any]) -> str:
         if item.get("skipped"):
             lines.append(
                 f"| {item['target']} | {item['mode']} | {item['concurrency']} | skipped: {item['skipped']} "
-                "| | | | | | | |"
+                "| | | | | | | | |"
             )
             continue
         first = _triple(item["first_chunk_ms"]) if item["mode"] == "stream" else "-"
@@ -415,7 +456,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {item['target']} | {item['mode']}{failed} | {item['concurrency']} | {item['requests']} | {first} | "
             f"{_triple(item['latency_ms'])} | {rtf} | "
-            f"{item['behind_real_time'] if item['mode'] == 'stream' else '-'} | "
+            f"{item['behind_real_time'] if item['mode'] == 'stream' else '-'} | {_stalls(item)} | "
             f"{'-' if reference is None else f'{reference[0]:.0f}'} | "
             f"{'-' if reference is None else f'{reference[1]:.3f}'} | {item['gpu_peak_mib'] or '-'} |"
         )
