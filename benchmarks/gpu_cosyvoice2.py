@@ -874,7 +874,7 @@ def main() -> int:
     parser.add_argument(
         "--cuda-mps",
         choices=("auto", "on", "off"),
-        default="off",
+        default="auto",
         help="the models' processes under a CUDA MPS daemon, as the gateway's TTS_EMBEDDED_CUDA_MPS",
     )
     parser.add_argument(

@@ -230,7 +230,7 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--cuda-mps",
         choices=("auto", "on", "off"),
-        default="off",
+        default="auto",
         help="start a CUDA MPS daemon for the server's model processes (auto: when nvidia-cuda-mps-control exists)",
     )
     _download_options(launch)
