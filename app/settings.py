@@ -80,7 +80,8 @@ class Settings(BaseSettings):
     embedded_cuda_mps: MpsMode = Field(
         "auto",
         description="run the embedded server's model processes under a CUDA MPS daemon of its own, so that"
-        " they share the GPU at once (auto: when nvidia-cuda-mps-control is installed)",
+        " they share the GPU at once (auto: when the profile runs a model on a GPU and nvidia-cuda-mps-control"
+        " is installed)",
     )
 
     ref_audios_dir: Path = Field(PROJECT_ROOT / "ref_audios", description="shipped voices: NAME.wav + NAME.txt")

@@ -659,7 +659,7 @@ def run(args: argparse.Namespace) -> bool:
     trace_dir = workdir / "stage_trace"
     shutil.rmtree(trace_dir, ignore_errors=True)
     os.environ[stage_trace.ENV_VAR] = str(trace_dir)
-    mps = CudaMps.for_mode(args.cuda_mps, workdir / "mps")
+    mps = CudaMps.for_mode(args.cuda_mps, workdir / "mps", uses_gpu=not args.cpu)
     triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout, cuda_mps=mps)
     loading = time.perf_counter()
     if llm_server is not None:

@@ -32,6 +32,7 @@ from tts_backends.model_repository import (
     TemplateError,
     load_profiles,
     parse_overrides,
+    profile_uses_gpu,
     render_repository,
 )
 
@@ -176,7 +177,7 @@ def cmd_launch(args: argparse.Namespace) -> None:
     if shutil.which(command[0]) is None:
         raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
     # The daemon forks and outlives this exec; the container's end takes it down with the server.
-    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR)
+    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR, uses_gpu=profile_uses_gpu(args.source, args.profile, overrides))
     if mps is not None:
         mps.start()
         os.environ.update(mps.env())

@@ -85,6 +85,25 @@ def _parse_profile(name: str, body: dict[str, object]) -> Profile:
     return Profile(name=name, description=str(body.get("description", "")), models=models)
 
 
+def profile_uses_gpu(
+    source_root: Path, profile_name: str, overrides: Mapping[str, Mapping[str, str]] | None = None
+) -> bool:
+    """Whether a model of the profile, with ``overrides``, runs on a GPU: on a CUDA device, as a GPU
+    instance, or through ONNX Runtime's CUDA provider."""
+    profiles = load_profiles(source_root)
+    if profile_name not in profiles:
+        raise TemplateError(f"unknown profile {profile_name!r}; known: {sorted(profiles)}")
+    for model in profiles[profile_name].models:
+        values = {**model.values, **(overrides or {}).get(model.name, {})}
+        if (
+            values.get("device", "").startswith("cuda")
+            or values.get("instance_kind") == "KIND_GPU"
+            or "CUDAExecutionProvider" in values.get("providers", "")
+        ):
+            return True
+    return False
+
+
 def _stringify(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -386,11 +386,16 @@ def test_launch_starts_the_servers_cuda_mps_daemon_and_execs_the_server_under_it
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     env.pop(PIPE_VARIABLE, None)
     command = launch_command(tmp_path / "repo", "--tritonserver", str(server))
-    # auto by default: a daemon wherever the control program is installed.
-    result = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    # auto by default: no daemon for a profile all on the CPU...
+    cpu = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    assert cpu.stdout.strip() == "pipe="
+    assert calls(bin_dir) == []
+    # ...one where a model runs on a GPU and the control program is installed.
+    on_gpu = [*command, "--set", "token2wav.device=cuda"]
+    result = subprocess.run(on_gpu, check=True, capture_output=True, text=True, env=env)
     pipe = tmp_path / "tts-cuda-mps" / "pipe"
     assert result.stdout.strip() == f"pipe={pipe}"
     assert [line.split()[0] for line in calls(bin_dir)] == ["args=-d"]
-    off = subprocess.run([*command, "--cuda-mps", "off"], check=True, capture_output=True, text=True, env=env)
+    off = subprocess.run([*on_gpu, "--cuda-mps", "off"], check=True, capture_output=True, text=True, env=env)
     assert off.stdout.strip() == "pipe="
     assert len(calls(bin_dir)) == 1

@@ -47,6 +47,14 @@ def test_auto_needs_the_control_program(tmp_path: Path, monkeypatch: pytest.Monk
         CudaMps.for_mode("on", tmp_path / "mps")
 
 
+def test_auto_starts_nothing_for_a_server_without_a_gpu_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
+    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    assert CudaMps.for_mode("auto", tmp_path / "mps", uses_gpu=False) is None
+    assert CudaMps.for_mode("auto", tmp_path / "mps", uses_gpu=True) is not None
+    assert CudaMps.for_mode("on", tmp_path / "mps", uses_gpu=False) is not None
+
+
 def test_auto_leaves_a_process_already_under_mps_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
     monkeypatch.setenv(PIPE_VARIABLE, "/run/nvidia-mps")
