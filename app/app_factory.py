@@ -32,7 +32,7 @@ from app.triton_client import TritonClient
 from app.triton_pool import TritonPool
 from app.triton_supervisor import TritonSupervisor
 from app.voice_registry import VoiceRegistry
-from tts_backends.model_repository import parse_overrides, profile_uses_gpu, render_repository
+from tts_backends.model_repository import load_profiles, parse_overrides, render_repository
 
 logger = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ def start_embedded_triton(
     repository = workdir / "model_repository"
     overrides = parse_overrides(settings.embedded_overrides)
     names = render_repository(settings.triton_repository, settings.embedded_profile, repository, overrides)
-    uses_gpu = profile_uses_gpu(settings.triton_repository, settings.embedded_profile, overrides)
+    profile = load_profiles(settings.triton_repository)[settings.embedded_profile]
     logger.info("starting embedded Triton (profile %s: %s)", settings.embedded_profile, ", ".join(names))
     server = EmbeddedTriton(
         repository,
         workdir=workdir,
         startup_timeout=settings.embedded_startup_timeout,
         log_path=workdir / "tritonserver.log",
-        cuda_mps=CudaMps.for_mode(settings.embedded_cuda_mps, workdir / "mps", uses_gpu=uses_gpu),
+        cuda_mps=CudaMps.for_mode(settings.embedded_cuda_mps, workdir / "mps", profile_asks=profile.cuda_mps),
     )
     supervisor = TritonSupervisor(server, on_restart=on_restart)
     supervisor.start()

@@ -47,15 +47,15 @@ class CudaMps:
         self._control = control
 
     @classmethod
-    def for_mode(cls, mode: MpsMode, directory: Path, *, uses_gpu: bool = True) -> CudaMps | None:
-        """The daemon ``mode`` asks for: ``auto`` when the server's models use a GPU (``uses_gpu``),
-        the control program is installed and this process is not under MPS already, ``on`` always
-        (an error without the program), ``off`` none."""
+    def for_mode(cls, mode: MpsMode, directory: Path, *, profile_asks: bool) -> CudaMps | None:
+        """The daemon ``mode`` asks for: ``auto`` when the served profile asks for MPS (``profile_asks``,
+        its ``cuda_mps``: measured to gain by it), the control program is installed and this process
+        is not under MPS already; ``on`` always (an error without the program); ``off`` none."""
         if mode == "off":
             return None
         control = shutil.which(CONTROL)
         if mode == "auto":
-            if not uses_gpu or control is None or os.environ.get(PIPE_VARIABLE):
+            if not profile_asks or control is None or os.environ.get(PIPE_VARIABLE):
                 return None
         elif control is None:
             raise CudaMpsError(f"CUDA MPS is on but {CONTROL} is not on PATH (it comes with the NVIDIA driver)")

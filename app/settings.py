@@ -75,13 +75,13 @@ class Settings(BaseSettings):
         None, description="where the embedded server's repository and logs go (default: a temp dir)"
     )
     embedded_startup_timeout: float = Field(180.0, gt=0)
-    # auto: on the H100 MPS took 64 streams' first audio from 771 to 632 ms p50 and halved their stalls,
-    # for 12 ms more at one stream (docs/benchmarks/gpu-h100-2026-11-26-experiments.md).
+    # auto: on the H100 MPS took gpu-torch's 64 streams' first audio from 771 to 632 ms p50 and halved their
+    # total stall time, for 12-16 ms more at one stream (docs/benchmarks/gpu-h100-2026-11-26-experiments.md).
     embedded_cuda_mps: MpsMode = Field(
         "auto",
         description="run the embedded server's model processes under a CUDA MPS daemon of its own, so that"
-        " they share the GPU at once (auto: when the profile runs a model on a GPU and nvidia-cuda-mps-control"
-        " is installed)",
+        " they share the GPU at once (auto: for a profile that asks for it, gpu-torch, where"
+        " nvidia-cuda-mps-control is installed)",
     )
 
     ref_audios_dir: Path = Field(PROJECT_ROOT / "ref_audios", description="shipped voices: NAME.wav + NAME.txt")

@@ -32,7 +32,6 @@ from tts_backends.model_repository import (
     TemplateError,
     load_profiles,
     parse_overrides,
-    profile_uses_gpu,
     render_repository,
 )
 
@@ -177,7 +176,7 @@ def cmd_launch(args: argparse.Namespace) -> None:
     if shutil.which(command[0]) is None:
         raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
     # The daemon forks and outlives this exec; the container's end takes it down with the server.
-    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR, uses_gpu=profile_uses_gpu(args.source, args.profile, overrides))
+    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR, profile_asks=load_profiles(args.source)[args.profile].cuda_mps)
     if mps is not None:
         mps.start()
         os.environ.update(mps.env())
@@ -232,7 +231,8 @@ def parser() -> argparse.ArgumentParser:
         "--cuda-mps",
         choices=("auto", "on", "off"),
         default="auto",
-        help="start a CUDA MPS daemon for the server's model processes (auto: when nvidia-cuda-mps-control exists)",
+        help="start a CUDA MPS daemon for the server's model processes (auto: for a profile that asks for it,"
+        " where nvidia-cuda-mps-control exists)",
     )
     _download_options(launch)
     _engine_options(launch)

@@ -41,6 +41,8 @@ class Profile:
     name: str
     description: str
     models: tuple[ModelDeployment, ...]
+    # Whether its server runs under a CUDA MPS daemon where the operator leaves that to it ("auto").
+    cuda_mps: bool = False
 
 
 def fill_template(template: str, values: Mapping[str, str]) -> str:
@@ -82,26 +84,10 @@ def _parse_profile(name: str, body: dict[str, object]) -> Profile:
         )
         for entry in entries
     )
-    return Profile(name=name, description=str(body.get("description", "")), models=models)
-
-
-def profile_uses_gpu(
-    source_root: Path, profile_name: str, overrides: Mapping[str, Mapping[str, str]] | None = None
-) -> bool:
-    """Whether a model of the profile, with ``overrides``, runs on a GPU: on a CUDA device, as a GPU
-    instance, or through ONNX Runtime's CUDA provider."""
-    profiles = load_profiles(source_root)
-    if profile_name not in profiles:
-        raise TemplateError(f"unknown profile {profile_name!r}; known: {sorted(profiles)}")
-    for model in profiles[profile_name].models:
-        values = {**model.values, **(overrides or {}).get(model.name, {})}
-        if (
-            values.get("device", "").startswith("cuda")
-            or values.get("instance_kind") == "KIND_GPU"
-            or "CUDAExecutionProvider" in values.get("providers", "")
-        ):
-            return True
-    return False
+    cuda_mps = body.get("cuda_mps", False)
+    if not isinstance(cuda_mps, bool):
+        raise TemplateError(f"profile {name!r}: 'cuda_mps' must be true or false")
+    return Profile(name=name, description=str(body.get("description", "")), models=models, cuda_mps=cuda_mps)
 
 
 def _stringify(value: object) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 # benchmarks/ is on sys.path (conftest.py), as when the benchmarks run.
-from gpu_cosyvoice2 import PassResult, RequestResult, playback_stall_s
+from gpu_cosyvoice2 import PassResult, RequestResult, _stalls, playback_stall_s
 
 
 def test_chunks_that_arrive_before_the_audio_runs_out_do_not_stall() -> None:
@@ -26,3 +26,12 @@ def test_a_stream_that_finishes_within_its_length_can_still_stall() -> None:
     )
     summary = PassResult("direct", "stream", 2, 2.0, None, [result, stalled]).summary()
     assert (summary["behind_real_time"], summary["stalled"], summary["stall_ms_max"]) == (0, 1, 300.0)
+
+
+def test_offline_passes_and_reports_from_before_the_figure_show_no_stalls() -> None:
+    offline = PassResult("direct", "offline", 1, 1.0, None, [RequestResult(0, "v", 2.0, 900.0, 900.0, 1)]).summary()
+    assert (offline["stalled"], offline["stall_ms_max"]) == (None, None)
+    assert _stalls(offline) == "-"
+    older = {"mode": "stream", "behind_real_time": 0}
+    assert _stalls(older) == "-"
+    assert _stalls({"mode": "stream", "stalled": 2, "stall_ms_max": 312.4}) == "2 (312)"

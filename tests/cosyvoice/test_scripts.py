@@ -386,12 +386,12 @@ def test_launch_starts_the_servers_cuda_mps_daemon_and_execs_the_server_under_it
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     env.pop(PIPE_VARIABLE, None)
     command = launch_command(tmp_path / "repo", "--tritonserver", str(server))
-    # auto by default: no daemon for a profile all on the CPU...
+    # auto by default: no daemon for a profile that does not ask for one...
     cpu = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
     assert cpu.stdout.strip() == "pipe="
     assert calls(bin_dir) == []
-    # ...one where a model runs on a GPU and the control program is installed.
-    on_gpu = [*command, "--set", "token2wav.device=cuda"]
+    # ...one for gpu-torch, which does, where the control program is installed.
+    on_gpu = [*command, "--profile", "gpu-torch"]
     result = subprocess.run(on_gpu, check=True, capture_output=True, text=True, env=env)
     pipe = tmp_path / "tts-cuda-mps" / "pipe"
     assert result.stdout.strip() == f"pipe={pipe}"

@@ -369,7 +369,7 @@ def test_model_processes_reach_the_cuda_mps_daemon_started_for_the_server(
         f"        seen = np.array([len(os.environ.get('{PIPE_VARIABLE}', ''))], np.float32)\n"
         "        return [pb.InferenceResponse([pb.Tensor('y', seen)]) for _ in requests]\n",
     )
-    mps = CudaMps.for_mode("auto", tmp_path / "mps")
+    mps = CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=True)
     assert mps is not None
     pipe = tmp_path / "mps" / "pipe"
     with EmbeddedTriton(tmp_path / "models", workdir=tmp_path / "work", cuda_mps=mps) as server:

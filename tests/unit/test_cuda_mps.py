@@ -36,37 +36,37 @@ def calls(directory: Path) -> list[str]:
 
 def test_off_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
-    assert CudaMps.for_mode("off", tmp_path / "mps") is None
+    assert CudaMps.for_mode("off", tmp_path / "mps", profile_asks=True) is None
 
 
 def test_auto_needs_the_control_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.delenv(PIPE_VARIABLE, raising=False)
-    assert CudaMps.for_mode("auto", tmp_path / "mps") is None
+    assert CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=True) is None
     with pytest.raises(CudaMpsError, match="not on PATH"):
-        CudaMps.for_mode("on", tmp_path / "mps")
+        CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True)
 
 
-def test_auto_starts_nothing_for_a_server_without_a_gpu_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_starts_nothing_for_a_profile_that_does_not_ask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
     monkeypatch.delenv(PIPE_VARIABLE, raising=False)
-    assert CudaMps.for_mode("auto", tmp_path / "mps", uses_gpu=False) is None
-    assert CudaMps.for_mode("auto", tmp_path / "mps", uses_gpu=True) is not None
-    assert CudaMps.for_mode("on", tmp_path / "mps", uses_gpu=False) is not None
+    assert CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=False) is None
+    assert CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=True) is not None
+    assert CudaMps.for_mode("on", tmp_path / "mps", profile_asks=False) is not None
 
 
 def test_auto_leaves_a_process_already_under_mps_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin").parent))
     monkeypatch.setenv(PIPE_VARIABLE, "/run/nvidia-mps")
-    assert CudaMps.for_mode("auto", tmp_path / "mps") is None
-    assert CudaMps.for_mode("on", tmp_path / "mps") is not None
+    assert CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=True) is None
+    assert CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True) is not None
 
 
 def test_start_runs_a_daemon_of_its_own_and_stop_quits_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bin_dir = tmp_path / "bin"
     monkeypatch.setenv("PATH", f"{stand_in(bin_dir).parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.delenv(PIPE_VARIABLE, raising=False)
-    mps = CudaMps.for_mode("auto", tmp_path / "mps")
+    mps = CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=True)
     assert mps is not None
     assert mps.env() == {}
     mps.start()
@@ -88,11 +88,11 @@ def test_a_daemon_that_does_not_start_is_an_error_only_when_asked_for(
 ) -> None:
     monkeypatch.setenv("PATH", str(stand_in(tmp_path / "bin", status=1).parent))
     monkeypatch.delenv(PIPE_VARIABLE, raising=False)
-    required = CudaMps.for_mode("on", tmp_path / "on")
+    required = CudaMps.for_mode("on", tmp_path / "on", profile_asks=True)
     assert required is not None
     with pytest.raises(CudaMpsError, match="exited with status 1"):
         required.start()
-    optional = CudaMps.for_mode("auto", tmp_path / "auto")
+    optional = CudaMps.for_mode("auto", tmp_path / "auto", profile_asks=True)
     assert optional is not None
     optional.start()
     assert not optional.running

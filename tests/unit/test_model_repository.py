@@ -11,7 +11,6 @@ from tts_backends.model_repository import (
     fill_template,
     load_profiles,
     parse_overrides,
-    profile_uses_gpu,
     render_repository,
 )
 
@@ -78,14 +77,9 @@ def test_benchmark_fixture_is_deployed_by_the_bench_profile_only() -> None:
         assert fixtures == (["bench_fixture", "bench_fixture_stream"] if name == "bench" else []), name
 
 
-def test_a_profile_uses_a_gpu_where_a_model_runs_on_one() -> None:
-    profiles = load_profiles(REPO)
-    on_gpu = {name for name in profiles if profile_uses_gpu(REPO, name)}
-    assert {"gpu-torch", "gpu-trtllm", "gpu-llm-server"} <= on_gpu
-    assert not {"cpu", "cosyvoice2-cpu"} & on_gpu
-    assert profile_uses_gpu(REPO, "cosyvoice2-cpu", {"token2wav": {"device": "cuda:1"}})
-    assert not profile_uses_gpu(
-        REPO, "gpu-torch", {"token2wav": {"device": "cpu", "instance_kind": "KIND_CPU"}, "llm": {"device": "cpu"}}
-    )
-    with pytest.raises(TemplateError, match="unknown profile"):
-        profile_uses_gpu(REPO, "no-such-profile")
+def test_only_the_profile_measured_to_gain_by_cuda_mps_asks_for_it(tmp_path: Path) -> None:
+    assert {name for name, profile in load_profiles(REPO).items() if profile.cuda_mps} == {"gpu-torch"}
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "bad.toml").write_text('[profiles.bad]\ncuda_mps = "yes"\nmodels = []\n')
+    with pytest.raises(TemplateError, match="'cuda_mps' must be true or false"):
+        load_profiles(tmp_path)
