@@ -229,7 +229,8 @@ class PassResult:
 
 
 def _stalls(item: dict[str, Any]) -> str:
-    """A streaming pass's stalled streams and longest stall; '-' offline or in reports from before the figure."""
+    """A streaming pass's stalled streams and the most one of them stalled in all (ms); '-' offline or in
+    reports from before the figure."""
     if item["mode"] != "stream" or "stalled" not in item:
         return "-"
     return f"{item['stalled']} ({item['stall_ms_max']:.0f})"
@@ -285,15 +286,14 @@ def request_inputs(job: Job) -> list[grpcclient.InferInput]:
 async def synthesize(client: Client, target: str, mode: str, job: Job, request_id: str) -> RequestResult:
     """One request; a stream's first-chunk time is taken when its first audio arrives."""
     chunks: list[NDArray[np.float32]] = []
+    # When each piece of audio came (time.perf_counter()) and its samples; none for a direct offline call.
     arrivals: list[tuple[float, int]] = []
-    first = 0.0
     error: str | None = None
     sent = time.monotonic()
     started = time.perf_counter()
     try:
         if target == "gateway":
             async for chunk in _gateway_audio(client, mode, job, request_id):
-                first = first or time.perf_counter() - started
                 chunks.append(chunk)
                 arrivals.append((time.perf_counter(), chunk.size))
         elif mode == "offline":
@@ -316,12 +316,12 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
                     raise failure
                 chunk = result.as_numpy(contract.WAVEFORM)
                 if chunk is not None and chunk.size:
-                    first = first or time.perf_counter() - started
                     chunks.append(chunk)
                     arrivals.append((time.perf_counter(), chunk.size))
     except (InferenceServerException, grpc.RpcError, aiohttp.ClientError, TimeoutError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     total = time.perf_counter() - started
+    first = arrivals[0][0] - started if arrivals else 0.0
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
     # The gateway's pcm carries whole samples but not the model's token grid: check it is speech-long.
     error = error or audio_problem(audio, None if target == "gateway" else job.expected_tokens)

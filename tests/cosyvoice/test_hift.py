@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
-from tts_backends.cosyvoice2.hift import ExcitationNoise, HiFTGenerator, _fourier_bases
+from tts_backends.cosyvoice2.hift import HiFTGenerator, _fourier_bases
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -234,14 +234,10 @@ def test_rows_of_different_lengths_padded_into_one_batch_vocode_as_each_alone(cf
             noise = vocoder.draw_noise(1, mel.shape[2], torch.Generator().manual_seed(seed))
             noises.append(noise)
             alone.append(vocoder.vocode(mel, noise, cache))
-        samples = FRAMES * SAMPLES_PER_FRAME
-        batch = torch.cat([torch.nn.functional.pad(mel, (0, FRAMES - mel.shape[2])) for mel in mels])
-        padded = ExcitationNoise(
-            torch.cat([noise.phase for noise in noises]),
-            torch.cat([torch.nn.functional.pad(n.gaussian, (0, samples - n.gaussian.shape[2])) for n in noises]),
-        )
+        batch, padded, frames = vocoder.padded(mels, noises)
+        assert batch.shape[2] == FRAMES and frames.tolist() == lengths
         caches = cache.expand(3, -1, -1)
-        wav, source = vocoder.vocode(batch, padded, caches, torch.tensor(lengths))
+        wav, source = vocoder.vocode(batch, padded, caches, frames)
         unmasked, _ = vocoder.vocode(batch, padded, caches)
     for row, (length, (alone_wav, alone_source)) in enumerate(zip(lengths, alone, strict=True)):
         end = length * SAMPLES_PER_FRAME
