@@ -751,6 +751,10 @@ def run(args: argparse.Namespace) -> bool:
             llm_server.stop()
         args.out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(triton.log_path, args.out / "tritonserver.log")
+        # Beside the report: a request that failed through the gateway may be explained there.
+        for gateway in gateways:
+            if (gateway.workdir / "gateway.log").exists():
+                shutil.copyfile(gateway.workdir / "gateway.log", args.out / f"{gateway.workdir.name}.log")
     if not ok:
         gpu_sanity.print_server_errors(triton.log_path)
     log(markdown(report))
