@@ -776,6 +776,8 @@ def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float,
         "TTS_MAX_CONCURRENT_SPEECH": str(2 * max(levels)),
         "TTS_SENTENCE_MAX_CHARS": "400",
         "TTS_FIRST_SENTENCE_MAX_CHARS": "400",
+        # Its log comes back beside the report: at info it tells of workers uvicorn restarted, and of each request.
+        "TTS_LOG_LEVEL": "info",
     }
 
 
