@@ -83,6 +83,7 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
             log_config=_log_config(settings.log_level),
             log_level=settings.log_level,
             timeout_graceful_shutdown=settings.shutdown_grace,
+            timeout_keep_alive=settings.keep_alive,
         )
 
 
@@ -112,4 +113,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_config=_log_config(settings.log_level),
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace,
+        timeout_keep_alive=settings.keep_alive,
     )

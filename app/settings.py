@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     shutdown_grace: int = Field(
         30, ge=0, description="seconds in-flight requests may take to finish after SIGTERM before they are cut"
     )
+    keep_alive: int = Field(
+        75,
+        ge=1,
+        description="seconds an idle HTTP connection stays open; longer than clients keep idle connections for"
+        " reuse, so that none sends a request on one the gateway is closing",
+    )
 
     triton_url: str | None = Field(
         None,
