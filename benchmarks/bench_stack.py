@@ -112,6 +112,7 @@ class GatewayServer:
 
     def __init__(self, workdir: Path, env: Mapping[str, str], cores: set[int] | None = None) -> None:
         self.workdir = workdir
+        self.log_path = workdir / "gateway.log"
         self._env = dict(env)
         self._cores = cores
         self._process: subprocess.Popen[bytes] | None = None
@@ -135,7 +136,7 @@ class GatewayServer:
             "TTS_EMBEDDED_WORKDIR": str(self.workdir / "embedded"),
             **self._env,
         }
-        with (self.workdir / "gateway.log").open("ab") as log, pinned(self._cores):
+        with self.log_path.open("ab") as log, pinned(self._cores):
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
                 env=env,
@@ -156,7 +157,7 @@ class GatewayServer:
         raise RuntimeError(f"the gateway was not healthy within {timeout:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        log = self.workdir / "gateway.log"
+        log = self.log_path
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
     def stop(self) -> None:

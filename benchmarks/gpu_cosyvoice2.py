@@ -753,8 +753,8 @@ def run(args: argparse.Namespace) -> bool:
         shutil.copyfile(triton.log_path, args.out / "tritonserver.log")
         # Beside the report: a request that failed through the gateway may be explained there.
         for gateway in gateways:
-            if (gateway.workdir / "gateway.log").exists():
-                shutil.copyfile(gateway.workdir / "gateway.log", args.out / f"{gateway.workdir.name}.log")
+            if gateway.log_path.exists():
+                shutil.copyfile(gateway.log_path, args.out / f"{gateway.workdir.name}.log")
     if not ok:
         gpu_sanity.print_server_errors(triton.log_path)
     log(markdown(report))
