@@ -413,6 +413,12 @@ def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dic
     return jobs
 
 
+def _first_hop_cell(hops: dict[str, float]) -> str:
+    if not hops:
+        return "-"
+    return f"{hops['mean']:g} ({hops['min']:g}-{hops['max']:g})"
+
+
 def markdown(report: dict[str, Any]) -> str:
     setup = report["setup"]
     lines = [
@@ -485,12 +491,16 @@ def markdown(report: dict[str, Any]) -> str:
             for item in staged
         )
         chunks = " / ".join(str(item["token2wav_batch"].get("calls_per_stream", "-")) for item in staged)
+        hops = " / ".join(_first_hop_cell(item.get("first_hop_tokens") or {}) for item in staged)
         lines += [
             "",
             f"token2wav calls converted together (one group), mean (max) over the pass's calls: {batches}.",
             "",
             "Chunks per Triton stream (token2wav calls; through the gateway the first sentence's), mean (fewer where "
             f"later chunks caught up with arrived tokens): {chunks}.",
+            "",
+            "Tokens of a stream's first chunk, mean (min-max; it grows while streams wait long for their second): "
+            f"{hops}.",
         ]
     lines += [
         "",
@@ -624,6 +634,7 @@ async def _measure(
                     sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
                     summary["stages"] = gpu_stages.first_chunk_stages(trace_dir, sent)
                     summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir, sent)
+                    summary["first_hop_tokens"] = gpu_stages.first_hops(trace_dir, sent)
                 all_ok = all_ok and summary["failed"] == 0
                 last_wall[target, mode] = result.wall_s
                 report["passes"].append(summary | {"per_request": [asdict(r) for r in result.requests]})

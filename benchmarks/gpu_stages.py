@@ -100,6 +100,19 @@ def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) 
     }
 
 
+def first_hops(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """The tokens of the first chunk of the streamed requests in ``sent`` (the orchestrator's first hop,
+    which grows under load where ``max_first_hop_tokens`` lets it): mean, min and max."""
+    hops = [
+        int(e["first_hop_tokens"])
+        for e in read_traces(trace_dir)
+        if e["stage"] == "orchestrator" and e.get("request") in sent and e.get("first_hop_tokens")
+    ]
+    if not hops:
+        return {}
+    return {"mean": round(float(np.mean(hops)), 1), "min": min(hops), "max": max(hops)}
+
+
 def _percentiles(values: Iterable[float]) -> dict[str, float]:
     p50, p90 = np.percentile(list(values), [50, 90])
     return {"p50": round(float(p50), 1), "p90": round(float(p90), 1)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
@@ -275,6 +276,44 @@ def test_a_chunk_stays_on_the_schedules_ladder() -> None:
     assert calls == [(0, 18, False), (15, 68, False), (65, 118, False), (115, 190, True)]
 
 
+@dataclass
+class SlowSecondChunk(ScriptedStages):
+    """A token2wav that takes ``delay_s`` for each stream's second chunk."""
+
+    delay_s: float = 0.0
+
+    def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
+        if request.token_offset:
+            time.sleep(self.delay_s)
+        return super().token2wav(request)
+
+
+def first_hops(stages: ScriptedStages, schedule: HopSchedule, streams: int) -> list[int]:
+    """The first chunk's hop of each of ``streams`` streams of one pipeline, one after another."""
+    synthesizer = pipeline(stages, hop_schedule=schedule)
+    hops = []
+    for _ in range(streams):
+        stages.token2wav_calls.clear()
+        list(synthesizer.synthesize(request(), streaming=True))
+        hops.append(stages.token2wav_calls[1].token_offset)
+    return hops
+
+
+def test_the_first_hop_grows_after_streams_waited_longer_than_their_first_chunk_plays() -> None:
+    # A first chunk of 15 tokens plays 0.6 - 0.16 = 0.44 s; the second chunks come 0.6 s after it.
+    schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
+    stages = SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.6)
+    assert first_hops(stages, schedule, 3) == [15, 30, 30]
+
+
+def test_the_first_hop_stays_while_second_chunks_come_in_time() -> None:
+    schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
+    assert first_hops(SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.1), schedule, 3) == [15, 15, 15]
+    # Without max_first_hop the gaps do not matter.
+    fixed = HopSchedule(first_hop=15, base_hop=25, max_hop=100)
+    assert first_hops(SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.6), fixed, 2) == [15, 15]
+
+
 def test_an_llm_that_fails_mid_stream_fails_the_request_after_the_chunks_before() -> None:
     stages = ScriptedStages(speech_ids(200), first_ids=18, ids_per_conversion=100, fail_at=60)
     chunks = pipeline(stages).synthesize(request(), streaming=True)
@@ -388,6 +427,7 @@ def test_settings_from_parameters() -> None:
         "hop_policy": "fixed",
         "max_hop_tokens": "0",
         "hop_catch_up": "false",
+        "max_first_hop_tokens": "0",
         "min_token_text_ratio": "2",
         "max_token_text_ratio": "20",
         "max_output_tokens": "750",
@@ -399,6 +439,8 @@ def test_settings_from_parameters() -> None:
         first_hop=10, base_hop=20, policy=HopPolicy.FIXED, max_hop=None, catch_up=False
     )
     assert parsed.max_output_tokens == 750
+    grown = PipelineSettings.from_parameters({**params, "max_first_hop_tokens": "40"})
+    assert grown.hop_schedule.max_first_hop == 40
     with pytest.raises(ValueError, match="top_k"):
         PipelineSettings.from_parameters({k: v for k, v in params.items() if k != "top_k"})
     with pytest.raises(ValueError):

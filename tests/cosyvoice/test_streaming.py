@@ -106,7 +106,15 @@ def test_driving_a_stream_converts_every_token_exactly_once() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"first_hop": 0}, {"base_hop": 0}, {"max_hop": 10}, {"pre_lookahead": -1}, {"token_rate": 0.0}, {"policy": "x"}],
+    [
+        {"first_hop": 0},
+        {"base_hop": 0},
+        {"max_hop": 10},
+        {"max_first_hop": 10},
+        {"pre_lookahead": -1},
+        {"token_rate": 0.0},
+        {"policy": "x"},
+    ],
 )
 def test_invalid_schedules_are_rejected(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):

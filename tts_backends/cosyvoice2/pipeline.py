@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 
 from tts_backends.contract import parse_bool
 from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.first_hop import AdaptiveFirstHop
 from tts_backends.cosyvoice2.prompt_cache import PromptCache, voice_key
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
 from tts_backends.cosyvoice2.token_feed import StopSignal, TokenFeed
@@ -147,6 +148,7 @@ class PipelineSettings:
             return params[key]
 
         max_hop = int(get("max_hop_tokens"))
+        max_first_hop = int(get("max_first_hop_tokens"))
         return cls(
             sampling=SamplingDefaults(
                 temperature=float(get("temperature")),
@@ -160,6 +162,7 @@ class PipelineSettings:
                 policy=HopPolicy(get("hop_policy")),
                 max_hop=max_hop if max_hop > 0 else None,
                 catch_up=parse_bool(get("hop_catch_up")),
+                max_first_hop=max_first_hop if max_first_hop > 0 else None,
             ),
             min_token_text_ratio=float(get("min_token_text_ratio")),
             max_token_text_ratio=float(get("max_token_text_ratio")),
@@ -183,6 +186,12 @@ class CosyVoice2Pipeline:
         self._settings = settings
         self._trace = trace or StageTrace("orchestrator", None)
         self._voices: PromptCache[VoicePrompt] = PromptCache(settings.voice_cache_size)
+        schedule = settings.hop_schedule
+        self._first_hops = (
+            None
+            if schedule.max_first_hop is None
+            else AdaptiveFirstHop(schedule.first_hop, schedule.max_first_hop, token_rate=schedule.token_rate)
+        )
 
     def synthesize(
         self,
@@ -324,8 +333,10 @@ class CosyVoice2Pipeline:
         session_id = llm_request.request_id
         offset = 0
         chunk_index = 0
-        hop = schedule.next_hop(0)
+        hop = schedule.next_hop(0) if self._first_hops is None else self._first_hops.choose()
+        times.first_hop_tokens = hop
         started = time.monotonic()
+        first_ready = 0.0
         session_open = False
         stop = StopSignal()
         feed = TokenFeed(
@@ -333,7 +344,8 @@ class CosyVoice2Pipeline:
         )
 
         def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:
-            return self._stages.token2wav(
+            nonlocal first_ready
+            audio = self._stages.token2wav(
                 Token2WavRequest(
                     session_id=session_id,
                     speech_tokens=np.asarray(tokens, dtype=np.int32),
@@ -343,6 +355,11 @@ class CosyVoice2Pipeline:
                     speed=request.speed,
                 )
             )
+            if chunk_index == 0:
+                first_ready = time.monotonic()
+            elif chunk_index == 1 and self._first_hops is not None:
+                self._first_hops.record(time.monotonic() - first_ready)
+            return audio
 
         try:
             while True:
@@ -394,6 +411,8 @@ class _Times:
     first_token: float = 0.0
     first_hop: float = 0.0
     first_chunk: float = 0.0
+    # Tokens of a stream's first chunk (0 offline).
+    first_hop_tokens: int = 0
 
 
 class _ThrottledCheck:

@@ -47,12 +47,17 @@ class HopSchedule:
     catch_up: bool = True
     """Size chunks after the first by the tokens that have arrived (:meth:`catch_up_hop`), and make
     the chunk after the LLM's last token the final one."""
+    max_first_hop: int | None = None
+    """Let the first hop grow up to this many tokens while streams wait long for their second chunk
+    (:class:`~.first_hop.AdaptiveFirstHop`); None keeps it at ``first_hop``."""
 
     def __post_init__(self) -> None:
         if self.first_hop < 1 or self.base_hop < 1:
             raise ValueError("hops must be at least one token")
         if self.max_hop is not None and self.max_hop < max(self.first_hop, self.base_hop):
             raise ValueError("max_hop must not be smaller than first_hop or base_hop")
+        if self.max_first_hop is not None and self.max_first_hop < self.first_hop:
+            raise ValueError("max_first_hop must not be smaller than first_hop")
         if self.pre_lookahead < 0:
             raise ValueError("pre_lookahead must not be negative")
         if self.token_rate <= 0:
