@@ -7,20 +7,6 @@ import pytest
 from tts_backends.cosyvoice2.first_hop import AdaptiveFirstHop
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def chooser(clock: Clock, **overrides: object) -> AdaptiveFirstHop:
-    values: dict[str, object] = {"window": 4, "horizon_s": 10.0, "clock": clock}
-    values.update(overrides)
-    return AdaptiveFirstHop(25, 100, **values)  # type: ignore[arg-type]
-
-
 def test_the_ladder_doubles_up_to_the_largest_first_hop() -> None:
     assert AdaptiveFirstHop(25, 100).ladder == [25, 50, 100]
     assert AdaptiveFirstHop(25, 60).ladder == [25, 50, 60]
@@ -34,41 +20,48 @@ def test_a_hop_plays_its_tokens_less_the_withheld_tail() -> None:
 
 
 def test_without_gaps_the_first_hop_is_the_smallest() -> None:
-    assert chooser(Clock()).choose() == 25
+    assert AdaptiveFirstHop(25, 100).begin() == 25
 
 
-def test_the_smallest_hop_that_covers_the_longest_recent_gap() -> None:
-    hops = chooser(Clock())
-    hops.record(0.5)
+def test_the_smallest_hop_that_covers_the_gaps_seen_at_this_load() -> None:
+    hops = AdaptiveFirstHop(25, 100, window=1)
+    hops.begin()
+    for gap, hop in ((0.5, 25), (0.9, 50), (2.0, 100), (9.0, 100)):
+        hops.record(gap)
+        assert hops.choose() == hop, gap
+
+
+def test_gaps_scale_with_the_streams_in_flight() -> None:
+    hops = AdaptiveFirstHop(25, 100)
+    for _ in range(4):
+        hops.begin()
+    hops.record(0.6)  # seen with 4 streams in flight
     assert hops.choose() == 25
-    hops.record(0.9)
-    assert hops.choose() == 50
-    hops.record(2.0)
+    assert hops.begin() == 25  # 5 streams: 0.75 s
+    assert hops.begin() == 50  # 6 streams: 0.9 s
+    for _ in range(5):
+        hops.end()
+    assert hops.in_flight == 1
+    assert hops.choose() == 25  # 0.15 s
+
+
+def test_the_upper_quartile_of_the_recent_gaps_counts() -> None:
+    hops = AdaptiveFirstHop(25, 100, window=4)
+    hops.begin()
+    for gap in (0.3, 0.3, 0.3, 5.0):
+        hops.record(gap)
+    assert hops.choose() == 25, "one long gap of four is not the upper quartile"
+    hops.record(5.0)
     assert hops.choose() == 100
-    hops.record(9.0)
-    assert hops.choose() == 100, "capped at the largest first hop"
+    for gap in (0.3, 0.3, 0.3):
+        hops.record(gap)
+    assert hops.choose() == 25, "the long gaps left the window"
 
 
-def test_old_gaps_are_forgotten() -> None:
-    clock = Clock()
-    hops = chooser(clock)
-    hops.record(1.5)
-    clock.now += 9.0
-    hops.record(0.9)
-    assert hops.choose() == 50
-    clock.now += 1.5
-    assert hops.choose() == 50, "the 1.5 s gap is past the horizon, the 0.9 s one is not"
-    clock.now += 9.0
-    assert hops.choose() == 25
-
-
-def test_only_the_last_window_of_gaps_counts() -> None:
-    hops = chooser(Clock(), window=2)
-    hops.record(2.0)
-    hops.record(0.3)
-    assert hops.choose() == 100
-    hops.record(0.3)
-    assert hops.choose() == 25
+def test_ending_more_streams_than_began_keeps_the_count_at_zero() -> None:
+    hops = AdaptiveFirstHop(25, 50)
+    hops.end()
+    assert hops.in_flight == 0
 
 
 @pytest.mark.parametrize(

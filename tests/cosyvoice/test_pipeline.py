@@ -314,6 +314,46 @@ def test_the_first_hop_stays_while_second_chunks_come_in_time() -> None:
     assert first_hops(SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.6), fixed, 2) == [15, 15]
 
 
+@dataclass
+class BurstDuringFirstTokens(SlowSecondChunk):
+    """Calls ``meanwhile`` just before the LLM hands out the id at index ``meanwhile_at``."""
+
+    meanwhile: Callable[[], None] = lambda: None
+    meanwhile_at: int = 0
+
+    def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
+        for index, piece in enumerate(super().generate(request, is_cancelled)):
+            if index == self.meanwhile_at:
+                self.meanwhile()
+            yield piece
+
+
+def test_a_first_chunk_waits_for_the_larger_hop_when_streams_start_meanwhile() -> None:
+    schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
+    stages = BurstDuringFirstTokens([*speech_ids(100), vocab.EOS1_ID], delay_s=0.3, meanwhile_at=17)
+    synthesizer = pipeline(stages, hop_schedule=schedule)
+    hops = synthesizer.first_hops
+    assert hops is not None
+    list(synthesizer.synthesize(request(), streaming=True))  # one stream: a 0.3 s gap
+    stages.token2wav_calls.clear()
+
+    def two_streams_start() -> None:
+        # After this stream counted itself in (it chose 15 tokens then), before its 18th token arrives.
+        deadline = time.monotonic() + TIMEOUT_S
+        while hops.in_flight < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        hops.begin()
+        hops.begin()
+
+    stages.meanwhile = two_streams_start
+    list(synthesizer.synthesize(request(), streaming=True))
+
+    # Three streams in flight: 0.9 s expected, past the 0.44 s that 15 tokens play.
+    first = stages.token2wav_calls[0]
+    assert (first.token_offset, first.speech_tokens.size, first.finalize) == (0, 33, False)
+    assert hops.in_flight == 2, "the stream counted itself out when it ended"
+
+
 def test_an_llm_that_fails_mid_stream_fails_the_request_after_the_chunks_before() -> None:
     stages = ScriptedStages(speech_ids(200), first_ids=18, ids_per_conversion=100, fail_at=60)
     chunks = pipeline(stages).synthesize(request(), streaming=True)

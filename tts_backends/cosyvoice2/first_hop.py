@@ -8,31 +8,38 @@ streams it does not (0.9 s p50, 1.3-1.6 s p90 at 64 closed-loop streams, where 7
 streams stalled). A first chunk of 50 tokens (1.84 s) covers that, for a later first audio: 25
 more decode steps. Always 50 would cost few streams first audio they need not lose.
 
-So the orchestrator keeps the gaps its streams recently had between their first and second
-chunk (:meth:`AdaptiveFirstHop.record`), and gives each new stream the smallest first hop on the
-ladder ``first_hop, 2 x first_hop, ...`` up to ``max_first_hop`` whose audio covers the longest
-of them (:meth:`AdaptiveFirstHop.choose`). Gaps older than ``horizon_s`` are forgotten, so the
-first hop falls back once the load has gone. token2wav serves every orchestrator process of a
-server alike, so each process measures the same load from its own streams, without any state
-shared between them. It reacts to a load it has seen: the streams of a sudden jump from few to
-many start with the small hop, and the first of them may stall.
+So the orchestrator sizes each stream's first chunk from what its own streams lately met. It
+keeps the last ``window`` gaps between a stream's first and second chunk, each with the number
+of streams it had in flight then (:meth:`AdaptiveFirstHop.record`). The wait grows with the
+streams token2wav serves, so a gap seen with ``n`` streams predicts ``gap x now / n`` with
+``now`` streams in flight: that follows a load that rises or falls, where old gaps alone would
+keep a burst's first streams on the small hop and a quiet server on the large one. A stream
+takes the smallest hop on the ladder ``first_hop, 2 x first_hop, ...`` up to ``max_first_hop``
+whose audio covers the upper quartile of those predictions (:meth:`AdaptiveFirstHop.choose`);
+the orchestrator asks again when the first chunk's tokens have arrived, so the streams of a
+burst see each other. token2wav serves every orchestrator process of a server alike, and
+Triton spreads streams evenly over them, so each process measures the load from its own
+streams, without any state shared between processes.
 
 Plain Python, free of torch (as :mod:`.streaming`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
 
 # The cross-fade tail a non-final chunk withholds (hift_stream.py: 3840 samples at 24 kHz).
 DEFAULT_WITHHELD_S = 0.16
 
 
 class AdaptiveFirstHop:
-    """First hops chosen from recent gaps to the second chunk; thread-safe (one per orchestrator)."""
+    """First hops chosen from recent gaps to the second chunk; thread-safe (one per orchestrator).
+
+    A stream calls :meth:`begin` when it starts (counted in flight until :meth:`end`), :meth:`record`
+    once its second chunk is ready and :meth:`choose` whenever it may still change its first hop.
+    """
 
     def __init__(
         self,
@@ -42,13 +49,11 @@ class AdaptiveFirstHop:
         token_rate: float = 25.0,
         withheld_s: float = DEFAULT_WITHHELD_S,
         window: int = 16,
-        horizon_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if first_hop < 1 or max_first_hop < first_hop:
             raise ValueError("need 1 <= first_hop <= max_first_hop")
-        if token_rate <= 0 or withheld_s < 0 or window < 1 or horizon_s <= 0:
-            raise ValueError("token_rate, window and horizon_s must be positive, withheld_s not negative")
+        if token_rate <= 0 or withheld_s < 0 or window < 1:
+            raise ValueError("token_rate and window must be positive, withheld_s not negative")
         self.ladder = [first_hop]
         while self.ladder[-1] * 2 <= max_first_hop:
             self.ladder.append(self.ladder[-1] * 2)
@@ -56,25 +61,40 @@ class AdaptiveFirstHop:
             self.ladder.append(max_first_hop)
         self._token_rate = token_rate
         self._withheld_s = withheld_s
-        self._horizon_s = horizon_s
-        self._clock = clock
-        self._gaps: deque[tuple[float, float]] = deque(maxlen=window)
+        # (gap, streams in flight when it was recorded)
+        self._gaps: deque[tuple[float, int]] = deque(maxlen=window)
+        self._in_flight = 0
         self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
 
     def audio_s(self, hop: int) -> float:
         """Seconds a first chunk of ``hop`` tokens plays."""
         return hop / self._token_rate - self._withheld_s
 
+    def begin(self) -> int:
+        """Count a starting stream in flight; returns its first hop."""
+        with self._lock:
+            self._in_flight += 1
+        return self.choose()
+
+    def end(self) -> None:
+        """A stream counted by :meth:`begin` has ended."""
+        with self._lock:
+            self._in_flight = max(0, self._in_flight - 1)
+
     def record(self, gap_s: float) -> None:
         """A stream's second chunk was ready ``gap_s`` seconds after its first."""
         with self._lock:
-            self._gaps.append((self._clock(), gap_s))
+            self._gaps.append((gap_s, max(1, self._in_flight)))
 
     def choose(self) -> int:
-        """The first hop for a stream starting now."""
+        """The first hop for a stream with the streams in flight now."""
         with self._lock:
-            oldest = self._clock() - self._horizon_s
-            while self._gaps and self._gaps[0][0] < oldest:
-                self._gaps.popleft()
-            need = max((gap for _, gap in self._gaps), default=0.0)
+            now = max(1, self._in_flight)
+            predicted = sorted(gap * now / streams for gap, streams in self._gaps)
+        need = predicted[math.ceil(0.75 * len(predicted)) - 1] if predicted else 0.0
         return next((hop for hop in self.ladder if self.audio_s(hop) >= need), self.ladder[-1])

@@ -187,7 +187,7 @@ class CosyVoice2Pipeline:
         self._trace = trace or StageTrace("orchestrator", None)
         self._voices: PromptCache[VoicePrompt] = PromptCache(settings.voice_cache_size)
         schedule = settings.hop_schedule
-        self._first_hops = (
+        self.first_hops = (
             None
             if schedule.max_first_hop is None
             else AdaptiveFirstHop(schedule.first_hop, schedule.max_first_hop, token_rate=schedule.token_rate)
@@ -333,8 +333,7 @@ class CosyVoice2Pipeline:
         session_id = llm_request.request_id
         offset = 0
         chunk_index = 0
-        hop = schedule.next_hop(0) if self._first_hops is None else self._first_hops.choose()
-        times.first_hop_tokens = hop
+        first_hops = self.first_hops
         started = time.monotonic()
         first_ready = 0.0
         session_open = False
@@ -342,6 +341,8 @@ class CosyVoice2Pipeline:
         feed = TokenFeed(
             self._speech_tokens(llm_request, is_cancelled, times, stop), stop, name=f"tokens-{session_id[:8]}"
         )
+        # Counted in flight from here to the finally below.
+        hop = schedule.next_hop(0) if first_hops is None else first_hops.begin()
 
         def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:
             nonlocal first_ready
@@ -357,8 +358,8 @@ class CosyVoice2Pipeline:
             )
             if chunk_index == 0:
                 first_ready = time.monotonic()
-            elif chunk_index == 1 and self._first_hops is not None:
-                self._first_hops.record(time.monotonic() - first_ready)
+            elif chunk_index == 1 and first_hops is not None:
+                first_hops.record(time.monotonic() - first_ready)
             return audio
 
         try:
@@ -367,12 +368,17 @@ class CosyVoice2Pipeline:
                 arrived = feed.wait_for(needed)
                 if arrived < needed:
                     break
+                if chunk_index == 0 and first_hops is not None and (grown := first_hops.choose()) > hop:
+                    # Streams started meanwhile (a burst): the first chunk waits for the larger hop's tokens.
+                    hop = grown
+                    continue
                 if chunk_index > 0 and schedule.catch_up:
                     if feed.finished:
                         break
                     hop = schedule.catch_up_hop(hop, arrived - offset)
                 if not times.first_hop:
                     times.first_hop = time.monotonic()
+                    times.first_hop_tokens = hop
                 chunk = convert(feed.tokens(schedule.chunk_end(offset, hop)), finalize=False)
                 session_open = True
                 yield chunk
@@ -395,6 +401,8 @@ class CosyVoice2Pipeline:
             session_open = False
             yield final
         finally:
+            if first_hops is not None:
+                first_hops.end()
             # A stream that ends early (cancelled, failed, abandoned) waits for the LLM's next token, when
             # the reader closes the LLM's stream (cancelling it); one that finished has nothing to wait for.
             feed.close(_READER_WAIT_S)
@@ -411,7 +419,7 @@ class _Times:
     first_token: float = 0.0
     first_hop: float = 0.0
     first_chunk: float = 0.0
-    # Tokens of a stream's first chunk (0 offline).
+    # Tokens of a stream's first chunk (0 offline, or when the first chunk was the last).
     first_hop_tokens: int = 0
 
 
