@@ -31,18 +31,27 @@ def test_the_smallest_hop_that_covers_the_gaps_seen_at_this_load() -> None:
         assert hops.choose() == hop, gap
 
 
-def test_gaps_scale_with_the_streams_in_flight() -> None:
+def test_gaps_scale_with_the_square_root_of_the_streams_in_flight() -> None:
     hops = AdaptiveFirstHop(25, 100)
     for _ in range(4):
         hops.begin()
     hops.record(0.6)  # seen with 4 streams in flight
     assert hops.choose() == 25
-    assert hops.begin() == 25  # 5 streams: 0.75 s
-    assert hops.begin() == 50  # 6 streams: 0.9 s
-    for _ in range(5):
+    assert [hops.begin() for _ in range(4)] == [25, 25, 25, 50]  # 5-8 streams: 0.67, 0.73, 0.79, 0.85 s
+    for _ in range(7):
         hops.end()
     assert hops.in_flight == 1
-    assert hops.choose() == 25  # 0.15 s
+    assert hops.choose() == 25  # 0.3 s
+
+
+def test_the_load_exponent_sets_how_gaps_scale() -> None:
+    proportional = AdaptiveFirstHop(25, 100, load_exponent=1.0)
+    fixed = AdaptiveFirstHop(25, 100, load_exponent=0.0)
+    for hops in (proportional, fixed):
+        hops.begin()
+        hops.record(0.5)
+        hops.begin()
+    assert (proportional.choose(), fixed.choose()) == (50, 25)
 
 
 def test_the_upper_quartile_of_the_recent_gaps_counts() -> None:
@@ -66,7 +75,14 @@ def test_ending_more_streams_than_began_keeps_the_count_at_zero() -> None:
 
 @pytest.mark.parametrize(
     ("first", "largest", "options"),
-    [(0, 50, {}), (50, 25, {}), (25, 50, {"token_rate": 0.0}), (25, 50, {"window": 0}), (25, 50, {"withheld_s": -1})],
+    [
+        (0, 50, {}),
+        (50, 25, {}),
+        (25, 50, {"token_rate": 0.0}),
+        (25, 50, {"window": 0}),
+        (25, 50, {"withheld_s": -1}),
+        (25, 50, {"load_exponent": -1}),
+    ],
 )
 def test_bad_settings_are_refused(first: int, largest: int, options: dict[str, float]) -> None:
     with pytest.raises(ValueError):

@@ -348,7 +348,7 @@ def test_a_first_chunk_waits_for_the_larger_hop_when_streams_start_meanwhile() -
     stages.meanwhile = two_streams_start
     list(synthesizer.synthesize(request(), streaming=True))
 
-    # Three streams in flight: 0.9 s expected, past the 0.44 s that 15 tokens play.
+    # Three streams in flight: 0.3 x sqrt(3) = 0.52 s expected, past the 0.44 s that 15 tokens play.
     first = stages.token2wav_calls[0]
     assert (first.token_offset, first.speech_tokens.size, first.finalize) == (0, 33, False)
     assert hops.in_flight == 2, "the stream counted itself out when it ended"

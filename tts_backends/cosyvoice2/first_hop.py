@@ -11,9 +11,15 @@ more decode steps. Always 50 would cost few streams first audio they need not lo
 So the orchestrator sizes each stream's first chunk from what its own streams lately met. It
 keeps the last ``window`` gaps between a stream's first and second chunk, each with the number
 of streams it had in flight then (:meth:`AdaptiveFirstHop.record`). The wait grows with the
-streams token2wav serves, so a gap seen with ``n`` streams predicts ``gap x now / n`` with
-``now`` streams in flight: that follows a load that rises or falls, where old gaps alone would
-keep a burst's first streams on the small hop and a quiet server on the large one. A stream
+streams token2wav serves, though less than in proportion (a group of 32 calls converts in about
+four times a single call's time, and part of the gap is the LLM's): on the H100 the upper
+quartile of the gaps was 0.13-0.34 s with 1 stream per orchestrator process, 0.43-0.56 s with
+4, 1.1-1.2 s with 8 and 1.1-1.9 s with 16, close to the square root of the streams. So a gap
+seen with ``n`` streams predicts ``gap x (now / n) ** load_exponent`` (0.5) with ``now``
+streams in flight. That follows a load that rises (a burst after quiet) or falls (a quiet
+server after a burst), where old gaps alone would keep a burst's first streams on the small hop
+and a quiet server on the large one; scaled in proportion instead, the gaps of 4 streams sent
+16 streams to the large hop for no gain (first audio 419 ms p50 against 289-335). A stream
 takes the smallest hop on the ladder ``first_hop, 2 x first_hop, ...`` up to ``max_first_hop``
 whose audio covers the upper quartile of those predictions (:meth:`AdaptiveFirstHop.choose`);
 the orchestrator asks again when the first chunk's tokens have arrived, so the streams of a
@@ -49,11 +55,12 @@ class AdaptiveFirstHop:
         token_rate: float = 25.0,
         withheld_s: float = DEFAULT_WITHHELD_S,
         window: int = 16,
+        load_exponent: float = 0.5,
     ) -> None:
         if first_hop < 1 or max_first_hop < first_hop:
             raise ValueError("need 1 <= first_hop <= max_first_hop")
-        if token_rate <= 0 or withheld_s < 0 or window < 1:
-            raise ValueError("token_rate and window must be positive, withheld_s not negative")
+        if token_rate <= 0 or withheld_s < 0 or window < 1 or load_exponent < 0:
+            raise ValueError("token_rate and window must be positive, withheld_s and load_exponent not negative")
         self.ladder = [first_hop]
         while self.ladder[-1] * 2 <= max_first_hop:
             self.ladder.append(self.ladder[-1] * 2)
@@ -61,6 +68,7 @@ class AdaptiveFirstHop:
             self.ladder.append(max_first_hop)
         self._token_rate = token_rate
         self._withheld_s = withheld_s
+        self._load_exponent = load_exponent
         # (gap, streams in flight when it was recorded)
         self._gaps: deque[tuple[float, int]] = deque(maxlen=window)
         self._in_flight = 0
@@ -95,6 +103,6 @@ class AdaptiveFirstHop:
         """The first hop for a stream with the streams in flight now."""
         with self._lock:
             now = max(1, self._in_flight)
-            predicted = sorted(gap * now / streams for gap, streams in self._gaps)
+            predicted = sorted(gap * (now / streams) ** self._load_exponent for gap, streams in self._gaps)
         need = predicted[math.ceil(0.75 * len(predicted)) - 1] if predicted else 0.0
         return next((hop for hop in self.ladder if self.audio_s(hop) >= need), self.ladder[-1])
