@@ -67,10 +67,10 @@ def test_the_upper_quartile_of_the_recent_gaps_counts() -> None:
     assert hops.choose() == 25, "the long gaps left the window"
 
 
-def test_ending_more_streams_than_began_keeps_the_count_at_zero() -> None:
+def test_ending_a_stream_that_never_began_is_a_bug() -> None:
     hops = AdaptiveFirstHop(25, 50)
-    hops.end()
-    assert hops.in_flight == 0
+    with pytest.raises(RuntimeError):
+        hops.end()
 
 
 @pytest.mark.parametrize(

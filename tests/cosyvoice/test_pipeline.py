@@ -288,7 +288,7 @@ class SlowSecondChunk(ScriptedStages):
         return super().token2wav(request)
 
 
-def first_hops(stages: ScriptedStages, schedule: HopSchedule, streams: int) -> list[int]:
+def first_hops_of(stages: ScriptedStages, schedule: HopSchedule, streams: int) -> list[int]:
     """The first chunk's hop of each of ``streams`` streams of one pipeline, one after another."""
     synthesizer = pipeline(stages, hop_schedule=schedule)
     hops = []
@@ -303,19 +303,19 @@ def test_the_first_hop_grows_after_streams_waited_longer_than_their_first_chunk_
     # A first chunk of 15 tokens plays 0.6 - 0.16 = 0.44 s; the second chunks come 0.6 s after it.
     schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
     stages = SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.6)
-    assert first_hops(stages, schedule, 3) == [15, 30, 30]
+    assert first_hops_of(stages, schedule, 3) == [15, 30, 30]
 
 
 def test_the_first_hop_stays_while_second_chunks_come_in_time() -> None:
     schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
-    assert first_hops(SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.1), schedule, 3) == [15, 15, 15]
+    assert first_hops_of(ScriptedStages([*speech_ids(100), vocab.EOS1_ID]), schedule, 3) == [15, 15, 15]
     # Without max_first_hop the gaps do not matter.
     fixed = HopSchedule(first_hop=15, base_hop=25, max_hop=100)
-    assert first_hops(SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.6), fixed, 2) == [15, 15]
+    assert first_hops_of(SlowSecondChunk([*speech_ids(100), vocab.EOS1_ID], delay_s=0.6), fixed, 2) == [15, 15]
 
 
 @dataclass
-class BurstDuringFirstTokens(SlowSecondChunk):
+class BurstDuringFirstTokens(ScriptedStages):
     """Calls ``meanwhile`` just before the LLM hands out the id at index ``meanwhile_at``."""
 
     meanwhile: Callable[[], None] = lambda: None
@@ -330,15 +330,16 @@ class BurstDuringFirstTokens(SlowSecondChunk):
 
 def test_a_first_chunk_waits_for_the_larger_hop_when_streams_start_meanwhile() -> None:
     schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
-    stages = BurstDuringFirstTokens([*speech_ids(100), vocab.EOS1_ID], delay_s=0.3, meanwhile_at=17)
+    stages = BurstDuringFirstTokens([*speech_ids(100), vocab.EOS1_ID], meanwhile_at=17)
     synthesizer = pipeline(stages, hop_schedule=schedule)
-    hops = synthesizer.first_hops
+    hops = synthesizer.adaptive_first_hop
     assert hops is not None
-    list(synthesizer.synthesize(request(), streaming=True))  # one stream: a 0.3 s gap
-    stages.token2wav_calls.clear()
+    hops.begin()
+    hops.record(0.3)  # one stream in flight waited 0.3 s for its second chunk
+    hops.end()
 
     def two_streams_start() -> None:
-        # After this stream counted itself in (it chose 15 tokens then), before its 18th token arrives.
+        # After this stream counted itself in (and chose 15 tokens), before its 18th token arrives.
         deadline = time.monotonic() + TIMEOUT_S
         while hops.in_flight < 1 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -352,6 +353,29 @@ def test_a_first_chunk_waits_for_the_larger_hop_when_streams_start_meanwhile() -
     first = stages.token2wav_calls[0]
     assert (first.token_offset, first.speech_tokens.size, first.finalize) == (0, 33, False)
     assert hops.in_flight == 2, "the stream counted itself out when it ended"
+
+
+@pytest.mark.parametrize("how", ["cancelled", "llm fails", "reader stops"])
+def test_a_stream_that_ends_early_is_counted_out(how: str) -> None:
+    schedule = HopSchedule(first_hop=15, base_hop=25, max_hop=100, max_first_hop=30)
+    stages = ScriptedStages(
+        speech_ids(200), first_ids=18, ids_per_conversion=100, fail_at=60 if how == "llm fails" else None
+    )
+    synthesizer = pipeline(stages, hop_schedule=schedule)
+    cancelled = threading.Event()
+    chunks = synthesizer.synthesize(request(), streaming=True, is_cancelled=cancelled.is_set)
+    next(chunks)
+    assert synthesizer.adaptive_first_hop is not None
+    assert synthesizer.adaptive_first_hop.in_flight == 1
+    if how == "cancelled":
+        cancelled.set()
+        assert list(chunks) == []
+    elif how == "llm fails":
+        with pytest.raises(RuntimeError, match="the LLM went away"):
+            next(chunks)
+    else:
+        chunks.close()
+    assert synthesizer.adaptive_first_hop.in_flight == 0
 
 
 def test_an_llm_that_fails_mid_stream_fails_the_request_after_the_chunks_before() -> None:

@@ -87,12 +87,14 @@ class AdaptiveFirstHop:
         """Count a starting stream in flight; returns its first hop."""
         with self._lock:
             self._in_flight += 1
-        return self.choose()
+            return self._choose_locked()
 
     def end(self) -> None:
         """A stream counted by :meth:`begin` has ended."""
         with self._lock:
-            self._in_flight = max(0, self._in_flight - 1)
+            if self._in_flight == 0:
+                raise RuntimeError("end() without a stream in flight")
+            self._in_flight -= 1
 
     def record(self, gap_s: float) -> None:
         """A stream's second chunk was ready ``gap_s`` seconds after its first."""
@@ -102,7 +104,10 @@ class AdaptiveFirstHop:
     def choose(self) -> int:
         """The first hop for a stream with the streams in flight now."""
         with self._lock:
-            now = max(1, self._in_flight)
-            predicted = sorted(gap * (now / streams) ** self._load_exponent for gap, streams in self._gaps)
+            return self._choose_locked()
+
+    def _choose_locked(self) -> int:
+        now = max(1, self._in_flight)
+        predicted = sorted(gap * (now / streams) ** self._load_exponent for gap, streams in self._gaps)
         need = predicted[math.ceil(0.75 * len(predicted)) - 1] if predicted else 0.0
         return next((hop for hop in self.ladder if self.audio_s(hop) >= need), self.ladder[-1])

@@ -187,7 +187,7 @@ class CosyVoice2Pipeline:
         self._trace = trace or StageTrace("orchestrator", None)
         self._voices: PromptCache[VoicePrompt] = PromptCache(settings.voice_cache_size)
         schedule = settings.hop_schedule
-        self.first_hops = (
+        self.adaptive_first_hop = (
             None
             if schedule.max_first_hop is None
             else AdaptiveFirstHop(schedule.first_hop, schedule.max_first_hop, token_rate=schedule.token_rate)
@@ -333,16 +333,16 @@ class CosyVoice2Pipeline:
         session_id = llm_request.request_id
         offset = 0
         chunk_index = 0
-        first_hops = self.first_hops
+        adaptive = self.adaptive_first_hop
         started = time.monotonic()
         first_ready = 0.0
         session_open = False
         stop = StopSignal()
+        hop = schedule.next_hop(0)
+        counted = False
         feed = TokenFeed(
             self._speech_tokens(llm_request, is_cancelled, times, stop), stop, name=f"tokens-{session_id[:8]}"
         )
-        # Counted in flight from here to the finally below.
-        hop = schedule.next_hop(0) if first_hops is None else first_hops.begin()
 
         def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:
             nonlocal first_ready
@@ -358,17 +358,19 @@ class CosyVoice2Pipeline:
             )
             if chunk_index == 0:
                 first_ready = time.monotonic()
-            elif chunk_index == 1 and first_hops is not None:
-                first_hops.record(time.monotonic() - first_ready)
+            elif chunk_index == 1 and adaptive is not None:
+                adaptive.record(time.monotonic() - first_ready)
             return audio
 
         try:
+            if adaptive is not None:
+                hop, counted = adaptive.begin(), True
             while True:
                 needed = schedule.chunk_end(offset, hop)
                 arrived = feed.wait_for(needed)
                 if arrived < needed:
                     break
-                if chunk_index == 0 and first_hops is not None and (grown := first_hops.choose()) > hop:
+                if chunk_index == 0 and adaptive is not None and (grown := adaptive.choose()) > hop:
                     # Streams started meanwhile (a burst): the first chunk waits for the larger hop's tokens.
                     hop = grown
                     continue
@@ -397,12 +399,15 @@ class CosyVoice2Pipeline:
             tokens = feed.all_tokens()
             if not tokens:
                 raise SynthesisError("the LLM produced no speech tokens")
+            if not times.first_hop:
+                # The first chunk is the last: its tokens are all the LLM made.
+                times.first_hop = time.monotonic()
             final = convert(tokens, finalize=True)
             session_open = False
             yield final
         finally:
-            if first_hops is not None:
-                first_hops.end()
+            if adaptive is not None and counted:
+                adaptive.end()
             # A stream that ends early (cancelled, failed, abandoned) waits for the LLM's next token, when
             # the reader closes the LLM's stream (cancelling it); one that finished has nothing to wait for.
             feed.close(_READER_WAIT_S)
