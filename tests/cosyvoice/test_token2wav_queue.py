@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 
 from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
 from tts_backends.cosyvoice2.frontend import VoicePrompt
+from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
 from tts_backends.cosyvoice2.token2wav import Audio, Conversion, Token2Wav
 from tts_backends.cosyvoice2.token2wav_queue import (
     ConversionQueue,
@@ -456,11 +457,11 @@ def _worker_busy(queue: ConversionQueue, recorder: Recorder, answers: Answers, b
         gate.set()
 
 
-def _playing_stream_then_a_first_chunk(guard_s: float, sample_rate: int) -> list[list[str]]:
+def _playing_stream_then_a_first_chunk(guard: PlaybackGuard, sample_rate: int) -> list[list[str]]:
     """Stream "playing" gets its first chunk (18 samples), then, while another group converts, its next
     chunk and a new stream's first chunk queue: the order they are converted in."""
     recorder, answers = Recorder(), Answers()
-    queue = ConversionQueue(recorder, max_rows=4, playback_guard_s=guard_s, sample_rate=sample_rate)
+    queue = ConversionQueue(recorder, max_rows=4, playback_guard=guard, sample_rate=sample_rate)
     try:
         answers.expected = 1
         queue.submit(call("playing", 18, offset=0), answers("playing"))
@@ -501,24 +502,33 @@ def test_the_stream_with_the_least_audio_in_hand_gets_its_next_chunk_first() -> 
 
 def test_a_stream_about_to_run_dry_goes_before_a_new_streams_first_chunk() -> None:
     # 18 samples at 100 Hz: 0.18 s of audio, run out before the 1 s guard ends.
-    groups = _playing_stream_then_a_first_chunk(guard_s=1.0, sample_rate=100)
+    groups = _playing_stream_then_a_first_chunk(PlaybackGuard(1.0), sample_rate=100)
     assert groups[-2:] == [["playing"], ["newcomer"]]
+
+
+def test_an_adaptive_guard_puts_the_stream_first_once_its_groups_took_long_enough() -> None:
+    learnt = PlaybackGuard(adaptive=True)
+    learnt.record(first_chunks=True, seconds=0.5)
+    learnt.record(first_chunks=False, seconds=0.5)
+    assert _playing_stream_then_a_first_chunk(learnt, sample_rate=100)[-2:] == [["playing"], ["newcomer"]]
 
 
 def test_a_stream_with_audio_to_spare_or_no_guard_leaves_the_first_chunk_first() -> None:
     # 18 samples at 1 Hz: 18 s of audio in hand.
-    assert _playing_stream_then_a_first_chunk(guard_s=1.0, sample_rate=1)[-2:] == [["newcomer"], ["playing"]]
-    assert _playing_stream_then_a_first_chunk(guard_s=0.0, sample_rate=100)[-2:] == [["newcomer"], ["playing"]]
+    assert _playing_stream_then_a_first_chunk(PlaybackGuard(1.0), sample_rate=1)[-2:] == [["newcomer"], ["playing"]]
+    assert _playing_stream_then_a_first_chunk(PlaybackGuard(), sample_rate=100)[-2:] == [["newcomer"], ["playing"]]
 
 
 class Lending:
     """Stands in for Token2Wav where lending the GPU is tested: a group that may lend stops halfway
     (``halfway``) until ``go_on``, then converts the first chunks waiting; every call gets its length in
-    samples, and ``order`` lists the groups as they finish."""
+    samples, and ``order`` lists the groups as they finish. A group of first chunks takes ``first_s``, a
+    later group ``later_s`` of its own (half before lending, half after)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_s: float = 0.0, later_s: float = 0.0) -> None:
         self.order: list[str] = []
         self.halfway, self.go_on = threading.Event(), threading.Event()
+        self.first_s, self.later_s = first_s, later_s
 
     def convert(
         self,
@@ -528,10 +538,14 @@ class Lending:
         between_segments: Callable[[], None] | None = None,
     ) -> list[Audio | Exception]:
         names = "+".join(c.session_id for c in calls)
-        if between_segments is not None:
+        if between_segments is None:
+            time.sleep(self.first_s)
+        else:
             self.halfway.set()
+            time.sleep(self.later_s / 2)
             assert self.go_on.wait(10)
             between_segments()
+            time.sleep(self.later_s / 2)
         self.order.append(names)
         results: list[Audio | Exception] = [np.zeros(int(np.size(c.tokens)), dtype=np.float32) for c in calls]
         assert on_result is not None
@@ -547,7 +561,7 @@ def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() ->
     order, halfway, go_on = lending.order, lending.halfway, lending.go_on
 
     answers = Answers()
-    queue = ConversionQueue(lending, max_rows=4, playback_guard_s=1.0, sample_rate=100)
+    queue = ConversionQueue(lending, max_rows=4, playback_guard=PlaybackGuard(1.0), sample_rate=100)
     try:
         answers.expected = 5
         queue.submit(call("playing", 18, offset=0), answers("playing"))
@@ -575,7 +589,7 @@ def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() ->
 
 def test_a_later_group_stops_lending_the_gpu_when_another_streams_next_chunk_would_wait_too_long() -> None:
     lending, answers = Lending(), Answers()
-    queue = ConversionQueue(lending, max_rows=4, playback_guard_s=1.0, sample_rate=100)
+    queue = ConversionQueue(lending, max_rows=4, playback_guard=PlaybackGuard(1.0), sample_rate=100)
     try:
         answers.expected = 4
         # "dry" has 0.18 s of audio; "roomy" is a stream the queue did not see start (nothing to guard).
@@ -590,3 +604,34 @@ def test_a_later_group_stops_lending_the_gpu_when_another_streams_next_chunk_wou
         queue.close()
     # "roomy" lent nothing: "dry"'s next chunk, about to run out, went first, the newcomer after it.
     assert lending.order == ["dry", "roomy", "dry", "newcomer"]
+
+
+class Spy(PlaybackGuard):
+    def __init__(self) -> None:
+        super().__init__(adaptive=True)
+        self.recorded: list[tuple[bool, float]] = []
+
+    def record(self, *, first_chunks: bool, seconds: float) -> None:
+        self.recorded.append((first_chunks, seconds))
+        super().record(first_chunks=first_chunks, seconds=seconds)
+
+
+def test_the_queue_tells_the_guard_each_groups_own_time_without_what_it_lent() -> None:
+    lending, guard, answers = Lending(first_s=0.2, later_s=0.05), Spy(), Answers()
+    queue = ConversionQueue(lending, max_rows=4, playback_guard=guard)
+    try:
+        answers.expected = 3
+        queue.submit(call("later", 60, offset=15), answers("later"))
+        assert lending.halfway.wait(10)
+        queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
+        lending.go_on.set()
+        queue.submit(call("offline", 40), answers("offline"))
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    # The newcomer's group ran inside the later one's; offline calls are not the guard's business.
+    (first, first_s), (later, later_s) = guard.recorded
+    assert (first, later) == (True, False)
+    assert first_s >= 0.2
+    assert 0.05 <= later_s < 0.2
+    assert guard.horizon_s() == first_s + later_s

@@ -21,12 +21,12 @@ rest of it, not for the whole pass and HiFT (one that arrives during the second 
 the later chunks have audio in hand and can wait.
 
 Up to a point, where the operator asks for it: a stream whose audio is playing need not run dry
-because new streams keep arriving. With a ``playback_guard_s``, a later chunk whose stream would
-run out of audio within that guard goes before the first chunks waiting, and a later group stops
-lending the GPU between the halves of its solve while such a stream is among its own or waits.
-Under a load the GPU barely keeps up with, new streams then wait longer for their first audio instead of streams
-already playing stalling. On the H100 a guard of 800 ms kept all of 64 streams in real time, but
-16 streams' first audio doubled; the profiles leave it off.
+because new streams keep arriving. With a playback guard (``playback_guard.py``), a later chunk
+whose stream would run out of audio within the guard's horizon goes before the first chunks
+waiting, and a later group stops lending the GPU between the halves of its solve while such a
+stream is among its own or waits. Under a load the GPU barely keeps up with, new streams then
+wait longer for their first audio instead of streams already playing stalling. The queue tells
+the guard how long each group of first chunks and of later chunks took, for its adaptive horizon.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
@@ -42,6 +42,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
+from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
 from tts_backends.cosyvoice2.token2wav import Audio, Conversion, length_class
 
 logger = logging.getLogger(__name__)
@@ -137,9 +138,9 @@ class ConversionQueue:
     """Calls of every batch Triton hands over, converted by one worker thread (see the module's doc).
 
     ``first_chunks_hold``, where given, is entered around every group of first chunks (the GPU
-    turn that asks the LLM's process to wait, ``gpu_turns.py``). ``playback_guard_s`` > 0 lets a
-    later chunk whose stream would run out of audio (at ``sample_rate``) within that many seconds go
-    before first chunks. Every submitted call is answered
+    turn that asks the LLM's process to wait, ``gpu_turns.py``). A ``playback_guard`` lets a later
+    chunk whose stream would run out of audio (at ``sample_rate``) within its horizon go before first
+    chunks. Every submitted call is answered
     exactly once: with its audio, its own error, a :class:`GroupFailed` when its group failed, or,
     when the queue closes before converting it, a :class:`QueueClosed`. An answer that raises is
     logged and does not keep the others from theirs.
@@ -152,18 +153,18 @@ class ConversionQueue:
         max_rows: int,
         first_chunks_hold: Callable[[], AbstractContextManager[object]] | None = None,
         log_error: Callable[[str], None] = logger.error,
-        playback_guard_s: float = 0.0,
+        playback_guard: PlaybackGuard | None = None,
         sample_rate: int = 24000,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
-        if playback_guard_s < 0:
-            raise ValueError(f"playback_guard_s must not be negative, got {playback_guard_s}")
         self._token2wav = token2wav
         self._max_rows = max_rows
         self._hold = first_chunks_hold
         self._log_error = log_error
-        self._guard_s = playback_guard_s
+        # Used by the worker thread alone.
+        self._guard = playback_guard or PlaybackGuard()
+        self._lent_s = 0.0
         self._sample_rate = sample_rate
         # When each playing stream's audio runs out, by session, the most recently supplied last: kept by
         # the worker thread alone (and by close() once the worker has ended).
@@ -199,11 +200,12 @@ class ConversionQueue:
                     self._ready.wait()
                 if self._closed:
                     return
+                horizon = self._guard.horizon_s()
                 group = take_group(
                     self._pending,
                     self._max_rows,
                     runs_out=self._runs_out,
-                    guard_until=time.monotonic() + self._guard_s if self._guard_s > 0 else None,
+                    guard_until=time.monotonic() + horizon if horizon > 0 else None,
                 )
             self._convert(group)
 
@@ -215,14 +217,17 @@ class ConversionQueue:
             with self._ready:
                 if self._closed or not any(queued.call.token_offset == 0 for queued in self._pending):
                     return
-                if self._guard_s > 0:
+                horizon = self._guard.horizon_s()
+                if horizon > 0:
                     # The lender's streams, and those whose next chunk waits, must not run dry meanwhile.
-                    before = time.monotonic() + self._guard_s
+                    before = time.monotonic() + horizon
                     later = (queued for queued in self._pending if queued.call.token_offset)
                     if any(self._runs_out.get(q.call.session_id, before) < before for q in (*lender, *later)):
                         return
                 group = take_group(self._pending, self._max_rows)
+            started = time.monotonic()
             self._convert(group)
+            self._lent_s += time.monotonic() - started
 
     def _convert(self, group: list[Queued]) -> None:
         converted = Converted(time.monotonic(), len(group))
@@ -232,12 +237,18 @@ class ConversionQueue:
             answered.add(index)
             self._deliver(group[index], result, converted)
 
+        offset = group[0].call.token_offset
+        first_chunks = offset == 0
         try:
-            first_chunks = group[0].call.token_offset == 0
             # Only later chunks lend the GPU: groups converted meanwhile are first chunks, so none nests deeper.
             meanwhile = None if first_chunks else lambda: self._first_chunks_meanwhile(group)
+            if not first_chunks:
+                self._lent_s = 0.0
             with self._hold() if first_chunks and self._hold is not None else nullcontext():
                 self._token2wav.convert([queued.call for queued in group], on_result, between_segments=meanwhile)
+            if offset is not None:
+                own_s = time.monotonic() - converted.started - (0.0 if first_chunks else self._lent_s)
+                self._guard.record(first_chunks=first_chunks, seconds=own_s)
         except Exception as exc:
             self._log_error(f"token2wav: converting a group of {len(group)} calls failed: {exc!r}")
             failed = GroupFailed(f"converting its group of {len(group)} calls failed: {exc}")

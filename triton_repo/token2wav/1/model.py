@@ -26,6 +26,7 @@ import triton_python_backend_utils as pb_utils
 from tts_backends.cosyvoice2 import tensors
 from tts_backends.cosyvoice2.frontend import VoicePrompt
 from tts_backends.cosyvoice2.gpu_turns import GpuTurns
+from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
 from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, QueueClosed
 from tts_backends.stage_trace import StageTrace
@@ -67,7 +68,7 @@ class TritonPythonModel:
             max_rows=int(config["max_batch_size"]),
             first_chunks_hold=None if turns is None else lambda: turns.hold(slot),
             log_error=pb_utils.Logger.log_error,
-            playback_guard_s=int(params["playback_guard_ms"]) / 1000.0,
+            playback_guard=PlaybackGuard.parse(params["playback_guard_ms"]),
             sample_rate=self._token2wav.sample_rate,
         )
 
