@@ -129,6 +129,8 @@ class GatewayProcess:
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # Its own process group: a gateway that will not stop is killed with its workers and servers.
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -167,7 +169,7 @@ class GatewayProcess:
         try:
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self._process.kill()
+            os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
 
     def wait_for(self, path: str, status: int, within: float) -> float:
