@@ -9,28 +9,31 @@ from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
 
 def test_a_fixed_guard_keeps_its_horizon_whatever_the_groups_take() -> None:
     guard = PlaybackGuard.parse("300")
-    guard.record(first_chunks=False, seconds=2.0)
+    guard.record(2.0, later_chunks=True)
     assert guard.horizon_s() == pytest.approx(0.3)
+    assert guard.horizon_s(behind_a_group=True) == pytest.approx(0.3)
     assert PlaybackGuard.parse(" 0 ").horizon_s() == 0.0
 
 
-def test_the_adaptive_horizon_is_the_longest_recent_group_of_each_kind_added() -> None:
+def test_the_adaptive_horizon_adds_the_longest_recent_group_of_each_kind() -> None:
     guard = PlaybackGuard.parse("auto")
     assert guard.horizon_s() == 0.0
-    guard.record(first_chunks=True, seconds=0.1)
+    guard.record(0.1, later_chunks=False)
     assert guard.horizon_s() == pytest.approx(0.1)
     for seconds in (0.3, 0.2):
-        guard.record(first_chunks=False, seconds=seconds)
-    guard.record(first_chunks=True, seconds=0.05)
+        guard.record(seconds, later_chunks=True)
+    guard.record(0.05, later_chunks=False)
     assert guard.horizon_s() == pytest.approx(0.1 + 0.3)
+    # A chunk that also waits for the rest of a later group meets one more of them.
+    assert guard.horizon_s(behind_a_group=True) == pytest.approx(0.1 + 2 * 0.3)
 
 
 def test_the_adaptive_horizon_shrinks_when_the_long_groups_leave_its_window() -> None:
     guard = PlaybackGuard(adaptive=True, window=3)
-    guard.record(first_chunks=True, seconds=0.2)
-    guard.record(first_chunks=False, seconds=0.8)
+    guard.record(0.2, later_chunks=False)
+    guard.record(0.8, later_chunks=True)
     for _ in range(3):
-        guard.record(first_chunks=False, seconds=0.1)
+        guard.record(0.1, later_chunks=True)
     assert guard.horizon_s() == pytest.approx(0.2 + 0.1)
 
 

@@ -508,8 +508,8 @@ def test_a_stream_about_to_run_dry_goes_before_a_new_streams_first_chunk() -> No
 
 def test_an_adaptive_guard_puts_the_stream_first_once_its_groups_took_long_enough() -> None:
     learnt = PlaybackGuard(adaptive=True)
-    learnt.record(first_chunks=True, seconds=0.5)
-    learnt.record(first_chunks=False, seconds=0.5)
+    learnt.record(0.5, later_chunks=False)
+    learnt.record(0.5, later_chunks=True)
     assert _playing_stream_then_a_first_chunk(learnt, sample_rate=100)[-2:] == [["playing"], ["newcomer"]]
 
 
@@ -587,23 +587,29 @@ def test_a_later_group_with_a_stream_about_to_run_dry_stops_lending_the_gpu() ->
     assert order[3:] == ["playing", "second-newcomer"]
 
 
-def test_a_later_group_stops_lending_the_gpu_when_another_streams_next_chunk_would_wait_too_long() -> None:
+def _lends_with(guard: PlaybackGuard, audio_samples: int) -> list[str]:
+    """Stream "dry" gets a first chunk of ``audio_samples`` samples at 100 Hz; while the later group of
+    "roomy" (a stream the queue did not see start: nothing to guard) is halfway, "dry"'s next chunk and
+    a newcomer's first chunk wait. Returns the order the groups finish in (nested ones first)."""
     lending, answers = Lending(), Answers()
-    queue = ConversionQueue(lending, max_rows=4, playback_guard=PlaybackGuard(1.0), sample_rate=100)
+    queue = ConversionQueue(lending, max_rows=4, playback_guard=guard, sample_rate=100)
     try:
         answers.expected = 4
-        # "dry" has 0.18 s of audio; "roomy" is a stream the queue did not see start (nothing to guard).
-        queue.submit(call("dry", 18, offset=0), answers("dry"))
+        queue.submit(call("dry", audio_samples, offset=0), answers("dry"))
         queue.submit(call("roomy", 300, offset=40), answers("roomy"))
         assert lending.halfway.wait(10)
-        queue.submit(call("dry", 60, offset=15), answers("dry"))
+        queue.submit(call("dry", audio_samples + 60, offset=15), answers("dry"))
         queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
         lending.go_on.set()
         assert answers.all_in.wait(10)
     finally:
         queue.close()
-    # "roomy" lent nothing: "dry"'s next chunk, about to run out, went first, the newcomer after it.
-    assert lending.order == ["dry", "roomy", "dry", "newcomer"]
+    return lending.order
+
+
+def test_a_later_group_stops_lending_the_gpu_when_another_streams_next_chunk_would_wait_too_long() -> None:
+    # "dry" has 0.18 s of audio: "roomy" lent nothing; "dry"'s next chunk went first, the newcomer after it.
+    assert _lends_with(PlaybackGuard(1.0), audio_samples=18) == ["dry", "roomy", "dry", "newcomer"]
 
 
 class Spy(PlaybackGuard):
@@ -611,27 +617,63 @@ class Spy(PlaybackGuard):
         super().__init__(adaptive=True)
         self.recorded: list[tuple[bool, float]] = []
 
-    def record(self, *, first_chunks: bool, seconds: float) -> None:
-        self.recorded.append((first_chunks, seconds))
-        super().record(first_chunks=first_chunks, seconds=seconds)
+    def record(self, seconds: float, *, later_chunks: bool) -> None:
+        self.recorded.append((later_chunks, seconds))
+        super().record(seconds, later_chunks=later_chunks)
 
 
 def test_the_queue_tells_the_guard_each_groups_own_time_without_what_it_lent() -> None:
     lending, guard, answers = Lending(first_s=0.2, later_s=0.05), Spy(), Answers()
     queue = ConversionQueue(lending, max_rows=4, playback_guard=guard)
     try:
-        answers.expected = 3
-        queue.submit(call("later", 60, offset=15), answers("later"))
+        answers.expected = 2
+        queue.submit(call("lender", 60, offset=15), answers("lender"))
         assert lending.halfway.wait(10)
         queue.submit(call("newcomer", 18, offset=0), answers("newcomer"))
         lending.go_on.set()
+        assert answers.all_in.wait(10)
+        # Then a later group with nothing to lend to, and an offline call.
+        answers.expected, answers.all_in = 3, threading.Event()
+        queue.submit(call("lender", 100, offset=60), answers("lender"))
+        assert answers.all_in.wait(10)
+        answers.expected, answers.all_in = 4, threading.Event()
         queue.submit(call("offline", 40), answers("offline"))
         assert answers.all_in.wait(10)
     finally:
         queue.close()
-    # The newcomer's group ran inside the later one's; offline calls are not the guard's business.
-    (first, first_s), (later, later_s) = guard.recorded
-    assert (first, later) == (True, False)
+    # The newcomer's group ran inside the lender's; the later groups count their own 0.05 s only, and
+    # the offline call (which may go ahead of later chunks) counts with the first chunks.
+    kinds = [later for later, _ in guard.recorded]
+    assert kinds == [False, True, True, False]
+    (_, first_s), (_, lender_s), (_, alone_s), (_, offline_s) = guard.recorded
     assert first_s >= 0.2
-    assert 0.05 <= later_s < 0.2
-    assert guard.horizon_s() == first_s + later_s
+    assert all(0.05 <= seconds < 0.2 for seconds in (lender_s, alone_s, offline_s))
+    assert guard.horizon_s() == max(first_s, offline_s) + max(lender_s, alone_s)
+
+
+def test_a_group_that_fails_tells_the_guard_nothing() -> None:
+    recorder, guard, answers = Recorder(fail_on="broken"), Spy(), Answers()
+    recorder.release.set()
+    queue = ConversionQueue(recorder, max_rows=4, playback_guard=guard)
+    try:
+        answers.expected = 1
+        queue.submit(call("broken", 60, offset=15), answers("broken"))
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert isinstance(answers.got["broken"][0], GroupFailed)
+    assert guard.recorded == []
+
+
+def test_a_chunk_waiting_behind_a_lending_group_is_guarded_for_one_more_later_group() -> None:
+    # "dry" has 2 s of audio. Horizon 1.3 s, and 2.1 s for "dry"'s chunk, which would also wait for the
+    # rest of "roomy": no lending.
+    slow = PlaybackGuard(adaptive=True)
+    slow.record(0.5, later_chunks=False)
+    slow.record(0.8, later_chunks=True)
+    assert _lends_with(slow, audio_samples=200)[:2] == ["dry", "roomy"]
+    # 0.4 s and 0.7 s: "dry" has time enough, and the newcomer goes in between the halves of "roomy".
+    quick = PlaybackGuard(adaptive=True)
+    quick.record(0.1, later_chunks=False)
+    quick.record(0.3, later_chunks=True)
+    assert _lends_with(quick, audio_samples=200)[:3] == ["dry", "newcomer", "roomy"]

@@ -26,7 +26,7 @@ whose stream would run out of audio within the guard's horizon goes before the f
 waiting, and a later group stops lending the GPU between the halves of its solve while such a
 stream is among its own or waits. Under a load the GPU barely keeps up with, new streams then
 wait longer for their first audio instead of streams already playing stalling. The queue tells
-the guard how long each group of first chunks and of later chunks took, for its adaptive horizon.
+the guard how long each group took, for its adaptive horizon.
 
 Triton's own mechanisms do not give this: its priority levels order the queue but do not shorten
 the running batch, and a second instance cannot share a stream's state (it lives in one process).
@@ -138,9 +138,9 @@ class ConversionQueue:
     """Calls of every batch Triton hands over, converted by one worker thread (see the module's doc).
 
     ``first_chunks_hold``, where given, is entered around every group of first chunks (the GPU
-    turn that asks the LLM's process to wait, ``gpu_turns.py``). A ``playback_guard`` lets a later
-    chunk whose stream would run out of audio (at ``sample_rate``) within its horizon go before first
-    chunks. Every submitted call is answered
+    turn that asks the LLM's process to wait, ``gpu_turns.py``). A ``playback_guard`` (one per
+    queue: the queue records its groups' times in it) lets a later chunk whose stream would run out of
+    audio (at ``sample_rate``) within its horizon go before first chunks. Every submitted call is answered
     exactly once: with its audio, its own error, a :class:`GroupFailed` when its group failed, or,
     when the queue closes before converting it, a :class:`QueueClosed`. An answer that raises is
     logged and does not keep the others from theirs.
@@ -162,9 +162,8 @@ class ConversionQueue:
         self._max_rows = max_rows
         self._hold = first_chunks_hold
         self._log_error = log_error
-        # Used by the worker thread alone.
+        # Used by the worker thread alone; the queue tells it how long its groups take, so it is not shared.
         self._guard = playback_guard or PlaybackGuard()
-        self._lent_s = 0.0
         self._sample_rate = sample_rate
         # When each playing stream's audio runs out, by session, the most recently supplied last: kept by
         # the worker thread alone (and by close() once the worker has ended).
@@ -219,15 +218,18 @@ class ConversionQueue:
                     return
                 horizon = self._guard.horizon_s()
                 if horizon > 0:
-                    # The lender's streams, and those whose next chunk waits, must not run dry meanwhile.
-                    before = time.monotonic() + horizon
-                    later = (queued for queued in self._pending if queued.call.token_offset)
-                    if any(self._runs_out.get(q.call.session_id, before) < before for q in (*lender, *later)):
+                    # The lender's streams, and those whose next chunk waits (for the rest of the lender
+                    # too), must not run dry meanwhile.
+                    now = time.monotonic()
+                    before, waiting_before = now + horizon, now + self._guard.horizon_s(behind_a_group=True)
+                    if any(self._runs_out.get(q.call.session_id, before) < before for q in lender) or any(
+                        self._runs_out.get(q.call.session_id, waiting_before) < waiting_before
+                        for q in self._pending
+                        if q.call.token_offset
+                    ):
                         return
                 group = take_group(self._pending, self._max_rows)
-            started = time.monotonic()
             self._convert(group)
-            self._lent_s += time.monotonic() - started
 
     def _convert(self, group: list[Queued]) -> None:
         converted = Converted(time.monotonic(), len(group))
@@ -237,18 +239,24 @@ class ConversionQueue:
             answered.add(index)
             self._deliver(group[index], result, converted)
 
-        offset = group[0].call.token_offset
-        first_chunks = offset == 0
+        first_chunks = group[0].call.token_offset == 0
+        lent_s = 0.0
+
+        def meanwhile() -> None:
+            nonlocal lent_s
+            started = time.monotonic()
+            self._first_chunks_meanwhile(group)
+            lent_s += time.monotonic() - started
+
         try:
-            # Only later chunks lend the GPU: groups converted meanwhile are first chunks, so none nests deeper.
-            meanwhile = None if first_chunks else lambda: self._first_chunks_meanwhile(group)
-            if not first_chunks:
-                self._lent_s = 0.0
+            # Only later chunks and offline calls lend the GPU: groups converted meanwhile are first chunks,
+            # so none nests deeper.
             with self._hold() if first_chunks and self._hold is not None else nullcontext():
-                self._token2wav.convert([queued.call for queued in group], on_result, between_segments=meanwhile)
-            if offset is not None:
-                own_s = time.monotonic() - converted.started - (0.0 if first_chunks else self._lent_s)
-                self._guard.record(first_chunks=first_chunks, seconds=own_s)
+                self._token2wav.convert(
+                    [queued.call for queued in group], on_result, between_segments=None if first_chunks else meanwhile
+                )
+            later_chunks = bool(group[0].call.token_offset)
+            self._guard.record(time.monotonic() - converted.started - lent_s, later_chunks=later_chunks)
         except Exception as exc:
             self._log_error(f"token2wav: converting a group of {len(group)} calls failed: {exc!r}")
             failed = GroupFailed(f"converting its group of {len(group)} calls failed: {exc}")
