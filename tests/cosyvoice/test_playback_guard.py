@@ -11,7 +11,6 @@ def test_a_fixed_guard_keeps_its_horizon_whatever_the_groups_take() -> None:
     guard = PlaybackGuard.parse("300")
     guard.record(2.0, later_chunks=True)
     assert guard.horizon_s() == pytest.approx(0.3)
-    assert guard.horizon_s(behind_a_group=True) == pytest.approx(0.3)
     assert PlaybackGuard.parse(" 0 ").horizon_s() == 0.0
 
 
@@ -24,8 +23,6 @@ def test_the_adaptive_horizon_adds_the_longest_recent_group_of_each_kind() -> No
         guard.record(seconds, later_chunks=True)
     guard.record(0.05, later_chunks=False)
     assert guard.horizon_s() == pytest.approx(0.1 + 0.3)
-    # A chunk that also waits for the rest of a later group meets one more of them.
-    assert guard.horizon_s(behind_a_group=True) == pytest.approx(0.1 + 2 * 0.3)
 
 
 def test_the_adaptive_horizon_shrinks_when_the_long_groups_leave_its_window() -> None:

@@ -10,13 +10,20 @@ group stops lending the GPU to first chunks between the halves of its solve.
 A fixed horizon must suit every load. On the H100, 800 ms kept all of 64 streams in time, but at
 16 streams a group takes 0.1-0.25 s, and a horizon that long put later chunks first nearly always:
 16 streams' first audio doubled. The adaptive horizon is the time the queue has lately needed for
-one group that may go ahead of a later chunk (first chunks, or offline calls that waited longer)
-and then one group of later chunks, the longest of each kind among the last few groups: a later
-chunk lets another group go first only while both still end before its stream runs dry. It is
-short under a light load, where new streams keep their priority, and grows with the groups under
-a heavy one. The window counts groups, not seconds: a burst after a quiet spell meets the horizon
-its predecessors left, not none, and a heavy load's horizon stays until a few lighter groups of
-each kind have replaced it.
+one group of first chunks and then one group of later chunks, the longest of each kind among the
+last few groups: a later chunk lets a group of first chunks go first only while both still end
+before its stream runs dry. It is short under a light load, where new streams keep their priority,
+and grows with the groups under a heavy one. The window counts groups, not seconds: a burst after a
+quiet spell meets the horizon its predecessors left, not none, and a heavy load's horizon stays
+until a few lighter groups of each kind have replaced it.
+
+Two waits it leaves out, as measured on the H100 (a review pointed them out): offline calls that
+waited longer than a later chunk go before it, and their groups are not counted; and a later chunk
+waiting while another later group lends the GPU also waits for the rest of that group. Counting
+them would make the horizon longer. One run with both counted (EF of the experiments of
+2026-11-26) had a 64-stream pass where the first hop fell back to 25 tokens and new streams waited
+seconds; shorter gaps to the second chunk tip the first hop that way (``first_hop.py``), so they
+stay out until measured more.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ class PlaybackGuard:
             raise ValueError(f"window must be at least 1, got {window}")
         self._fixed_s = fixed_s
         self.adaptive = adaptive
-        self._ahead: deque[float] = deque(maxlen=window)
+        self._firsts: deque[float] = deque(maxlen=window)
         self._later: deque[float] = deque(maxlen=window)
 
     @classmethod
@@ -58,18 +65,13 @@ class PlaybackGuard:
             raise ValueError(f"playback_guard_ms must be 'auto' or whole milliseconds, got {value!r}") from None
         return cls(milliseconds / 1000.0)
 
-    def horizon_s(self, *, behind_a_group: bool = False) -> float:
-        """Seconds ahead a stream is guarded from running dry; 0 while off or nothing has been measured.
-
-        ``behind_a_group``: for a later chunk that must also wait for the rest of a later group being
-        converted (one lending the GPU), the adaptive horizon adds one more later group's time.
-        """
+    def horizon_s(self) -> float:
+        """Seconds ahead a stream is guarded from running dry; 0 while off or nothing has been measured."""
         if not self.adaptive:
             return self._fixed_s
-        later = max(self._later, default=0.0)
-        return max(self._ahead, default=0.0) + later * (2 if behind_a_group else 1)
+        return max(self._firsts, default=0.0) + max(self._later, default=0.0)
 
     def record(self, seconds: float, *, later_chunks: bool) -> None:
-        """A group took ``seconds`` to convert, time lent to other groups excluded: one led by streams'
-        later chunks, or (``later_chunks`` false) one of first chunks or offline calls."""
-        (self._later if later_chunks else self._ahead).append(seconds)
+        """A group of streams' later chunks (else of first chunks) took ``seconds`` to convert, time
+        lent to other groups excluded."""
+        (self._later if later_chunks else self._firsts).append(seconds)

@@ -218,15 +218,10 @@ class ConversionQueue:
                     return
                 horizon = self._guard.horizon_s()
                 if horizon > 0:
-                    # The lender's streams, and those whose next chunk waits (for the rest of the lender
-                    # too), must not run dry meanwhile.
-                    now = time.monotonic()
-                    before, waiting_before = now + horizon, now + self._guard.horizon_s(behind_a_group=True)
-                    if any(self._runs_out.get(q.call.session_id, before) < before for q in lender) or any(
-                        self._runs_out.get(q.call.session_id, waiting_before) < waiting_before
-                        for q in self._pending
-                        if q.call.token_offset
-                    ):
+                    # The lender's streams, and those whose next chunk waits, must not run dry meanwhile.
+                    before = time.monotonic() + horizon
+                    later = (queued for queued in self._pending if queued.call.token_offset)
+                    if any(self._runs_out.get(q.call.session_id, before) < before for q in (*lender, *later)):
                         return
                 group = take_group(self._pending, self._max_rows)
             self._convert(group)
@@ -255,8 +250,9 @@ class ConversionQueue:
                 self._token2wav.convert(
                     [queued.call for queued in group], on_result, between_segments=None if first_chunks else meanwhile
                 )
-            later_chunks = bool(group[0].call.token_offset)
-            self._guard.record(time.monotonic() - converted.started - lent_s, later_chunks=later_chunks)
+            offset = group[0].call.token_offset
+            if offset is not None:
+                self._guard.record(time.monotonic() - converted.started - lent_s, later_chunks=offset > 0)
         except Exception as exc:
             self._log_error(f"token2wav: converting a group of {len(group)} calls failed: {exc!r}")
             failed = GroupFailed(f"converting its group of {len(group)} calls failed: {exc}")
