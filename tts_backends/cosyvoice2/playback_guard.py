@@ -17,7 +17,7 @@ and grows with the groups under a heavy one. The window counts groups, not secon
 quiet spell meets the horizon its predecessors left, not none, and a heavy load's horizon stays
 until a few lighter groups of each kind have replaced it.
 
-Two waits it leaves out, as measured on the H100 (a review pointed them out): offline calls that
+The horizon, as measured on the H100, leaves out two waits a review pointed out: offline calls that
 waited longer than a later chunk go before it, and their groups are not counted; and a later chunk
 waiting while another later group lends the GPU also waits for the rest of that group. Counting
 them would make the horizon longer. One run with both counted (EF of the experiments of
