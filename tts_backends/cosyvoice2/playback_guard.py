@@ -49,7 +49,7 @@ class PlaybackGuard:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self._fixed_s = fixed_s
-        self.adaptive = adaptive
+        self._adaptive = adaptive
         self._firsts: deque[float] = deque(maxlen=window)
         self._later: deque[float] = deque(maxlen=window)
 
@@ -67,7 +67,7 @@ class PlaybackGuard:
 
     def horizon_s(self) -> float:
         """Seconds ahead a stream is guarded from running dry; 0 while off or nothing has been measured."""
-        if not self.adaptive:
+        if not self._adaptive:
             return self._fixed_s
         return max(self._firsts, default=0.0) + max(self._later, default=0.0)
 

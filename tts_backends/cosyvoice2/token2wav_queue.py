@@ -234,7 +234,8 @@ class ConversionQueue:
             answered.add(index)
             self._deliver(group[index], result, converted)
 
-        first_chunks = group[0].call.token_offset == 0
+        offset = group[0].call.token_offset
+        first_chunks = offset == 0
         lent_s = 0.0
 
         def meanwhile() -> None:
@@ -250,7 +251,6 @@ class ConversionQueue:
                 self._token2wav.convert(
                     [queued.call for queued in group], on_result, between_segments=None if first_chunks else meanwhile
                 )
-            offset = group[0].call.token_offset
             if offset is not None:
                 self._guard.record(time.monotonic() - converted.started - lent_s, later_chunks=offset > 0)
         except Exception as exc:
