@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     )
     sentence_max_chars: int = Field(250, ge=20, le=4096)
     first_sentence_max_chars: int = Field(120, ge=10, le=4096)
+    sentence_min_chars: int = Field(
+        40, ge=0, le=4096, description="shorter sentences are sent together with the next one"
+    )
     synthesis_parallelism: int = Field(2, ge=1, le=16, description="sentences in flight per request")
     backend_timeout: float = Field(120.0, gt=0, description="seconds one backend call may take")
     text_normalization: bool = Field(

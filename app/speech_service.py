@@ -50,6 +50,16 @@ logger = logging.getLogger(__name__)
 Audio = NDArray[np.float32]
 
 
+def synthesis_pieces(text: str, settings: Settings) -> list[str]:
+    """The pieces of ``text`` the gateway synthesises one by one (the benchmarks send Triton the same)."""
+    return split_sentences(
+        text,
+        max_chars=settings.sentence_max_chars,
+        first_max_chars=settings.first_sentence_max_chars,
+        min_chars=settings.sentence_min_chars,
+    )
+
+
 @dataclass(frozen=True)
 class SpeechPlan:
     """Everything decided about a request before synthesis starts."""
@@ -170,11 +180,7 @@ class SpeechService:
         if normalize is None:
             normalize = self._settings.text_normalization
         text = await self._normalizer.normalize_async(request.input) if normalize else request.input
-        sentences = split_sentences(
-            text,
-            max_chars=self._settings.sentence_max_chars,
-            first_max_chars=self._settings.first_sentence_max_chars,
-        )
+        sentences = synthesis_pieces(text, self._settings)
         return SpeechPlan(
             model=model,
             triton_model=triton_model,

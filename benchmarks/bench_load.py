@@ -38,8 +38,7 @@ from bench_texts import BenchText, select_texts
 from app.audio_encoding import OUTPUT_SAMPLE_RATE
 from app.model_catalog import ModelCatalog
 from app.settings import OPENAI_MODEL_NAMES, Settings
-from app.speech_service import SpeechPlan
-from app.text_splitting import split_sentences
+from app.speech_service import SpeechPlan, synthesis_pieces
 from app.triton_client import TritonClient, build_inputs
 from app.voice_registry import VoiceRegistry
 from tts_backends import contract
@@ -261,9 +260,7 @@ async def direct_plan(
     texts = select_texts(text_names, speech_model.languages)
     inputs: dict[str, list[dict[str, Any]]] = {}
     for text in texts:
-        sentences = split_sentences(
-            text.text, max_chars=settings.sentence_max_chars, first_max_chars=settings.first_sentence_max_chars
-        )
+        sentences = synthesis_pieces(text.text, settings)
         plan = SpeechPlan(
             model=speech_model,
             triton_model=triton_model,

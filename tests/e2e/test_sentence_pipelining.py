@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,17 +33,23 @@ def scripted_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedd
     server.stop(grace=2.0)
 
 
-@pytest.fixture(scope="module")
-def gateway(scripted_triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    workdir = tmp_path_factory.mktemp("pipelining_gateway")
+def _start_gateway(triton: EmbeddedTriton, workdir: Path, **env: str) -> GatewayProcess:
     env = {
-        "TTS_TRITON_URL": scripted_triton.grpc_url,
+        "TTS_TRITON_URL": triton.grpc_url,
         "TTS_VOICES_DIR": str(workdir / "voices"),
         "TTS_SYNTHESIS_PARALLELISM": "2",
         "TTS_TEXT_NORMALIZATION": "false",  # the scripted model's input is a script ("tone*2"), not prose
+        **env,
     }
     process = GatewayProcess(workdir / "gateway.log", env)
     process.start()
+    return process
+
+
+@pytest.fixture(scope="module")
+def gateway(scripted_triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    # The scripts' sentences are short on purpose: one request each.
+    process = _start_gateway(scripted_triton, tmp_path_factory.mktemp("pipelining_gateway"), TTS_SENTENCE_MIN_CHARS="0")
     yield process
     process.stop()
 
@@ -90,3 +97,22 @@ def test_next_sentences_start_once_the_first_audio_exists(
     during, tones = _received_after(scripted_triton, gateway, "Tone wait*2 tone. Tone.", seconds=1.25)
     assert during == 2
     assert tones == 3
+
+
+def test_short_sentences_go_to_the_backend_with_the_next_one(
+    scripted_triton: EmbeddedTriton, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gateway = _start_gateway(scripted_triton, tmp_path_factory.mktemp("merging_gateway"))  # 40 characters, the default
+    try:
+        requests = []
+        for script in ("Tone. Tone. Tone.", "Tone tone tone tone tone tone tone tone tone. Tone."):
+            before = stream_requests_seen(scripted_triton.grpc_url, STREAM_MODEL)
+            thread, body = _speak_in_background(gateway, script)
+            thread.join(timeout=30)
+            assert body, "the speech request failed"
+            requests.append(stream_requests_seen(scripted_triton.grpc_url, STREAM_MODEL) - before)
+            assert round(decode(body[0], "wav").duration / TONE_SECONDS) == script.lower().count("tone")
+    finally:
+        gateway.stop()
+    # Three short sentences in one request; a 45-character one on its own, and the short last one after it.
+    assert requests == [1, 2]

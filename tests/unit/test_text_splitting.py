@@ -201,11 +201,46 @@ def test_first_max_chars_larger_than_max_chars_does_not_loosen_the_cap() -> None
     assert all(len(piece) <= 20 for piece in pieces)
 
 
+def test_short_sentences_are_joined_with_the_next_one() -> None:
+    text = "Thank you for calling. All of our agents are busy at the moment. Hold on. Bye."
+
+    assert split_sentences(text, min_chars=40) == [
+        "Thank you for calling. All of our agents are busy at the moment.",
+        "Hold on. Bye.",
+    ]
+    assert split_sentences(text, min_chars=0) == [
+        "Thank you for calling.",
+        "All of our agents are busy at the moment.",
+        "Hold on.",
+        "Bye.",
+    ]
+
+
+def test_a_short_sentence_stays_alone_when_joining_would_pass_the_cap() -> None:
+    text = "Hi there. A second sentence that is long enough to fill the first piece."
+
+    assert split_sentences(text, first_max_chars=40, min_chars=20) == [
+        "Hi there.",
+        "A second sentence that is long enough to fill the first piece.",
+    ]
+    assert split_sentences(text, first_max_chars=100, min_chars=20) == [text]
+
+
+def test_short_cjk_sentences_are_joined_without_a_space_each_character_counting_as_three() -> None:
+    text = "你好。今天天气很好！你呢？我很好。"
+    assert split_sentences(text, min_chars=10) == ["你好。今天天气很好！", "你呢？我很好。"]
+    # 15 characters take about as long to say as 45 Latin ones: not short at 40.
+    text = "流式语音合成需要尽快开始播放。第一句话先被合成。"
+    assert split_sentences(text, min_chars=40) == ["流式语音合成需要尽快开始播放。", "第一句话先被合成。"]
+
+
 def test_invalid_limits_are_rejected() -> None:
     with pytest.raises(ValueError, match="max_chars"):
         split_sentences("Hi.", max_chars=0)
     with pytest.raises(ValueError, match="first_max_chars"):
         split_sentences("Hi.", first_max_chars=0)
+    with pytest.raises(ValueError, match="min_chars"):
+        split_sentences("Hi.", min_chars=-1)
 
 
 ATOMS = [
@@ -223,8 +258,9 @@ def test_no_text_is_ever_lost_and_limits_hold() -> None:
         text = "".join(rng.choice(ATOMS) for _ in range(rng.randint(0, 120)))
         max_chars = rng.choice([1, 2, 7, 20, 60, 250])
         first_max_chars = rng.choice([None, 1, 5, 30])
+        min_chars = rng.choice([0, 10, 40])
 
-        pieces = split_sentences(text, max_chars=max_chars, first_max_chars=first_max_chars)
+        pieces = split_sentences(text, max_chars=max_chars, first_max_chars=first_max_chars, min_chars=min_chars)
 
         assert "".join("".join(pieces).split()) == "".join(text.split()), text
         for piece in pieces:
