@@ -134,6 +134,33 @@ def test_first_chunks_are_converted_and_answered_before_the_rest_of_their_batch(
     assert t2w.active_streams == 0
 
 
+def test_calls_close_in_length_share_a_flow_pass_wherever_their_lengths_fall(
+    t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt and tokens of 124 and 128 (two voices' first chunks) go in one pass; 260 is too far from them."""
+    passes: list[int] = []
+    flow_batch = t2w.flow.inference_batch
+
+    def counted(items: list[Any], **kwargs: Any) -> list[torch.Tensor]:
+        passes.append(len(items))
+        return flow_batch(items, **kwargs)
+
+    monkeypatch.setattr(t2w.flow, "inference_batch", counted)
+    short, long = voice(3, 99), voice(4, 103)
+    batch = [
+        Conversion("span-a", tokens(25, 1), short, 0, False),
+        Conversion("span-b", tokens(25, 2), long, 0, False),
+        Conversion("span-c", tokens(25, 3), short, 0, False),
+        Conversion("span-far", tokens(161, 4), short, 0, True),
+    ]
+    results = t2w.convert(batch)
+    assert passes == [3, 1]
+    assert all(isinstance(result, np.ndarray) and result.size > 0 for result in results)
+    for session in ("span-a", "span-b", "span-c"):
+        t2w.release(session)
+    assert t2w.active_streams == 0
+
+
 def test_a_failing_group_fails_the_calls_not_answered_yet_and_drops_their_streams(
     t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
 ) -> None:

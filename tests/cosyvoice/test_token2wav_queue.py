@@ -54,7 +54,7 @@ def names(items: list[Queued]) -> list[str]:
     return [item.call.session_id for item in items]
 
 
-def test_first_chunks_go_first_then_the_length_class_of_the_oldest_call() -> None:
+def test_first_chunks_go_first_then_the_calls_near_the_oldest_calls_length() -> None:
     pending = queued(
         call("long-later", 300, offset=40),
         call("short-later", 60, offset=15),
@@ -63,13 +63,20 @@ def test_first_chunks_go_first_then_the_length_class_of_the_oldest_call() -> Non
         call("first-b", 18, offset=0),
         call("first-c", 200, offset=0),
     )
-    # One length class per group (one flow pass): the long first chunk goes on its own, still before the rest.
+    # Calls of about one length per group (one flow pass): the long first chunk goes on its own, still before the rest.
     assert names(take_group(pending, max_rows=8)) == ["first-a", "first-b"]
     assert names(take_group(pending, max_rows=8)) == ["first-c"]
-    # 310 and 300 tokens (prompt included) share a class of 128; the short call waits its turn.
+    # 310 and 300 tokens (prompt included) share a pass; the short call (70) waits its turn.
     assert names(take_group(pending, max_rows=8)) == ["long-later", "offline-long"]
     assert names(take_group(pending, max_rows=8)) == ["short-later"]
     assert pending == []
+
+
+def test_first_chunks_a_few_tokens_apart_share_a_group_across_a_multiple_of_the_span() -> None:
+    # 10 prompt tokens: 124 and 128 tokens in all, which fixed steps of 128 used to split; 200 is too far.
+    pending = queued(call("a", 114, offset=0), call("b", 118, offset=0), call("far", 190, offset=0))
+    assert names(take_group(pending, max_rows=8)) == ["a", "b"]
+    assert names(take_group(pending, max_rows=8)) == ["far"]
 
 
 def test_a_later_chunk_whose_audio_runs_out_goes_before_first_chunks_with_its_class() -> None:
@@ -82,7 +89,7 @@ def test_a_later_chunk_whose_audio_runs_out_goes_before_first_chunks_with_its_cl
     )
     runs_out = {"ample": 9.0, "running-dry": 4.5, "drier": 4.0}
     # Before 5.0 two streams run dry: the one that runs out first leads, with the later chunks and
-    # offline calls of its class (310 tokens with the prompt, alone in its class of 128).
+    # offline calls near its length (310 tokens with the prompt, the others 60-72: alone).
     assert names(take_group(pending, max_rows=8, runs_out=runs_out, guard_until=5.0)) == ["drier"]
     assert names(take_group(pending, max_rows=8, runs_out=runs_out, guard_until=5.0)) == [
         "running-dry",
@@ -229,7 +236,7 @@ def test_first_chunks_waiting_are_converted_between_the_halves_of_a_later_groups
         queue.submit(call("later", 60, offset=15), answers("later"))
         queue.submit(call("first-a", 18, offset=0), answers("first-a"))
         queue.submit(call("first-b", 18, offset=0), answers("first-b"))
-        # Another voice's prompt puts this one in another length class: a group of its own.
+        # Another voice's much longer prompt puts this one in a flow pass of its own.
         queue.submit(call("first-c", 18, offset=0, voice=LONG_VOICE), answers("first-c"))
         recorder.release.set()
         assert answers.all_in.wait(10)
@@ -663,3 +670,4 @@ def test_a_group_that_fails_tells_the_guard_nothing() -> None:
         queue.close()
     assert isinstance(answers.got["broken"][0], GroupFailed)
     assert guard.recorded == []
+

@@ -47,8 +47,8 @@ from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftSt
 _log = logging.getLogger(__name__)
 
 DEFAULT_STATE_TTL_S = 300.0
-# Calls whose prompt + tokens fall in one step of this many share one flow pass (one padded batch).
-_GROUP_TOKENS = 128
+# Calls whose prompt + tokens lie within this many of each other share one flow pass (one padded batch).
+GROUP_SPAN_TOKENS = 128
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
 
@@ -84,10 +84,18 @@ class Conversion:
     speed: float = 1.0
 
 
-def length_class(call: Conversion) -> int:
-    """Which step of ``_GROUP_TOKENS`` the call's prompt and target tokens fall in: calls of one class
-    share a flow pass (padded to the longest) without much padding."""
-    return (int(np.size(call.prompt.speech_tokens)) + int(np.size(call.tokens))) // _GROUP_TOKENS
+def flow_tokens(call: Conversion) -> int:
+    """The call's prompt and target tokens: a flow pass pads its rows to the longest of these."""
+    return int(np.size(call.prompt.speech_tokens)) + int(np.size(call.tokens))
+
+
+def near_in_length(leader: Conversion, call: Conversion) -> bool:
+    """Whether ``call`` may share ``leader``'s flow pass: a group of such calls spans at most
+    ``GROUP_SPAN_TOKENS``, so it stays one pass without much padding.
+
+    Measured from the leader, not in fixed steps of the span: steps split calls a few tokens apart,
+    and two voices whose prompts have 99 and 103 tokens had their first chunks in two passes."""
+    return abs(flow_tokens(call) - flow_tokens(leader)) <= GROUP_SPAN_TOKENS // 2
 
 
 class StreamStateError(ValueError):
@@ -458,15 +466,22 @@ class Token2Wav:
 
     def _answer_groups(self, ready: list[_Ready]) -> list[list[_Ready]]:
         """The calls in the groups they are converted and answered in: streams' first chunks first,
-        then by length (prompt and target tokens, in steps of ``_GROUP_TOKENS``), shortest first."""
+        then by length (prompt and target tokens), shortest first, each group spanning at most
+        ``GROUP_SPAN_TOKENS`` and answered in the order its calls came."""
 
         def key(entry: _Ready) -> tuple[bool, int]:
-            return entry[1].token_offset != 0, length_class(entry[1])
+            return entry[1].token_offset != 0, flow_tokens(entry[1])
 
-        groups: dict[tuple[bool, int], list[_Ready]] = {}
+        groups: list[list[_Ready]] = []
         for entry in sorted(ready, key=key):
-            groups.setdefault(key(entry), []).append(entry)
-        return list(groups.values())
+            later, tokens = key(entry)
+            if groups:
+                lead_later, lead_tokens = key(groups[-1][0])
+                if lead_later == later and tokens - lead_tokens <= GROUP_SPAN_TOKENS:
+                    groups[-1].append(entry)
+                    continue
+            groups.append([entry])
+        return [sorted(group, key=lambda entry: entry[0]) for group in groups]
 
     def _vocode(self, calls: list[tuple[Tensor, Tensor | None, torch.Generator]]) -> list[tuple[Tensor, Tensor]]:
         """HiFT over the calls: those of equal mel and excitation lengths together, from a CUDA graph where

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
-from tts_backends.cosyvoice2.token2wav import Audio, Conversion, length_class
+from tts_backends.cosyvoice2.token2wav import Audio, Conversion, near_in_length
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,8 @@ def take_group(
     runs_out: Mapping[str, float] | None = None,
     guard_until: float | None = None,
 ) -> list[Queued]:
-    """Remove the next group from ``pending`` and return it: up to ``max_rows`` calls of one length
-    class, led by the first of these that exists:
+    """Remove the next group from ``pending`` and return it: up to ``max_rows`` calls of about one
+    length, led by the first of these that exists:
 
     * a stream's later chunk whose audio runs out (``runs_out``: when, by session) before
       ``guard_until``, where that is given;
@@ -98,7 +98,7 @@ def take_group(
       kinds the one whose oldest call has waited longer leads, as in order of arrival, so that a
       backlog of offline calls does not hold streams back until they run dry.
 
-    The rest of the group are calls of the leader's class: first chunks with a first chunk, else
+    The rest of the group are calls near the leader's length (``near_in_length``): first chunks with a first chunk, else
     later chunks in the order their streams run out (a stream not followed in ``runs_out``, when
     its chunk was queued) and offline calls in the order they came, the leader's kind first.
     """
@@ -123,9 +123,9 @@ def take_group(
 
 
 def _of_class(candidates: list[Queued], max_rows: int) -> list[Queued]:
-    """The first of ``candidates`` and those after it of its length class, up to ``max_rows``."""
-    lead_class = length_class(candidates[0].call)
-    return [queued for queued in candidates if length_class(queued.call) == lead_class][:max_rows]
+    """The first of ``candidates`` and those after it near its length, up to ``max_rows``."""
+    leader = candidates[0].call
+    return [queued for queued in candidates if near_in_length(leader, queued.call)][:max_rows]
 
 
 def _remove(pending: list[Queued], group: list[Queued]) -> list[Queued]:
