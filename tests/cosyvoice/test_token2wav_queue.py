@@ -671,3 +671,80 @@ def test_a_group_that_fails_tells_the_guard_nothing() -> None:
     assert isinstance(answers.got["broken"][0], GroupFailed)
     assert guard.recorded == []
 
+
+def _submit_every(queue: ConversionQueue, answers: Answers, names: list[str], interval_s: float) -> float:
+    """Submits a first chunk per name, ``interval_s`` apart; returns when the first was submitted."""
+    started = time.monotonic()
+    for index, name in enumerate(names):
+        time.sleep(max(0.0, started + index * interval_s - time.monotonic()))
+        queue.submit(call(name, 18, offset=0), answers(name))
+    return started
+
+
+def test_calls_arriving_together_at_an_idle_queue_are_gathered_into_one_group() -> None:
+    recorder, answers = Recorder(), Answers()
+    recorder.release.set()
+    # A burst 10 ms apart, well inside the quiet time (a quarter of 0.8 s); then a lone call.
+    queue = ConversionQueue(recorder, max_rows=8, gather_s=0.8)
+    try:
+        answers.expected = 3
+        _submit_every(queue, answers, ["a", "b", "c"], 0.01)
+        assert answers.all_in.wait(10)
+        answers.expected, answers.all_in = 4, threading.Event()
+        lone = time.monotonic()
+        queue.submit(call("lone", 18, offset=0), answers("lone"))
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert recorder.groups == [["a", "b", "c"], ["lone"]]
+    # The lone call waited for the quiet time only, not for the whole gathering time.
+    assert 0.2 <= answers.groups["lone"].started - lone < 0.6
+
+
+def test_gathering_ends_when_the_group_is_full_or_its_time_is_up() -> None:
+    recorder, answers = Recorder(), Answers()
+    recorder.release.set()
+    queue = ConversionQueue(recorder, max_rows=3, gather_s=0.8)
+    try:
+        answers.expected = 4
+        started = _submit_every(queue, answers, ["a", "b", "c", "d"], 0.0)
+        assert answers.all_in.wait(10)
+        # A full group goes at once.
+        assert recorder.groups[0] == ["a", "b", "c"]
+        assert answers.groups["a"].started - started < 0.15
+    finally:
+        queue.close()
+    recorder, answers = Recorder(), Answers()
+    recorder.release.set()
+    queue = ConversionQueue(recorder, max_rows=64, gather_s=0.4)
+    try:
+        # Calls keep coming, 50 ms apart, for 1.5 s: the first group still goes after 0.4 s.
+        names = [f"call-{index}" for index in range(30)]
+        answers.expected = len(names)
+        started = _submit_every(queue, answers, names, 0.05)
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert 0.4 <= answers.groups["call-0"].started - started < 0.8
+    assert 3 <= len(recorder.groups[0]) < len(names)
+
+
+def test_without_gathering_the_first_call_of_a_burst_goes_alone() -> None:
+    recorder, answers = Recorder(), Answers()
+    queue = ConversionQueue(recorder, max_rows=8)
+    try:
+        answers.expected = 3
+        queue.submit(call("a", 18, offset=0), answers("a"))
+        assert recorder.started.wait(10)
+        queue.submit(call("b", 18, offset=0), answers("b"))
+        queue.submit(call("c", 18, offset=0), answers("c"))
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    assert recorder.groups == [["a"], ["b", "c"]]
+
+
+def test_a_negative_gathering_time_is_refused() -> None:
+    with pytest.raises(ValueError, match="gather_s"):
+        ConversionQueue(Recorder(), max_rows=4, gather_s=-0.001)

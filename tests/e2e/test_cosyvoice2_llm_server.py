@@ -64,8 +64,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     for name in ORCHESTRATORS:
         overrides += ["--set", f"{name}.instance_count=1", "--set", f"{name}.llm_urls={llm.url}"]
         overrides += ["--set", f"{name}.llm_retries=1", "--set", f"{name}.llm_timeout_s=60"]
-    # token2wav's queue as gpu-torch runs it: guarding playing streams by its own recent groups.
-    overrides += ["--set", "token2wav.playback_guard_ms=auto"]
+    # token2wav's queue as gpu-torch runs it: guarding playing streams by its own recent groups, and
+    # gathering the calls that reach an idle queue together.
+    overrides += ["--set", "token2wav.playback_guard_ms=auto", "--set", "token2wav.gather_ms=12"]
     repository = root / "repository"
     args = ["render", "--profile", "cosyvoice2-cpu-llm-server", "--dest", str(repository)]
     assert cosyvoice_models.main([*args, "--models-root", str(root / "models"), *overrides]) == 0

@@ -70,6 +70,7 @@ class TritonPythonModel:
             log_error=pb_utils.Logger.log_error,
             playback_guard=PlaybackGuard.parse(params["playback_guard_ms"]),
             sample_rate=self._token2wav.sample_rate,
+            gather_s=float(params["gather_ms"]) / 1000.0,
         )
 
     def execute(self, requests: list[Any]) -> None:
