@@ -30,7 +30,7 @@ from tts_backends.cosyvoice2.pipeline import (
     Token2WavRequest,
 )
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
-from tts_backends.request_parsing import ContractError, SpeechRequest
+from tts_backends.request_parsing import BackendUnavailableError, ContractError, SpeechRequest
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -389,6 +389,19 @@ def test_an_llm_that_fails_mid_stream_fails_the_request_after_the_chunks_before(
     assert stages.released == [stages.token2wav_calls[0].session_id]
 
 
+def test_an_llm_that_goes_silent_fails_the_stream_as_unavailable_after_the_stall_time() -> None:
+    # 10 ids, then nothing: the first hop (15) is never reached and the LLM never ends.
+    stages = ScriptedStages(speech_ids(200), first_ids=10)
+    chunks = pipeline(stages, llm_stall_s=0.3).synthesize(request(), streaming=True)
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailableError, match=r"the LLM sent nothing for 0\.3 s"):
+        next(chunks)
+    assert 0.25 <= time.monotonic() - started < 5.0
+    assert stages.token2wav_calls == []
+    # The reader was told to stop, and the LLM's stream was closed.
+    assert stages.wait_until_closed()
+
+
 def test_a_stream_with_a_tempo_change_is_converted_in_one_piece() -> None:
     stages = ScriptedStages(speech_ids(100))
     chunks = list(pipeline(stages).synthesize(request(speed=0.8), streaming=True))
@@ -496,6 +509,7 @@ def test_settings_from_parameters() -> None:
         "max_token_text_ratio": "20",
         "max_output_tokens": "750",
         "voice_cache_size": "8",
+        "llm_stall_timeout_s": "45",
     }
     parsed = PipelineSettings.from_parameters(params)
     assert parsed.sampling == SamplingDefaults(0.7, 0.9, 25, 1.05)
@@ -503,6 +517,7 @@ def test_settings_from_parameters() -> None:
         first_hop=10, base_hop=20, policy=HopPolicy.FIXED, max_hop=None, catch_up=False
     )
     assert parsed.max_output_tokens == 750
+    assert parsed.llm_stall_s == 45.0
     grown = PipelineSettings.from_parameters({**params, "max_first_hop_tokens": "40"})
     assert grown.hop_schedule.max_first_hop == 40
     with pytest.raises(ValueError, match="top_k"):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Generator
 
 import pytest
 
-from tts_backends.cosyvoice2.token_feed import StopSignal, TokenFeed
+from tts_backends.cosyvoice2.token_feed import LLMStalled, StopSignal, TokenFeed
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -128,3 +129,41 @@ def test_no_check_runs_once_the_stop_signal_is_set() -> None:
     checking.join(TIMEOUT_S)
     assert asked == ["reader", "False"]
     assert stop.unless_set(slow_check) is True and asked == ["reader", "False"]
+
+
+def test_a_source_that_goes_silent_fails_the_wait_after_the_stall_time() -> None:
+    source = Source()
+    feed = TokenFeed(source.tokens(), StopSignal(), name="feed-under-test", stall_s=0.3)
+    source.items.put(1)
+    assert feed.wait_for(1) == 1
+    started = time.monotonic()
+    with pytest.raises(LLMStalled, match=r"0\.3 s"):
+        feed.wait_for(2)
+    assert 0.2 <= time.monotonic() - started < 2.0
+    with pytest.raises(LLMStalled):
+        feed.all_tokens()
+    assert feed.close(0.2) is False  # the reader still waits inside the silent source
+    source.items.put(None)
+    assert source.closed.wait(TIMEOUT_S)
+
+
+def test_tokens_that_keep_coming_are_waited_for_longer_than_the_stall_time() -> None:
+    source = Source()
+    feed = TokenFeed(source.tokens(), StopSignal(), name="feed-under-test", stall_s=0.3)
+
+    def trickle() -> None:
+        for token in range(8):
+            time.sleep(0.1)
+            source.items.put(token)
+        source.items.put(None)
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    # 0.8 s in all, never more than 0.1 s between two tokens.
+    assert feed.all_tokens() == list(range(8))
+    thread.join()
+
+
+def test_the_stall_time_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="stall_s"):
+        TokenFeed(Source().tokens(), StopSignal(), name="feed-under-test", stall_s=0)

@@ -32,8 +32,8 @@ from tts_backends.cosyvoice2 import vocab
 from tts_backends.cosyvoice2.first_hop import AdaptiveFirstHop
 from tts_backends.cosyvoice2.prompt_cache import PromptCache, voice_key
 from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
-from tts_backends.cosyvoice2.token_feed import StopSignal, TokenFeed
-from tts_backends.request_parsing import ContractError, SpeechRequest
+from tts_backends.cosyvoice2.token_feed import LLMStalled, StopSignal, TokenFeed
+from tts_backends.request_parsing import BackendUnavailableError, ContractError, SpeechRequest
 from tts_backends.stage_trace import StageTrace
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ class PipelineSettings:
     max_token_text_ratio: float = 20.0
     max_output_tokens: int = 1500
     voice_cache_size: int = 32
+    llm_stall_s: float = 60.0
+    """A stream whose LLM sends nothing for this long fails (``BackendUnavailableError``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_token_text_ratio <= self.max_token_text_ratio:
@@ -137,6 +139,8 @@ class PipelineSettings:
             raise ValueError("max_output_tokens must be at least 1")
         if self.voice_cache_size < 1:
             raise ValueError("voice_cache_size must be at least 1")
+        if not self.llm_stall_s > 0:
+            raise ValueError("llm_stall_timeout_s must be positive")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> PipelineSettings:
@@ -168,6 +172,7 @@ class PipelineSettings:
             max_token_text_ratio=float(get("max_token_text_ratio")),
             max_output_tokens=int(get("max_output_tokens")),
             voice_cache_size=int(get("voice_cache_size")),
+            llm_stall_s=float(get("llm_stall_timeout_s")),
         )
 
 
@@ -341,7 +346,10 @@ class CosyVoice2Pipeline:
         hop = schedule.next_hop(0)
         counted = False
         feed = TokenFeed(
-            self._speech_tokens(llm_request, is_cancelled, times, stop), stop, name=f"tokens-{session_id[:8]}"
+            self._speech_tokens(llm_request, is_cancelled, times, stop),
+            stop,
+            name=f"tokens-{session_id[:8]}",
+            stall_s=self._settings.llm_stall_s,
         )
 
         def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:
@@ -405,6 +413,8 @@ class CosyVoice2Pipeline:
             final = convert(tokens, finalize=True)
             session_open = False
             yield final
+        except LLMStalled as exc:
+            raise BackendUnavailableError(f"{exc} (stream {session_id})") from exc
         finally:
             if adaptive is not None and counted:
                 adaptive.end()

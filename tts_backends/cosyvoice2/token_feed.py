@@ -11,7 +11,12 @@ torch and Triton.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Generator
+
+
+class LLMStalled(TimeoutError):
+    """Nothing (no token, nor the end) came from the source for longer than the feed's ``stall_s``."""
 
 
 class StopSignal:
@@ -46,14 +51,23 @@ class TokenFeed:
     ``stop`` is set by :meth:`close`; the source should stop when it sees it (the reader also stops
     at the source's next token). The source is closed on the reader's thread, since a generator
     cannot be closed from another thread while it runs. An exception from the source is raised to
-    the consumer once it asks for tokens beyond those that arrived before it.
+    the consumer once it asks for tokens beyond those that arrived before it. With ``stall_s`` the
+    consumer waits at most that long after the last token for the next one, then gets
+    :class:`LLMStalled`: a generating LLM sends a token every few milliseconds, and one that stopped
+    sending must fail the request, not hold it (and its worker) for good.
     """
 
-    def __init__(self, source: Generator[int, None, None], stop: StopSignal, *, name: str) -> None:
+    def __init__(
+        self, source: Generator[int, None, None], stop: StopSignal, *, name: str, stall_s: float | None = None
+    ) -> None:
+        if stall_s is not None and not stall_s > 0:
+            raise ValueError(f"stall_s must be positive, got {stall_s}")
         self.stop = stop
+        self._stall_s = stall_s
         self._tokens: list[int] = []
         self._finished = False
         self._error: BaseException | None = None
+        self._last_change = time.monotonic()
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._read, args=(source,), name=name, daemon=True)
         self._thread.start()
@@ -73,7 +87,7 @@ class TokenFeed:
     def wait_for(self, count: int) -> int:
         """Block until ``count`` tokens have arrived or the source has ended; return how many arrived."""
         with self._changed:
-            self._changed.wait_for(lambda: len(self._tokens) >= count or self._finished)
+            self._wait(lambda: len(self._tokens) >= count or self._finished)
             if len(self._tokens) < count and self._error is not None:
                 raise self._error
             return len(self._tokens)
@@ -86,7 +100,7 @@ class TokenFeed:
     def all_tokens(self) -> list[int]:
         """Every token, once the source has ended; raises the source's exception if it failed."""
         with self._changed:
-            self._changed.wait_for(lambda: self._finished)
+            self._wait(lambda: self._finished)
             if self._error is not None:
                 raise self._error
             return list(self._tokens)
@@ -101,6 +115,17 @@ class TokenFeed:
         self._thread.join(wait_s)
         return not self._thread.is_alive()
 
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Wait (the condition held) until ``done()``; :class:`LLMStalled` once nothing came for ``stall_s``."""
+        while not done():
+            if self._stall_s is None:
+                self._changed.wait()
+                continue
+            left = self._last_change + self._stall_s - time.monotonic()
+            if left <= 0:
+                raise LLMStalled(f"the LLM sent nothing for {self._stall_s:g} s")
+            self._changed.wait(left)
+
     def _read(self, source: Generator[int, None, None]) -> None:
         error: BaseException | None = None
         try:
@@ -109,6 +134,7 @@ class TokenFeed:
                     break
                 with self._changed:
                     self._tokens.append(token)
+                    self._last_change = time.monotonic()
                     self._changed.notify_all()
         except BaseException as exc:  # raised to the consumer by wait_for and all_tokens
             error = exc
@@ -120,4 +146,5 @@ class TokenFeed:
             with self._changed:
                 self._finished = True
                 self._error = error
+                self._last_change = time.monotonic()
                 self._changed.notify_all()
