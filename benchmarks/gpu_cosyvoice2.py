@@ -680,6 +680,7 @@ def run(args: argparse.Namespace) -> bool:
         llm_server.start()
     triton.start()
     gateways: list[GatewayServer] = []
+    ok = False
     try:
         startup_s = time.perf_counter() - loading
         instances = instance_counts(repository)
@@ -755,6 +756,9 @@ def run(args: argparse.Namespace) -> bool:
             log(f"  {line}")
         write_report(args.out, report)
     finally:
+        if not ok:
+            # Where every model's threads are: a hung stage shows in the server's log.
+            gpu_sanity.dump_stub_stacks(repository)
         for gateway in gateways:
             gateway.stop()
         triton.stop()

@@ -18,6 +18,8 @@ PYTHONPATH: the project must be installed in the interpreter's environment (``pi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import queue
 import shutil
 import subprocess
@@ -38,6 +40,7 @@ from tritonclient.utils import InferenceServerException
 from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
 from tts_backends import contract
 from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+from tts_backends.triton_logging import STACK_DUMP_SIGNAL
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -215,6 +218,18 @@ def model_processes(repository: Path) -> dict[int, str]:
             if f"{repository / name}/" in command:
                 found[int(proc.name)] = name
     return found
+
+
+def dump_stub_stacks(repository: Path, settle_s: float = 2.0) -> None:
+    """Have every model stub of ``repository`` write its threads' Python stacks to the server's log
+    (``tts_backends.triton_logging.enable_stack_dumps``), and give them ``settle_s`` to do so."""
+    stubs = model_processes(repository)
+    for pid in stubs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACK_DUMP_SIGNAL)
+    if stubs:
+        print(f"asked {len(stubs)} model stubs to write their threads' stacks to the server's log", flush=True)
+        time.sleep(settle_s)
 
 
 def nvidia_smi(query: str) -> list[list[str]]:

@@ -5,11 +5,16 @@ long the graphs took to record at load, for one) are lost, and warnings reach th
 without saying which model wrote them. :func:`forward_to_triton` hands the records of the
 ``tts_backends`` loggers to Triton's own logger (``pb_utils.Logger``, passed in because it exists only
 inside the stub), tagged with the model's name, at the matching level.
+
+:func:`enable_stack_dumps` lets an operator see where a model's threads are when it hangs:
+``kill -USR1`` on its stub process writes every thread's Python stack to the server's log.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 from typing import Protocol
 
 PACKAGE_LOGGER = "tts_backends"
@@ -60,3 +65,13 @@ def forward_to_triton(logger: TritonLogger, model_name: str, level: int = loggin
     package.addHandler(handler)
     package.setLevel(level)
     return handler
+
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def enable_stack_dumps() -> None:
+    """On ``STACK_DUMP_SIGNAL``, write every thread's Python stack to stderr (a stub's stderr is the
+    server's log). Written by the interpreter's own handler, so a thread that holds the GIL in C, or
+    a stuck Triton logger, does not keep the dump from coming out."""
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)

@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 
 from tts_backends import contract
 from tts_backends.request_parsing import BackendUnavailableError, ContractError, SpeechRequest, parse_speech_request
+from tts_backends.triton_logging import enable_stack_dumps
 
 Cancelled = Callable[[], bool]
 
@@ -40,6 +41,7 @@ class SpeechContractModel:
     """Subclasses implement :meth:`setup` and :meth:`synthesize`."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         config = json.loads(args["model_config"])
         # Triton's JSON leaves out empty string values, hence the default.
         params = {key: value.get("string_value", "") for key, value in config["parameters"].items()}

@@ -12,10 +12,12 @@ import triton_python_backend_utils as pb_utils
 from tts_backends import contract
 from tts_backends.cosyvoice2 import tensors
 from tts_backends.cosyvoice2.frontend import AudioTokenizer
+from tts_backends.triton_logging import enable_stack_dumps
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         providers = contract.parse_list(params["providers"])
         self._tokenizer = AudioTokenizer(Path(params["model_dir"]) / params["onnx_file"], list(providers))

@@ -27,11 +27,12 @@ from tts_backends.cosyvoice2.llm_engine import GenerationHandle
 from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox, TokenStream
 from tts_backends.cosyvoice2.pipeline import LLMRequest
 from tts_backends.stage_trace import StageTrace
-from tts_backends.triton_logging import forward_to_triton
+from tts_backends.triton_logging import enable_stack_dumps, forward_to_triton
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self.name = args["model_name"]

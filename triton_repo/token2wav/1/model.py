@@ -30,13 +30,14 @@ from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
 from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
 from tts_backends.cosyvoice2.token2wav_queue import ConversionQueue, Converted, QueueClosed
 from tts_backends.stage_trace import StageTrace
-from tts_backends.triton_logging import forward_to_triton
+from tts_backends.triton_logging import enable_stack_dumps, forward_to_triton
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self._name = args["model_name"]
