@@ -142,8 +142,9 @@ def _join_short(pieces: list[str], min_chars: int, first_cap: int, cap: int) -> 
 
 
 def _joiner(piece: str) -> str:
-    """No space after CJK text (which has none between sentences), a space otherwise."""
-    return "" if _wide(piece[-1]) else " "
+    """No space after a CJK sentence end (Chinese and Japanese put none between sentences), a space
+    otherwise: Korean spaces its words, and a line without an end keeps its pause."""
+    return "" if piece.rstrip(_CLOSERS).endswith(tuple(_CJK_ENDS)) else " "
 
 
 def _spoken_length(piece: str) -> int:

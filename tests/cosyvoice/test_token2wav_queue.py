@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -745,6 +746,24 @@ def test_without_gathering_the_first_call_of_a_burst_goes_alone() -> None:
     assert recorder.groups == [["a"], ["b", "c"]]
 
 
-def test_a_negative_gathering_time_is_refused() -> None:
+def test_a_call_that_arrives_while_a_group_converts_is_not_held_back_afterwards() -> None:
+    recorder, answers = Recorder(), Answers()
+    queue = ConversionQueue(recorder, max_rows=8, gather_s=0.8)
+    try:
+        answers.expected = 2
+        queue.submit(call("a", 18, offset=0), answers("a"))
+        assert recorder.started.wait(10)
+        queue.submit(call("b", 18, offset=0), answers("b"))
+        released = time.monotonic()
+        recorder.release.set()
+        assert answers.all_in.wait(10)
+    finally:
+        queue.close()
+    # The queue was busy, not idle, when "b" came: its group follows at once, not after a quiet time (0.2 s).
+    assert answers.groups["b"].started - released < 0.15
+
+
+@pytest.mark.parametrize("gather_s", [-0.001, math.inf, math.nan])
+def test_a_gathering_time_that_is_negative_or_not_finite_is_refused(gather_s: float) -> None:
     with pytest.raises(ValueError, match="gather_s"):
-        ConversionQueue(Recorder(), max_rows=4, gather_s=-0.001)
+        ConversionQueue(Recorder(), max_rows=4, gather_s=gather_s)

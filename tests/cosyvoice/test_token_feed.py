@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -164,6 +165,7 @@ def test_tokens_that_keep_coming_are_waited_for_longer_than_the_stall_time() -> 
     thread.join()
 
 
-def test_the_stall_time_must_be_positive() -> None:
+@pytest.mark.parametrize("stall_s", [0.0, -1.0, math.inf, math.nan])
+def test_the_stall_time_must_be_finite_and_positive(stall_s: float) -> None:
     with pytest.raises(ValueError, match="stall_s"):
-        TokenFeed(Source().tokens(), StopSignal(), name="feed-under-test", stall_s=0)
+        TokenFeed(Source().tokens(), StopSignal(), name="feed-under-test", stall_s=stall_s)

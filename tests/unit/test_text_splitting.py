@@ -229,9 +229,17 @@ def test_a_short_sentence_stays_alone_when_joining_would_pass_the_cap() -> None:
 def test_short_cjk_sentences_are_joined_without_a_space_each_character_counting_as_three() -> None:
     text = "你好。今天天气很好！你呢？我很好。"
     assert split_sentences(text, min_chars=10) == ["你好。今天天气很好！", "你呢？我很好。"]
+    # A Chinese sentence after a closing quote: still no space.
+    assert split_sentences("他说：“好。”然后走了。", min_chars=40) == ["他说：“好。”然后走了。"]
     # 15 characters take about as long to say as 45 Latin ones: not short at 40.
     text = "流式语音合成需要尽快开始播放。第一句话先被合成。"
     assert split_sentences(text, min_chars=40) == ["流式语音合成需要尽快开始播放。", "第一句话先被合成。"]
+
+
+def test_a_joined_line_without_a_sentence_end_keeps_a_space() -> None:
+    # Korean spaces its words; a heading line has no full stop to end it.
+    assert split_sentences("제목\n안녕하세요 반갑습니다.", min_chars=40) == ["제목 안녕하세요 반갑습니다."]
+    assert split_sentences("标题\n正文开始了。", min_chars=40) == ["标题 正文开始了。"]
 
 
 def test_invalid_limits_are_rejected() -> None:

@@ -17,6 +17,7 @@ token2wav session id, so concurrent streams never share vocoder state.
 from __future__ import annotations
 
 import functools
+import math
 import secrets
 import time
 import uuid
@@ -129,8 +130,9 @@ class PipelineSettings:
     max_token_text_ratio: float = 20.0
     max_output_tokens: int = 1500
     voice_cache_size: int = 32
-    llm_stall_s: float = 60.0
-    """A stream whose LLM sends nothing for this long fails (``BackendUnavailableError``)."""
+    llm_stall_s: float = 120.0
+    """A stream whose LLM sends nothing for this long (from the start: a wait for a slot counts) fails
+    (``BackendUnavailableError``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_token_text_ratio <= self.max_token_text_ratio:
@@ -139,8 +141,8 @@ class PipelineSettings:
             raise ValueError("max_output_tokens must be at least 1")
         if self.voice_cache_size < 1:
             raise ValueError("voice_cache_size must be at least 1")
-        if not self.llm_stall_s > 0:
-            raise ValueError("llm_stall_timeout_s must be positive")
+        if not (math.isfinite(self.llm_stall_s) and self.llm_stall_s > 0):
+            raise ValueError("llm_stall_timeout_s must be a finite positive number of seconds")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> PipelineSettings:

@@ -43,6 +43,7 @@ the running batch, and a second instance cannot share a stream's state (it lives
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -167,8 +168,8 @@ class ConversionQueue:
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
-        if not gather_s >= 0:
-            raise ValueError(f"gather_s must not be negative, got {gather_s}")
+        if not (math.isfinite(gather_s) and gather_s >= 0):
+            raise ValueError(f"gather_s must be a finite number of seconds, not negative, got {gather_s}")
         self._gather_s = gather_s
         self._token2wav = token2wav
         self._max_rows = max_rows
@@ -207,9 +208,11 @@ class ConversionQueue:
     def _run(self) -> None:
         while True:
             with self._ready:
+                idle = not self._pending
                 while not self._pending and not self._closed:
                     self._ready.wait()
-                self._gather()
+                if idle:
+                    self._gather()
                 if self._closed:
                     return
                 horizon = self._guard.horizon_s()

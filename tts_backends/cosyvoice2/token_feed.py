@@ -10,6 +10,7 @@ torch and Triton.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -60,8 +61,8 @@ class TokenFeed:
     def __init__(
         self, source: Generator[int, None, None], stop: StopSignal, *, name: str, stall_s: float | None = None
     ) -> None:
-        if stall_s is not None and not stall_s > 0:
-            raise ValueError(f"stall_s must be positive, got {stall_s}")
+        if stall_s is not None and not (math.isfinite(stall_s) and stall_s > 0):
+            raise ValueError(f"stall_s must be a finite positive number of seconds, got {stall_s}")
         self.stop = stop
         self._stall_s = stall_s
         self._tokens: list[int] = []
