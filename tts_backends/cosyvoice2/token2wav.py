@@ -48,7 +48,7 @@ _log = logging.getLogger(__name__)
 
 DEFAULT_STATE_TTL_S = 300.0
 # Calls whose prompt + tokens lie within this many of each other share one flow pass (one padded batch).
-GROUP_SPAN_TOKENS = 128
+_GROUP_SPAN_TOKENS = 128
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
 
@@ -91,11 +91,11 @@ def flow_tokens(call: Conversion) -> int:
 
 def near_in_length(leader: Conversion, call: Conversion) -> bool:
     """Whether ``call`` may share ``leader``'s flow pass: a group of such calls spans at most
-    ``GROUP_SPAN_TOKENS``, so it stays one pass without much padding.
+    ``_GROUP_SPAN_TOKENS``, so it stays one pass without much padding.
 
     Measured from the leader, not in fixed steps of the span: steps split calls a few tokens apart,
     and two voices whose prompts have 99 and 103 tokens had their first chunks in two passes."""
-    return abs(flow_tokens(call) - flow_tokens(leader)) <= GROUP_SPAN_TOKENS // 2
+    return abs(flow_tokens(call) - flow_tokens(leader)) <= _GROUP_SPAN_TOKENS // 2
 
 
 class StreamStateError(ValueError):
@@ -467,7 +467,7 @@ class Token2Wav:
     def _answer_groups(self, ready: list[_Ready]) -> list[list[_Ready]]:
         """The calls in the groups they are converted and answered in: streams' first chunks first,
         then by length (prompt and target tokens), shortest first, each group spanning at most
-        ``GROUP_SPAN_TOKENS`` and answered in the order its calls came."""
+        ``_GROUP_SPAN_TOKENS`` and answered in the order its calls came."""
 
         def key(entry: _Ready) -> tuple[bool, int]:
             return entry[1].token_offset != 0, flow_tokens(entry[1])
@@ -477,7 +477,7 @@ class Token2Wav:
             later, tokens = key(entry)
             if groups:
                 lead_later, lead_tokens = key(groups[-1][0])
-                if lead_later == later and tokens - lead_tokens <= GROUP_SPAN_TOKENS:
+                if lead_later == later and tokens - lead_tokens <= _GROUP_SPAN_TOKENS:
                     groups[-1].append(entry)
                     continue
             groups.append([entry])

@@ -225,11 +225,11 @@ class ConversionQueue:
             self._convert(group)
 
     def _gather(self) -> None:
-        """Wait while calls that came with the oldest one waiting are still arriving (see the module's
-        doc); called with the condition held."""
+        """Wait while calls that came with the oldest one waiting (the first: calls are kept in the
+        order they came) are still arriving (see the module's doc); called with the condition held."""
         if self._gather_s <= 0 or self._closed:
             return
-        until = min(queued.queued_at for queued in self._pending) + self._gather_s
+        until = self._pending[0].queued_at + self._gather_s
         while not self._closed and len(self._pending) < self._max_rows:
             now = time.monotonic()
             wait = min(until, self._pending[-1].queued_at + self._gather_s / 4) - now
