@@ -36,6 +36,7 @@ from typing import IO, Final, Self
 import numpy
 
 from app.cuda_mps import CudaMps
+from tts_backends import contract
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,8 @@ class EmbeddedTriton:
             f"--metrics-port={ports[2]}",
         ]
         env = dict(os.environ)
+        # Where a model reaches another model of this server over gRPC (see tts_backends.contract).
+        env[contract.OWN_GRPC_URL_ENV] = f"{_connect_host(self.host)}:{ports[0]}"
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))
         libpython = self._libpython_dir()
         if libpython is not None:
@@ -339,6 +342,12 @@ def _check_numpy() -> None:
             f"the embedded Triton's Python backend needs numpy<2, this environment has numpy {numpy.__version__}"
             f" (reinstall with {INSTALL_HINT!r}, which pins it)"
         )
+
+
+def _connect_host(host: str) -> str:
+    """How this machine reaches a server listening on ``host``: not at a wildcard; IPv6 in brackets."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
 
 
 def _free_ports(host: str) -> tuple[int, int, int]:

@@ -28,6 +28,7 @@ import hub_download
 import trtllm_engine
 
 from app.cuda_mps import CudaMps
+from tts_backends import contract
 from tts_backends.model_repository import (
     TemplateError,
     load_profiles,
@@ -180,6 +181,8 @@ def cmd_launch(args: argparse.Namespace) -> None:
     if mps is not None:
         mps.start()
         os.environ.update(mps.env())
+    # The orchestrator streams the LLM's tokens over this server's gRPC endpoint (llm_grpc.py).
+    os.environ[contract.OWN_GRPC_URL_ENV] = f"127.0.0.1:{args.grpc_port}"
     os.execvp(command[0], command)
 
 

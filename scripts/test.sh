@@ -22,9 +22,9 @@ ruff format --check .
 mypy
 pytest "$@"
 
-# GPU images run Triton's Python backend on Python 3.12, where the stub crashes when its own
-# thread frees a Python object (3.11 only races silently). The test that guards against that
-# runs again under 3.12, in a light environment: what the orchestrator imports, no torch.
+# GPU images run Triton's Python backend on Python 3.12 (where the stub crashed when its own thread
+# freed a Python object; 3.11 only raced silently). The orchestrator's LLM stream, its thread-heaviest
+# part, is tested again under 3.12, in a light environment: what the orchestrator imports, no torch.
 # REQUIRE_PY312=1 (CI) turns a missing python3.12 into a failure instead of a warning.
 find_python312() {
     local candidate
@@ -43,10 +43,10 @@ if python312=$(find_python312); then
         'tritonclient[grpc]' pytest pytest-asyncio
     # The stub's interpreter ignores PYTHONPATH: the project is installed, without its dependencies.
     .venv312/bin/python -m pip install --quiet --no-deps -e .
-    .venv312/bin/python -m pytest -p no:cacheprovider tests/cosyvoice/test_triton_stages_streams.py
+    .venv312/bin/python -m pytest -p no:cacheprovider tests/cosyvoice/test_llm_grpc.py
 elif [ "${REQUIRE_PY312:-0}" = 1 ]; then
     echo "python3.12 not found (set PYTHON312): the Python 3.12 leg of the tests cannot run" >&2
     exit 1
 else
-    echo "WARNING: python3.12 not found; skipped the Python 3.12 run of test_triton_stages_streams.py" >&2
+    echo "WARNING: python3.12 not found; skipped the Python 3.12 run of test_llm_grpc.py" >&2
 fi

@@ -91,6 +91,12 @@ CAPABILITY_PARAMETERS: Final = (
 )
 CONTRACT_VERSION: Final = "1"
 
+# A decoupled model's error reaches a gRPC client as its message only; this lead marks the caller's fault.
+INVALID_ARG_PREFIX: Final = "[INVALID_ARG]"
+# Environment of a Triton server's processes: where that server serves gRPC ("host:port"), for a
+# model that calls another model of the same server over gRPC (set by whoever starts the server).
+OWN_GRPC_URL_ENV: Final = "TTS_TRITON_GRPC_URL"
+
 
 def stream_model_name(model: str) -> str:
     """Name of the decoupled twin of offline model ``model``."""

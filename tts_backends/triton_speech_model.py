@@ -142,7 +142,7 @@ class SpeechContractModel:
 
     def _error(self, exc: Exception) -> Any:
         if isinstance(exc, ContractError):
-            return pb_utils.TritonError(f"[INVALID_ARG] {exc}", pb_utils.TritonError.INVALID_ARG)
+            return pb_utils.TritonError(f"{contract.INVALID_ARG_PREFIX} {exc}", pb_utils.TritonError.INVALID_ARG)
         if isinstance(exc, BackendUnavailableError):
             pb_utils.Logger.log_warn(f"{self.name}: {exc}")
             # The details (addresses of internal servers) stay in the log.

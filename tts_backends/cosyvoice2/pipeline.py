@@ -98,8 +98,7 @@ class Stages(Protocol):
     def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
         """Generated LLM ids, in pieces as they arrive; closing the iterator abandons the rest.
 
-        ``is_cancelled`` is the request's cancellation check; a stage may also call it once the
-        stream has ended (Triton's stages do, to order their clean-up with the stub's).
+        ``is_cancelled`` is the request's cancellation check (an LLM server client asks it between retries).
         """
         ...
 

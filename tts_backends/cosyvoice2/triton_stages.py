@@ -1,17 +1,18 @@
 """The pipeline's :class:`~tts_backends.cosyvoice2.pipeline.Stages`, served by other Triton models.
 
-Imported only inside Triton's Python backend (it needs ``triton_python_backend_utils``):
-each stage is a BLS request to the model the orchestrator's config names, but for the LLM
-when it runs on its own server (:mod:`tts_backends.cosyvoice2.llm_server`). The tensors
-are built and read by :mod:`tts_backends.cosyvoice2.tensors`.
+Imported only inside Triton's Python backend (it needs ``triton_python_backend_utils``). Every
+stage but the LLM is a BLS request to the model the orchestrator's config names; the LLM's tokens
+stream from an :class:`LLMSource`: the LLM model of this server over gRPC
+(:mod:`tts_backends.cosyvoice2.llm_grpc`, which says why not BLS) or LLM servers of their own
+(:mod:`tts_backends.cosyvoice2.llm_server`). The tensors are built and read by
+:mod:`tts_backends.cosyvoice2.tensors`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -22,32 +23,34 @@ from tts_backends.cosyvoice2.frontend import VoicePrompt, build_voice_prompt
 from tts_backends.cosyvoice2.pipeline import LLMRequest, Token2WavRequest
 from tts_backends.request_parsing import ContractError
 
-if TYPE_CHECKING:
-    # Only a type here: the light Python 3.12 test environment has no httpx.
-    from tts_backends.cosyvoice2.llm_server import LLMServerClient
-
 
 class StageError(RuntimeError):
     """A model behind the orchestrator failed."""
 
 
+class LLMSource(Protocol):
+    def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
+        """Generated LLM ids, in pieces as they arrive; closing the iterator abandons the rest."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class StageModels:
-    """Names of the deployed models the orchestrator calls."""
+    """Names of the deployed models the orchestrator calls over BLS."""
 
-    llm: str
     audio_tokenizer: str
     speaker_embedding: str
     token2wav: str
 
 
 class TritonStages:
-    """Every stage as a BLS request, except the LLM when an :class:`LLMServerClient` is given."""
+    """Every stage as a BLS request, but the LLM's, which streams from ``llm``."""
 
-    def __init__(self, models: StageModels, llm_server: LLMServerClient | None = None) -> None:
+    def __init__(self, models: StageModels, llm: LLMSource) -> None:
         self._models = models
-        self._llm_server = llm_server
-        self._streams = _FinishedStreams()
+        self._llm = llm
 
     def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
         try:
@@ -57,36 +60,7 @@ class TritonStages:
             raise ContractError(f"reference_wav: {exc}") from exc
 
     def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
-        if self._llm_server is not None:
-            return self._llm_server.generate(request, is_cancelled)
-        return self._generate_in_triton(request, is_cancelled)
-
-    def _generate_in_triton(
-        self, request: LLMRequest, is_cancelled: Callable[[], bool]
-    ) -> Generator[Sequence[int], None, None]:
-        inference = pb_utils.InferenceRequest(
-            model_name=self._models.llm,
-            inputs=_tensors(tensors.llm_inputs(request)),
-            requested_output_names=list(tensors.LLM_OUTPUT_DTYPES),
-            request_id=request.request_id,
-        )
-        responses = inference.exec(decoupled=True)
-        try:
-            for response in responses:
-                _check(response, self._models.llm)
-                output_ids = pb_utils.get_output_tensor_by_name(response, "output_ids")
-                if output_ids is None:
-                    # The empty response that carries only the final flag.
-                    continue
-                lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length")
-                yield tensors.parse_llm_outputs(output_ids.as_numpy(), lengths.as_numpy())
-        finally:
-            # Python backends from 24.10 on can cancel a streaming BLS request; older ones
-            # let the LLM run to its length limit unobserved.
-            cancel = getattr(responses, "cancel", None)
-            if cancel is not None:
-                cancel()
-            self._streams.let_go(responses, is_cancelled)
+        return self._llm.generate(request, is_cancelled)
 
     def token2wav(self, request: Token2WavRequest) -> NDArray[np.float32]:
         outputs = self._call(self._models.token2wav, tensors.token2wav_inputs(request), tensors.WAVEFORM_OUTPUT)
@@ -122,36 +96,6 @@ class TritonStages:
         ).exec()
         _check(response, model)
         return np.asarray(pb_utils.get_output_tensor_by_name(response, output).as_numpy())
-
-
-class _FinishedStreams:
-    """Keeps decoupled BLS response streams until the stub has dropped its own reference.
-
-    The Python backend stub also holds every stream in a map and removes a finished one from
-    its stub-to-parent thread, which does not take the GIL. When that removal drops the last
-    reference, the responses' NumPy arrays are freed without a Python thread state: Python
-    3.12 segfaults there (earlier versions race on the allocator). That thread serves a FIFO
-    queue which ``request.is_cancelled()`` also goes through, so a query answered after a
-    stream finished proves the stub let go of it: the last reference is then dropped here,
-    under the GIL. A ``True`` answer may come from a cache without the round trip, or from the
-    orchestrator having stopped reading the stream (its check then asks nothing); such streams
-    wait for the next query that does make it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: list[tuple[int, Any]] = []
-        self._count = 0
-
-    def let_go(self, responses: Any, is_cancelled: Callable[[], bool]) -> None:
-        with self._lock:
-            self._count += 1
-            mark = self._count
-            self._held.append((mark, responses))
-        if is_cancelled():
-            return
-        with self._lock:
-            self._held = [(number, stream) for number, stream in self._held if number > mark]
 
 
 class _RemoteTokenizer:

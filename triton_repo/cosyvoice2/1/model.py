@@ -16,9 +16,10 @@ from transformers import AutoTokenizer
 
 from tts_backends import contract
 from tts_backends.cosyvoice2 import vocab
+from tts_backends.cosyvoice2.llm_grpc import TritonLLMStreams, own_grpc_url
 from tts_backends.cosyvoice2.llm_server import LLMServerClient, LLMServerSettings
 from tts_backends.cosyvoice2.pipeline import CosyVoice2Pipeline, PipelineSettings
-from tts_backends.cosyvoice2.triton_stages import StageModels, TritonStages
+from tts_backends.cosyvoice2.triton_stages import LLMSource, StageModels, TritonStages
 from tts_backends.request_parsing import SpeechRequest
 from tts_backends.stage_trace import StageTrace
 from tts_backends.triton_speech_model import Cancelled, SpeechContractModel
@@ -32,19 +33,24 @@ class TritonPythonModel(SpeechContractModel):
             raise ValueError(f"CosyVoice2 produces {SAMPLE_RATE} Hz; config says {params['sample_rate']}")
         tokenizer = AutoTokenizer.from_pretrained(params["llm_dir"])
         vocab.check_tokenizer_layout(tokenizer)
-        # The LLM runs in Triton (`llm_model`) or on OpenAI-compatible servers (`llm_urls`).
-        server = LLMServerSettings.from_parameters(params, max_connections=int(params["stream_workers"]))
+        # The LLM runs in this Triton (`llm_model`, reached over its gRPC endpoint) or on
+        # OpenAI-compatible servers (`llm_urls`).
+        workers = int(params["stream_workers"])
+        server = LLMServerSettings.from_parameters(params, max_connections=workers)
         if (server is None) == (not params["llm_model"]):
             raise ValueError("set exactly one of llm_model (a Triton model) and llm_urls (LLM servers)")
-        self._llm_server = None if server is None else LLMServerClient(server, tokenizer)
+        self._llm: LLMSource = (
+            TritonLLMStreams(own_grpc_url(), params["llm_model"], max_idle=workers)
+            if server is None
+            else LLMServerClient(server, tokenizer)
+        )
         stages = TritonStages(
             StageModels(
-                llm=params["llm_model"],
                 audio_tokenizer=params["audio_tokenizer_model"],
                 speaker_embedding=params["speaker_embedding_model"],
                 token2wav=params["token2wav_model"],
             ),
-            self._llm_server,
+            self._llm,
         )
         self._pipeline = CosyVoice2Pipeline(
             stages, tokenizer, PipelineSettings.from_parameters(params), StageTrace.from_env("orchestrator")
@@ -52,8 +58,7 @@ class TritonPythonModel(SpeechContractModel):
 
     def finalize(self) -> None:
         super().finalize()
-        if self._llm_server is not None:
-            self._llm_server.close()
+        self._llm.close()
 
     def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         # Stream workers only wait on the stage models, which do the heavy work in their own processes.

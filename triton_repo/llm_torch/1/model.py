@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import triton_python_backend_utils as pb_utils
 
+from tts_backends import contract
 from tts_backends.cosyvoice2 import tensors, vocab
 from tts_backends.cosyvoice2.gpu_turns import GpuTurns, YieldToFirstChunks
 from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
@@ -66,7 +67,8 @@ class TritonPythonModel:
                 sink = _Sink(self, sender, request.request_id(), streaming=call.streaming)
                 handle = self._llm.submit(self._generation(call), sink)
             except ValueError as exc:
-                error = pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)
+                # Led by its code: over a gRPC stream a decoupled model's error is a message only.
+                error = pb_utils.TritonError(f"{contract.INVALID_ARG_PREFIX} {exc}", pb_utils.TritonError.INVALID_ARG)
                 self.outbox.put(self.outbox.next_lane(), lambda s=sender, e=error: _fail(s, e))
                 continue
             sink.attach(handle, request.is_cancelled)
