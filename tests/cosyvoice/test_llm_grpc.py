@@ -72,7 +72,7 @@ from tts_backends.cosyvoice2.triton_stages import StageModels, TritonStages
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.llm = TritonLLMStreams(own_grpc_url(), "llm", max_idle=2)
+        self.llm = TritonLLMStreams(own_grpc_url(), "llm")
         self.stages = TritonStages(StageModels(audio_tokenizer="", speaker_embedding="", token2wav=""), self.llm)
 
     def execute(self, requests):

@@ -40,7 +40,7 @@ class TritonPythonModel(SpeechContractModel):
         if (server is None) == (not params["llm_model"]):
             raise ValueError("set exactly one of llm_model (a Triton model) and llm_urls (LLM servers)")
         self._llm: LLMSource = (
-            TritonLLMStreams(own_grpc_url(), params["llm_model"], max_idle=workers)
+            TritonLLMStreams(own_grpc_url(), params["llm_model"])
             if server is None
             else LLMServerClient(server, tokenizer)
         )
