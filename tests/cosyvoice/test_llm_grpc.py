@@ -18,6 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from app.embedded_triton import EmbeddedTriton
+from tests.fixtures.scripted_llm import LLM_CONFIG
 from tts_backends.cosyvoice2 import vocab
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.triton]
@@ -104,27 +105,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.llm.close()
-"""
-
-LLM_CONFIG = """backend: "python"
-max_batch_size: 1
-model_transaction_policy { decoupled: true }
-input [
-  { name: "input_ids", data_type: TYPE_INT32, dims: [ -1 ] },
-  { name: "input_lengths", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "request_output_len", data_type: TYPE_INT32, dims: [ 1 ] },
-  { name: "streaming", data_type: TYPE_BOOL, dims: [ 1 ], optional: true },
-  { name: "runtime_top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true },
-  { name: "runtime_top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "repetition_penalty", data_type: TYPE_FP32, dims: [ 1 ], optional: true },
-  { name: "min_length", data_type: TYPE_INT32, dims: [ 1 ], optional: true }
-]
-output [
-  { name: "output_ids", data_type: TYPE_INT32, dims: [ -1, -1 ] },
-  { name: "sequence_length", data_type: TYPE_INT32, dims: [ -1 ] }
-]
-instance_group [ { count: 1, kind: KIND_CPU } ]
 """
 
 ORCHESTRATOR_CONFIG = """backend: "python"
