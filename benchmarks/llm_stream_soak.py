@@ -231,7 +231,7 @@ def main() -> int:
     server = EmbeddedTriton(_repository(workdir), workdir=workdir)
     server.start()
     rounds: list[dict[str, float | int]] = []
-    hung = False
+    hung = failed = False
     stacks: list[str] = []
     try:
         for index in range(args.rounds):
@@ -244,6 +244,10 @@ def main() -> int:
                 break
             rounds.append({"round": index, "streams": streams, "seconds": round(time.monotonic() - started, 1)})
             print(f"round {index}: {streams} streams in {rounds[-1]['seconds']} s", flush=True)
+            if streams < args.threads * args.per_round:
+                failed = True
+                print(f"round {index}: a thread failed (its traceback is in {server.log_path})", flush=True)
+                break
     finally:
         server.stop(grace=5.0)
     report = {
@@ -253,13 +257,14 @@ def main() -> int:
         "rounds_completed": len(rounds),
         "streams_completed": sum(int(r["streams"]) for r in rounds),
         "hung": hung,
+        "failed": failed,
         "stack_files": stacks,
         "rounds": rounds,
     }
     (args.out / "llm_stream_soak.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    verdict = "hung" if hung else "no hang"
+    verdict = "hung" if hung else "a thread failed" if failed else "no hang"
     print(f"{args.transport}: {report['streams_completed']} streams in {len(rounds)} rounds, {verdict}", flush=True)
-    return 1 if hung else 0
+    return 1 if hung or failed else 0
 
 
 if __name__ == "__main__":

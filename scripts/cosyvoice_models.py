@@ -171,8 +171,11 @@ def cmd_launch(args: argparse.Namespace) -> None:
     names = render_repository(args.source, args.profile, args.repo, overrides)
     sys.stderr.write(f"rendered {args.profile} into {args.repo}: {', '.join(names)}\n")
     command = tritonserver_command(args)
+    # The orchestrator streams the LLM's tokens over this server's gRPC endpoint (llm_grpc.py); a value
+    # already set (a proxy in front, another address) is kept.
+    own_url = os.environ.setdefault(contract.OWN_GRPC_URL_ENV, f"127.0.0.1:{args.grpc_port}")
     if args.dry_run:
-        sys.stdout.write(" ".join(command) + "\n")
+        sys.stdout.write(f"{contract.OWN_GRPC_URL_ENV}={own_url} " + " ".join(command) + "\n")
         return
     if shutil.which(command[0]) is None:
         raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
@@ -181,8 +184,6 @@ def cmd_launch(args: argparse.Namespace) -> None:
     if mps is not None:
         mps.start()
         os.environ.update(mps.env())
-    # The orchestrator streams the LLM's tokens over this server's gRPC endpoint (llm_grpc.py).
-    os.environ[contract.OWN_GRPC_URL_ENV] = f"127.0.0.1:{args.grpc_port}"
     os.execvp(command[0], command)
 
 

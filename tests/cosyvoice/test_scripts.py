@@ -23,6 +23,7 @@ import pytest
 
 from app.cuda_mps import PIPE_VARIABLE
 from tests.unit.test_cuda_mps import calls, stand_in
+from tts_backends import contract
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -358,13 +359,16 @@ def launch_command(repo: Path, *options: str) -> list[str]:
 
 
 def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != contract.OWN_GRPC_URL_ENV}
     result = subprocess.run(
         launch_command(tmp_path / "repo", "--grpc-port", "9001", "--dry-run"),
         check=True,
         capture_output=True,
         text=True,
+        env=env,
     )
     assert result.stdout.split() == [
+        f"{contract.OWN_GRPC_URL_ENV}=127.0.0.1:9001",
         "tritonserver",
         f"--model-repository={tmp_path / 'repo'}",
         "--http-port=8000",
@@ -373,6 +377,19 @@ def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) ->
         "--exit-on-error=true",
     ]
     assert (tmp_path / "repo" / "llm" / "config.pbtxt").is_file()
+
+
+def test_launch_tells_the_server_its_own_grpc_address_unless_one_is_set(tmp_path: Path) -> None:
+    server = tmp_path / "fake-tritonserver"
+    server.write_text(f'#!/bin/sh\necho "url=${contract.OWN_GRPC_URL_ENV}"\n')
+    server.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != contract.OWN_GRPC_URL_ENV}
+    command = launch_command(tmp_path / "repo", "--tritonserver", str(server), "--grpc-port", "9001")
+    told = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    assert told.stdout.strip() == "url=127.0.0.1:9001"
+    preset = {**env, contract.OWN_GRPC_URL_ENV: "triton-llm:8001"}
+    kept = subprocess.run(command, check=True, capture_output=True, text=True, env=preset)
+    assert kept.stdout.strip() == "url=triton-llm:8001"
 
 
 def test_launch_starts_the_servers_cuda_mps_daemon_and_execs_the_server_under_it(tmp_path: Path) -> None:

@@ -1,10 +1,11 @@
 """End to end on a real tritonserver: the cosyvoice2-cpu profile over a tiny random-weight checkpoint.
 
 Six models in their own Python backend processes (orchestrator twice, audio tokenizer,
-speaker embedding, token2wav, PyTorch LLM) talk through BLS exactly as on a GPU server;
-only the weights are tiny. With random weights the audio is noise, so the checks are
-structural: 24 kHz, one token = 960 samples, chunk sizes and order, determinism under a
-seed, isolation between concurrent streams, and that a cancelled stream stops working.
+speaker embedding, token2wav, PyTorch LLM) talk through BLS (the LLM's tokens over the
+server's gRPC endpoint) exactly as on a GPU server; only the weights are tiny. With random
+weights the audio is noise, so the checks are structural: 24 kHz, one token = 960 samples,
+chunk sizes and order, determinism under a seed, isolation between concurrent streams, and
+that a cancelled stream stops working.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -46,30 +47,47 @@ class TritonLLMStreams:
 
     def __init__(self, url: str, model: str) -> None:
         self._model = model
-        self._channel = grpc.insecure_channel(url)
+        # Never through an HTTP proxy from the environment: the server is this machine (or this pod).
+        self._channel = grpc.insecure_channel(url, options=[("grpc.enable_http_proxy", 0)])
         self._service = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
 
     def generate(self, request: LLMRequest, is_cancelled: Callable[[], bool]) -> Generator[Sequence[int], None, None]:
-        """LLM ids in pieces as the server streams them; closing this cancels the request in the server."""
+        """LLM ids in pieces as the server streams them; closing this early cancels the request in the server."""
         call = self._service.ModelStreamInfer(iter([_infer_request(self._model, request)]))
+        ended = False
         try:
             for answer in call:
                 if answer.error_message:
+                    ended = True  # a decoupled model's error is its last response
                     raise _stage_error(self._model, answer.error_message)
+                ended = answer.infer_response.parameters["triton_final_response"].bool_param
                 result = InferResult(answer.infer_response)
                 output_ids = result.as_numpy("output_ids")
                 if output_ids is not None:
                     yield tensors.parse_llm_outputs(output_ids, result.as_numpy("sequence_length"))
-                if answer.infer_response.parameters["triton_final_response"].bool_param:
+                if ended:
                     return
         except grpc.RpcError as exc:
-            raise BackendUnavailableError(f"{self._model} over gRPC: {exc.code()}: {exc.details()}") from exc
+            ended = True
+            raise _transport_error(self._model, exc) from exc
         finally:
-            # Ends the call: after the final response a no-op, before it the request's cancellation.
-            call.cancel()
+            if ended:
+                # The server closes the call once its one request is answered; a cancel meeting that
+                # completion is what crashed Triton 2.51 before (README), so it is only read to its end.
+                _read_to_end(call)
+            else:
+                call.cancel()
+
+
+def _read_to_end(call: Any) -> None:
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError:
+        pass
 
 
 def _infer_request(model: str, request: LLMRequest) -> service_pb2.ModelInferRequest:
@@ -84,7 +102,20 @@ def _infer_request(model: str, request: LLMRequest) -> service_pb2.ModelInferReq
 
 
 def _stage_error(model: str, message: str) -> Exception:
-    """The caller's fault (led by ``[INVALID_ARG]``, see the LLM model) or the model's failure."""
+    """The caller's fault (led by ``[INVALID_ARG]``, see the LLM model) or the model's failure.
+
+    Over a gRPC stream an error is a message only: the TensorRT-LLM backend's invalid arguments,
+    which carry no such lead, become the model's failures here (500, not 400).
+    """
     if message.startswith(contract.INVALID_ARG_PREFIX):
         return ContractError(message.removeprefix(contract.INVALID_ARG_PREFIX).strip())
     return LLMStageError(f"{model}: {message}")
+
+
+def _transport_error(model: str, exc: grpc.RpcError) -> Exception:
+    """The server gone or going away (503), or a failure of the call itself."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    message = f"{model} over gRPC: {code}: {exc.details() if isinstance(exc, grpc.Call) else exc}"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return BackendUnavailableError(message)
+    return LLMStageError(message)
