@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import re
 
-# Triton's log lines: "I1125 19:41:49.354058 668 file.cc:123] message", the message often in quotes.
-_LINE = re.compile(r'^[IWE]\d{4} (\d\d):(\d\d):(\d\d(?:\.\d+)?) +\d+ [^\]]+\] "?(.*?)"?$')
+# Triton's log lines: "I1125 19:41:49.354058 668 file.cc:123] message", the message often in quotes. A line
+# may start elsewhere in a line of the log: a model process's progress bar (written without a newline,
+# as transformers' "Loading weights" is) runs on into the next record.
+_LINE = re.compile(r'[IWE]\d{4} (\d\d):(\d\d):(\d\d(?:\.\d+)?) +\d+ [^\]]+\] "?(.*?)"?$')
 _LOADED = re.compile(r"successfully loaded '([^']+)'")
 # What tts_backends.triton_logging writes: "<model>: <logger name>: <message>".
 _BACKEND = re.compile(r"^([\w.-]+): tts_backends\.[\w.]+: (.*)$")
@@ -19,7 +21,7 @@ def load_timeline(log_text: str) -> list[str]:
     events: list[str] = []
     first: float | None = None
     for line in log_text.splitlines():
-        match = _LINE.match(line)
+        match = _LINE.search(line)
         if match is None:
             continue
         hours, minutes, seconds, message = match.groups()
