@@ -35,8 +35,7 @@ class TritonPythonModel(SpeechContractModel):
         vocab.check_tokenizer_layout(tokenizer)
         # The LLM runs in this Triton (`llm_model`, reached over its gRPC endpoint) or on
         # OpenAI-compatible servers (`llm_urls`).
-        workers = int(params["stream_workers"])
-        server = LLMServerSettings.from_parameters(params, max_connections=workers)
+        server = LLMServerSettings.from_parameters(params, max_connections=int(params["stream_workers"]))
         if (server is None) == (not params["llm_model"]):
             raise ValueError("set exactly one of llm_model (a Triton model) and llm_urls (LLM servers)")
         self._llm: LLMSource = (
