@@ -21,17 +21,14 @@ WORKDIR /opt/tts-gateway
 COPY docker/triton-requirements.txt /tmp/triton-requirements.txt
 RUN pip install -r /tmp/triton-requirements.txt
 COPY pyproject.toml README.md ./
-COPY app ./app
-COPY tts_backends ./tts_backends
+COPY tts_gateway ./tts_gateway
 # The image's torch/transformers serve TensorRT-LLM; --no-deps keeps them (see the requirements file).
 RUN pip install --no-deps .
-COPY triton_repo ./triton_repo
-COPY scripts ./scripts
 VOLUME ["/models"]
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30m --retries=3 \
     CMD curl -fsS http://localhost:8000/v2/health/ready || exit 1
-ENTRYPOINT ["python3", "scripts/cosyvoice_models.py", "launch", "--models-root", "/models", "--repo", "/models/repository", "--prepare"]
+ENTRYPOINT ["tts-models", "launch", "--models-root", "/models", "--repo", "/models/repository", "--prepare"]
 CMD ["--profile", "gpu-trtllm"]
 
 FROM ${PYTHON_IMAGE} AS gateway
@@ -43,13 +40,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     TTS_PORT=8080
 WORKDIR /opt/tts-gateway
 COPY pyproject.toml README.md ./
-COPY app ./app
-COPY tts_backends ./tts_backends
+COPY tts_gateway ./tts_gateway
 RUN pip install .
-COPY ref_audios ./ref_audios
 RUN useradd --system --uid 10001 gateway && mkdir -p /data/voices && chown gateway /data/voices
 USER gateway
-ENV TTS_REF_AUDIOS_DIR=/opt/tts-gateway/ref_audios \
-    TTS_VOICES_DIR=/data/voices
+ENV TTS_VOICES_DIR=/data/voices
 EXPOSE 8080
 CMD ["tts-gateway", "serve"]

@@ -12,15 +12,15 @@ are checked against the figures. Writes bench.json, bench.md and bench.png into 
 By default it starts its own stack: the embedded Triton on the ``bench`` profile and, per mode,
 a gateway process pointed at it (``TTS_BACKEND_MODE``), with access logging off.
 
-    python benchmarks/bench.py --out var/bench
-    python benchmarks/bench.py --parts sweep --models bench_fixture --levels 1,32 --modes offline
-    python benchmarks/bench.py --triton-url HOST:8001 --gateway-url http://HOST:8080 --gateway-mode stream \\
+    python -m benchmarks.bench --out var/bench
+    python -m benchmarks.bench --parts sweep --models bench_fixture --levels 1,32 --modes offline
+    python -m benchmarks.bench --triton-url HOST:8001 --gateway-url http://HOST:8080 --gateway-mode stream \\
         --models cosyvoice2 --parts sweep
 
 On a machine with cores to spare, give Triton, the gateway and the load generator their own
 (the load generator in several processes, the gateway in several workers):
 
-    python benchmarks/bench.py --parts sweep --triton-cores 0-3 --gateway-cores 4-9 --gateway-workers 4 \\
+    python -m benchmarks.bench --parts sweep --triton-cores 0-3 --gateway-cores 4-9 --gateway-workers 4 \\
         --client-cores 10-15 --client-processes 6
 """
 
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import bench_report
-from bench_load import (
+from benchmarks import bench_report
+from benchmarks.bench_load import (
     ClientProcesses,
     DirectSpec,
     GatewaySpec,
@@ -56,10 +56,9 @@ from bench_load import (
     merge_runs,
     process_tree,
 )
-from bench_stack import GatewayServer, cpus_of, embedded_triton, format_cpus, parse_cpus, pinned
-from bench_stats import ratios, summarize
-
-from app.settings import Settings
+from benchmarks.bench_stack import GatewayServer, cpus_of, embedded_triton, format_cpus, parse_cpus, pinned
+from benchmarks.bench_stats import ratios, summarize
+from tts_gateway.gateway.settings import Settings
 
 Mode = Literal["offline", "stream"]
 MODES: tuple[Mode, ...] = get_args(Mode)
@@ -324,11 +323,11 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
             report["sweeps"], report["stack"] = _sweeps(args, workdir)
         if "encoding" in args.parts:
             # Imported here: these parts need Piper installed, the sweep of other models does not.
-            import encoding_cost
+            from benchmarks import encoding_cost
 
             report["encoding"] = encoding_cost.measure(args.encoding_seconds)
         if "cpu-default" in args.parts:
-            import cpu_default
+            from benchmarks import cpu_default
 
             report["cpu_default"] = cpu_default.measure(workdir / "cpu-default", args.cores, args.cpu_rounds)
     report["targets"] = bench_report.targets_json(bench_report.check_targets(report, args.overhead_model))

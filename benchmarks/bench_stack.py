@@ -19,8 +19,9 @@ from typing import Self
 
 import httpx
 
-from app.embedded_triton import EmbeddedTriton
-from tts_backends.model_repository import parse_overrides, render_repository
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models.model_repository import parse_overrides, render_repository
+from tts_gateway.paths import TRITON_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[1]
 _PR_SET_PDEATHSIG = 1
@@ -93,7 +94,7 @@ def embedded_triton(
     """
     if repository is None:
         repository = workdir / "repository"
-        render_repository(ROOT / "triton_repo", profile, repository, parse_overrides(overrides), only)
+        render_repository(TRITON_REPOSITORY, profile, repository, parse_overrides(overrides), only)
     server = EmbeddedTriton(repository, workdir=workdir, startup_timeout=300.0)
     with pinned(cores):
         server.start()
@@ -104,7 +105,7 @@ def embedded_triton(
 
 
 class GatewayServer:
-    """``python -m app serve`` as a child process, as users run it, ready once /health says so.
+    """``python -m tts_gateway serve`` as a child process, as users run it, ready once /health says so.
 
     ``env`` adds ``TTS_*`` settings; without ``TTS_TRITON_URL`` the gateway starts its own embedded
     Triton. ``cores`` pins the gateway and everything it starts to those CPUs.
@@ -138,7 +139,7 @@ class GatewayServer:
         }
         with self.log_path.open("ab") as log, pinned(self._cores):
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--port", str(self.port)],
+                [sys.executable, "-m", "tts_gateway", "serve", "--port", str(self.port)],
                 env=env,
                 cwd=ROOT,
                 stdout=log,

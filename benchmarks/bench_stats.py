@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from bench_load import LevelRun, Sample
+
+from benchmarks.bench_load import LevelRun, Sample
 
 PERCENTILES = (50, 90, 99)
 _ERROR_EXAMPLES = 3

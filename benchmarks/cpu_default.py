@@ -7,7 +7,7 @@ Starts the gateway, which starts its own Triton on the ``cpu`` profile, pinned t
 - first audio of the 5-sentence text against the whole synthesis of its first sentence
   alone (the target: at most 1.5 times; the gateway pipelines the later sentences).
 
-    python benchmarks/cpu_default.py [--cores 2] [--rounds 3]
+    python -m benchmarks.cpu_default [--cores 2] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_load import GatewayTarget, Sample, gateway_session
-from bench_stack import GatewayServer
-from bench_texts import FIVE_SENTENCES, BenchText, select_texts
-
-from app.text_splitting import split_sentences
+from benchmarks.bench_load import GatewayTarget, Sample, gateway_session
+from benchmarks.bench_stack import GatewayServer
+from benchmarks.bench_texts import FIVE_SENTENCES, BenchText, select_texts
+from tts_gateway.gateway.text_splitting import split_sentences
 
 MODEL = "piper"
 VOICE = "alloy"

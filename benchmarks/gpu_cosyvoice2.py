@@ -1,29 +1,30 @@
 """CosyVoice2 behind Triton on one GPU (``gpu-torch`` profile) at full model size, random weights.
 
 Writes (or reuses) the full-size random checkpoint (flow and HiFT at CosyVoice2-0.5B's
-hyper-parameters, the LLM at Qwen2-0.5B's shape; see ``tts_backends/cosyvoice2/random_checkpoint.py``),
-renders the profile over it, starts the embedded tritonserver (its start-up, graph capture
-included, is reported) and warms it up. Then, for each concurrency level, it sends the prompts
-(English and Chinese, two reference voices; repeated so that every level gets at least twice
-as many requests as streams) to each target: ``direct`` over gRPC (one channel, as the gateway
-does), streamed to ``cosyvoice2_stream`` and offline to ``cosyvoice2``, and ``gateway`` through
-the real gateway process over HTTP (first audio byte at the client; one gateway per mode). It
-reports first-chunk latency (avg/p50/p90), total latency, RTF (wall time of the level / seconds
-of audio produced: upstream's definition, a throughput figure) and GPU memory, next to upstream's
-L20 figures, and for direct streaming where each first chunk's time went (queueing, voice prompt,
-LLM prefill, LLM tokens up to the first hop, flow, HiFT, transport; ``gpu_stages.py``), in
-``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md`` under ``--out`` (rewritten after every pass, so
-an interrupted run keeps what it measured), with the server's log.
+hyper-parameters, the LLM at Qwen2-0.5B's shape; see
+``tts_gateway/models/cosyvoice2/checkpoints/random_checkpoint.py``), renders the profile over it,
+starts the embedded tritonserver (its start-up, graph capture included, is reported) and warms it
+up. Then, for each concurrency level, it sends the prompts (English and Chinese, two reference
+voices; repeated so that every level gets at least twice as many requests as streams) to each
+target: ``direct`` over gRPC (one channel, as the gateway does), streamed to ``cosyvoice2_stream``
+and offline to ``cosyvoice2``, and ``gateway`` through the real gateway process over HTTP (first
+audio byte at the client; one gateway per mode). It reports first-chunk latency (avg/p50/p90), total
+latency, RTF (wall time of the level / seconds of audio produced: upstream's definition, a
+throughput figure) and GPU memory, next to upstream's L20 figures, and for direct streaming where
+each first chunk's time went (queueing, voice prompt, LLM prefill, LLM tokens up to the first hop,
+flow, HiFT, transport; ``gpu_stages.py``), in ``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md``
+under ``--out`` (rewritten after every pass, so an interrupted run keeps what it measured), with the
+server's log.
 
 Random weights cost what real ones cost per token; only the output length has to be imposed: the
 checkpoint's LLM stops as soon as the profile's ``min_token_text_ratio`` allows, so every request
 yields a known number of speech tokens (checked) and the audio seconds are the same in every pass.
 
-    python benchmarks/gpu_cosyvoice2.py --out /tmp/report          # GPU: about 8 minutes
-    python benchmarks/gpu_cosyvoice2.py --cpu --levels 1,2 --prompts 2  # rehearsal without a GPU
+    python -m benchmarks.gpu_cosyvoice2 --out /tmp/report          # GPU: about 8 minutes
+    python -m benchmarks.gpu_cosyvoice2 --cpu --levels 1,2 --prompts 2  # rehearsal without a GPU
 
-Passes that would overrun ``--budget-s`` (counted from the start) are skipped and reported as
-such; run them again with ``--levels``. The checkpoint lives under ``--workdir`` and is reused.
+Passes that would overrun ``--budget-s`` (counted from the start) are skipped and reported as such;
+run them again with ``--levels``. The checkpoint lives under ``--workdir`` and is reused.
 """
 
 # ruff: noqa: RUF001
@@ -47,26 +48,27 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import gpu_sanity
-import gpu_stages
 import grpc
 import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio_grpcclient
-from bench_stack import GatewayServer
-from gpu_sanity import ROOT, Voice, cosyvoice_models
 from numpy.typing import NDArray
-from server_startup import load_timeline
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from app.cuda_mps import CudaMps
-from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
-from tts_backends import contract, stage_trace
-from tts_backends.cosyvoice2 import vocab
-from tts_backends.cosyvoice2.random_checkpoint import ensure_checkpoint, full_size
-from tts_backends.model_repository import load_profiles
+from benchmarks import gpu_sanity, gpu_stages
+from benchmarks.bench_stack import GatewayServer
+from benchmarks.gpu_sanity import ROOT, Voice
+from benchmarks.server_startup import load_timeline
+from tts_gateway.gateway.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.models import contract, stage_trace
+from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_checkpoint, full_size
+from tts_gateway.models.cosyvoice2.model import vocab
+from tts_gateway.models.model_repository import load_profiles
+from tts_gateway.paths import TRITON_REPOSITORY
+from tts_gateway.tools import model_prep
 
 MODEL: Final = "cosyvoice2"
 PROFILE: Final = "gpu-torch"
@@ -546,7 +548,7 @@ def render(workdir: Path, profile: str, cpu: bool, extra: list[str]) -> Path:
     cpu_sets = [item for item in CPU_OVERRIDES if profile == PROFILE or not item.startswith("llm.")]
     sets = [*(cpu_sets if cpu else ()), *extra]
     args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
-    if cosyvoice_models.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
+    if model_prep.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
         raise RuntimeError("rendering the repository failed")
     return repository
 
@@ -672,7 +674,7 @@ def run(args: argparse.Namespace) -> bool:
     trace_dir = workdir / "stage_trace"
     shutil.rmtree(trace_dir, ignore_errors=True)
     os.environ[stage_trace.ENV_VAR] = str(trace_dir)
-    asks = load_profiles(cosyvoice_models.SOURCE_REPOSITORY)[profile].cuda_mps and not args.cpu
+    asks = load_profiles(TRITON_REPOSITORY)[profile].cuda_mps and not args.cpu
     mps = CudaMps.for_mode(args.cuda_mps, workdir / "mps", profile_asks=asks)
     triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout, cuda_mps=mps)
     loading = time.perf_counter()

@@ -1,6 +1,6 @@
 """The GPU engines checked against their eager selves, then timed in isolation (no Triton).
 
-On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``):
+On the full-size random checkpoint (``tts-models random-full``):
 
 - LLM, for each engine variant (CUDA graphs over whole slots; over attention spans; spans with the
   regions and sampler compiled by inductor): how many of 40 greedy tokens equal the eager engine's
@@ -15,11 +15,11 @@ On the full-size random checkpoint (``scripts/cosyvoice_models.py random-full``)
   vocoded from the recorded graphs against HiFT itself eagerly with the same noise (relative error
   of the waveform), both timed, and the time the graphs took to record.
 
-    python benchmarks/gpu_engine_check.py --out /tmp/check   # about a minute after the checkpoint
+    python -m benchmarks.gpu_engine_check --out /tmp/check   # about a minute after the checkpoint
     # token2wav alone, small graph buckets (writes only the flow and HiFT weights): ~1 minute
-    python benchmarks/gpu_engine_check.py --token2wav-only --graph-rows 4 --graph-frames 512 --counts 1,4
+    python -m benchmarks.gpu_engine_check --token2wav-only --graph-rows 4 --graph-frames 512 --counts 1,4
     # the same on the CPU in float32, eagerly (no graphs): ~2 minutes
-    python benchmarks/gpu_engine_check.py --token2wav-only --cpu --counts 1
+    python -m benchmarks.gpu_engine_check --token2wav-only --cpu --counts 1
 """
 
 from __future__ import annotations
@@ -39,19 +39,19 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from tts_backends.cosyvoice2 import config, vocab
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.hift_graphs import HiftGraphs
-from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES
-from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
-from tts_backends.cosyvoice2.random_checkpoint import (
+from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
     CONFIG_FILENAME,
     COSYVOICE_DIRNAME,
     ensure_checkpoint,
     full_size,
     module_states,
 )
-from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
+from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.model import config, vocab
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
+from tts_gateway.models.cosyvoice2.model.hift_stream import DEFAULT_MEL_CACHE_FRAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 

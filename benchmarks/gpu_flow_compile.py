@@ -2,7 +2,7 @@
 
 On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), fp16 flow, the GPU
 profiles' graphs (flow solve up to 32 rows and 1536 frames, HiFT up to 32 rows): token2wav is loaded
-without a compile backend and then with ``inductor`` (:mod:`tts_backends.cosyvoice2.flow_compile`:
+without a compile backend and then with ``inductor`` (:mod:`tts_gateway.models.cosyvoice2.engines.flow_compile`:
 the estimator's U-Net levels compiled with symbolic shapes before the graphs are recorded).
 For each it reports the load time (compile and graph capture), the milliseconds of ``--counts``
 streams' first chunks converted as one batch and of their chunks 100 tokens in (after a 4 s voice
@@ -13,8 +13,8 @@ the uncompiled one.
 ``--whole-estimator`` instead times the 10-step solve over ``--frames`` frames at 1 and 16 rows:
 eager, as one CUDA graph, and with the estimator compiled whole (static shapes) then recorded.
 
-    python benchmarks/gpu_flow_compile.py --out /tmp/compile                    # GPU: about 3 minutes
-    python benchmarks/gpu_flow_compile.py --whole-estimator --out /tmp/compile  # about 4 minutes
+    python -m benchmarks.gpu_flow_compile --out /tmp/compile                    # GPU: about 3 minutes
+    python -m benchmarks.gpu_flow_compile --whole-estimator --out /tmp/compile  # about 4 minutes
 """
 
 from __future__ import annotations
@@ -28,10 +28,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_engine_check import HIFT_HOPS, ROOT, _first_then_later, _flow_and_hift, _items, _relative, four_second_voice
 from torch._dynamo.utils import counters
 
-from tts_backends.cosyvoice2.token2wav import Token2Wav
+from benchmarks.gpu_engine_check import (
+    HIFT_HOPS,
+    ROOT,
+    _first_then_later,
+    _flow_and_hift,
+    _items,
+    _relative,
+    four_second_voice,
+)
+from tts_gateway.models.cosyvoice2.engines.token2wav import Token2Wav
 
 
 def _time(run: Callable[[], Any], repeats: int = 10) -> float:

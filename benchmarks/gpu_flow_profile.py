@@ -8,8 +8,8 @@ one conversion under ``torch.profiler``: how many GPU kernels ran, their summed 
 time, and the kernels that took the most. Many short kernels whose sum is close to the wall time mean
 the GPU is busy with launch-sized work: fusing them (a compiler) helps, more batching less so.
 
-    python benchmarks/gpu_flow_profile.py --out /tmp/flow      # GPU: about a minute after the checkpoint
-    python benchmarks/gpu_flow_profile.py --cpu --rows 1 --out /tmp/flow   # rehearsal, float32, eager
+    python -m benchmarks.gpu_flow_profile --out /tmp/flow      # GPU: about a minute after the checkpoint
+    python -m benchmarks.gpu_flow_profile --cpu --rows 1 --out /tmp/flow   # rehearsal, float32, eager
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gpu_engine_check import ROOT, _flow_and_hift, _synchronize, four_second_voice
 from torch.profiler import ProfilerActivity, profile
 
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+from benchmarks.gpu_engine_check import ROOT, _flow_and_hift, _synchronize, four_second_voice
+from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 
 def _first_chunks(rows: int, tag: str, prompt: VoicePrompt, tokens: np.ndarray) -> list[Conversion]:

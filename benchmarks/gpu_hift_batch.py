@@ -9,8 +9,8 @@ over the batch padded to the longest with each row's frames given (:meth:`HiFTGe
 costs, its audio wrong at each row's end). Also the largest difference of a padded row from the same
 chunk vocoded alone.
 
-    python benchmarks/gpu_hift_batch.py --out /tmp/hift      # GPU: under a minute
-    python benchmarks/gpu_hift_batch.py --out /tmp/hift --cpu --rows 2,4
+    python -m benchmarks.gpu_hift_batch --out /tmp/hift      # GPU: under a minute
+    python -m benchmarks.gpu_hift_batch --out /tmp/hift --cpu --rows 2,4
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_engine_check import ROOT, _flow_and_hift
 
-from tts_backends.cosyvoice2.config import load_config
-from tts_backends.cosyvoice2.hift import HiFTGenerator
-from tts_backends.cosyvoice2.hift_stream import DEFAULT_MEL_CACHE_FRAMES
+from benchmarks.gpu_engine_check import ROOT, _flow_and_hift
+from tts_gateway.models.cosyvoice2.model.config import load_config
+from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
+from tts_gateway.models.cosyvoice2.model.hift_stream import DEFAULT_MEL_CACHE_FRAMES
 
 REPEATS = 10
 

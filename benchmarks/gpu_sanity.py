@@ -8,8 +8,8 @@ and not silent, the first stream chunk's size, a stream as long as the offline c
 same seed. It reports first-chunk latency and total times, and which model processes hold
 CUDA memory (nvidia-smi), and exits non-zero on any failure. A sanity proof, not a benchmark.
 
-    python benchmarks/gpu_sanity.py --workdir /tmp/gpu_sanity
-    python benchmarks/gpu_sanity.py --cpu   # rehearsal without a GPU: same dtypes, devices on the CPU
+    python -m benchmarks.gpu_sanity --workdir /tmp/gpu_sanity
+    python -m benchmarks.gpu_sanity --cpu   # rehearsal without a GPU: same dtypes, devices on the CPU
 
 The model processes (nvidia-pytriton 0.7.0's Python backend stub) need numpy<2 and ignore
 PYTHONPATH: the project must be installed in the interpreter's environment (``pip install -e .``).
@@ -37,15 +37,14 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from app.embedded_triton import EmbeddedTriton, EmbeddedTritonError
-from tts_backends import contract
-from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
-from tts_backends.triton_logging import STACK_DUMP_SIGNAL
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.models import contract
+from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
+from tts_gateway.models.triton_logging import STACK_DUMP_SIGNAL
+from tts_gateway.paths import REFERENCE_VOICES
+from tts_gateway.tools import model_prep
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cosyvoice_models  # noqa: E402
 
 MODEL = "cosyvoice2"
 SAMPLE_RATE = 24_000
@@ -87,14 +86,14 @@ class Timed:
 
 def load_voice(name: str) -> Voice:
     """A reference recording (16-bit PCM WAV) as 6 s of 16 kHz float32, with its transcript."""
-    with wave.open(str(ROOT / "ref_audios" / f"{name}.wav"), "rb") as wav:
+    with wave.open(str(REFERENCE_VOICES / f"{name}.wav"), "rb") as wav:
         if wav.getsampwidth() != 2:
             raise SanityError(f"{name}.wav is not 16-bit PCM")
         frames = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").reshape(-1, wav.getnchannels())
         rate = wav.getframerate()
     mono = frames.astype(np.float32).mean(axis=1) / 32768.0
     resampled = soxr.resample(mono, rate, contract.REFERENCE_SAMPLE_RATE).astype(np.float32)
-    text = (ROOT / "ref_audios" / f"{name}.txt").read_text(encoding="utf-8").strip()
+    text = (REFERENCE_VOICES / f"{name}.txt").read_text(encoding="utf-8").strip()
     return Voice(name, resampled[: 6 * contract.REFERENCE_SAMPLE_RATE], text)
 
 
@@ -222,7 +221,7 @@ def model_processes(repository: Path) -> dict[int, str]:
 
 def dump_stub_stacks(repository: Path, settle_s: float = 2.0) -> None:
     """Have every model stub of ``repository`` write its threads' Python stacks to the server's log
-    (``tts_backends.triton_logging.enable_stack_dumps``), and give them ``settle_s`` to do so."""
+    (``tts_gateway.models.triton_logging.enable_stack_dumps``), and give them ``settle_s`` to do so."""
     stubs = model_processes(repository)
     for pid in stubs:
         with contextlib.suppress(ProcessLookupError):
@@ -316,7 +315,7 @@ def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup
     repository = workdir / "repository"
     sets = [*SINGLE_INSTANCES, *(CPU_DEVICES if cpu else ()), *overrides]
     args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
-    if cosyvoice_models.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
+    if model_prep.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
         raise SanityError("rendering the repository failed")
     print(f"tiny checkpoint and {profile} repository ready in {time.perf_counter() - started:.1f} s ({workdir})")
     for name in GPU_MODELS:

@@ -1,6 +1,6 @@
 """Where a streamed request's first chunk spends its time, from the models' stage traces.
 
-The server runs with ``TTS_STAGE_TRACE_DIR`` set (``tts_backends/stage_trace.py``): the orchestrator
+The server runs with ``TTS_STAGE_TRACE_DIR`` set (``tts_gateway/models/stage_trace.py``): the orchestrator
 records when a request started, had its voice prompt, saw its first LLM token, reached its first
 hop and sent its first chunk (keyed by its token2wav session id, with the Triton request id); the
 LLM records when the request was submitted, admitted (prefill starts) and drew its first token
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tts_backends.stage_trace import read_traces
+from tts_gateway.models.stage_trace import read_traces
 
 STAGES = (
     ("to_orchestrator", "client send -> orchestrator starts (gRPC, Triton queue, stream worker)"),

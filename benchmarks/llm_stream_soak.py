@@ -4,12 +4,12 @@ A scripted LLM model sends tokens the way ``llm_torch`` does (one engine thread,
 outbox lanes, cancellation watched), and an orchestrator model runs ``--threads`` threads that each
 open ``--per-round`` streams one after another (a fifth of them left after three responses). With
 ``--transport bls`` the orchestrator reads them as decoupled BLS streams, as it did before
-``llm_grpc.py``; with ``grpc`` through :class:`~tts_backends.cosyvoice2.llm_grpc.TritonLLMStreams`.
+``llm_grpc.py``; with ``grpc`` through :class:`~tts_gateway.models.cosyvoice2.orchestrator.llm_grpc.TritonLLMStreams`.
 A round that does not finish within ``--round-timeout-s`` is a hang: the native stacks of the server
 and its stubs are written next to the report (``gdb``, where installed) and the run stops.
 
-    python benchmarks/llm_stream_soak.py --transport bls --out /tmp/soak-bls
-    python benchmarks/llm_stream_soak.py --transport grpc --out /tmp/soak-grpc
+    python -m benchmarks.llm_stream_soak --transport bls --out /tmp/soak-bls
+    python -m benchmarks.llm_stream_soak --transport grpc --out /tmp/soak-grpc
 
 No GPU: the models are CPU-only scripts; the stub's locking is what is under test.
 """
@@ -21,19 +21,17 @@ import json
 import queue
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tests.e2e.gateway_process import cmdline, model_processes, tritonserver_pid
+from tests.fixtures.scripted_llm import LLM_CONFIG
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
-from app.embedded_triton import EmbeddedTriton  # noqa: E402
-from tests.e2e.gateway_process import cmdline, model_processes, tritonserver_pid  # noqa: E402
-from tests.fixtures.scripted_llm import LLM_CONFIG  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LLM_MODEL = """
 import threading
@@ -41,8 +39,8 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from tts_backends.cosyvoice2 import tensors
-from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox, TokenStream
+from tts_gateway.models.cosyvoice2 import tensors
+from tts_gateway.models.cosyvoice2.engines.llm_streams import CancellationWatch, Outbox, TokenStream
 
 
 class _Handle:
@@ -101,9 +99,9 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tts_backends.cosyvoice2 import tensors
-from tts_backends.cosyvoice2.llm_grpc import TritonLLMStreams, own_grpc_url
-from tts_backends.cosyvoice2.pipeline import LLMRequest
+from tts_gateway.models.cosyvoice2 import tensors
+from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams, own_grpc_url
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
 
 
 def _bls_stream(request, kept):

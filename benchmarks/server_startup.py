@@ -1,5 +1,5 @@
 """Where a Triton server's start went, from its log: when each model finished loading, and the load phases
-the backends logged meanwhile (weights, compiles, CUDA-graph recording; ``tts_backends/triton_logging.py``
+the backends logged meanwhile (weights, compiles, CUDA-graph recording; ``tts_gateway/models/triton_logging.py``
 writes them there)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import re
 # as transformers' "Loading weights" is) runs on into the next record.
 _LINE = re.compile(r'[IWE]\d{4} (\d\d):(\d\d):(\d\d(?:\.\d+)?) +\d+ [^\]]+\] "?(.*?)"?$')
 _LOADED = re.compile(r"successfully loaded '([^']+)'")
-# What tts_backends.triton_logging writes: "<model>: <logger name>: <message>".
-_BACKEND = re.compile(r"^([\w.-]+): tts_backends\.[\w.]+: (.*)$")
+# What tts_gateway.models.triton_logging writes: "<model>: <logger name>: <message>".
+_BACKEND = re.compile(r"^([\w.-]+): tts_gateway.models\.[\w.]+: (.*)$")
 
 
 def load_timeline(log_text: str) -> list[str]:

@@ -12,7 +12,7 @@
 
 Writes ``text-normalization.md`` and ``text-normalization.json`` to ``--out``.
 
-    python benchmarks/text_normalization.py --out docs/benchmarks/ [--repeats 50] [--rounds 5]
+    python -m benchmarks.text_normalization --out docs/benchmarks/ [--repeats 50] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_load import GatewayTarget, Sample, gateway_session
-from bench_stack import GatewayServer
-from bench_texts import TEXTS, BenchText
-
-from app.text_normalization import TextNormalizer
-from app.text_splitting import split_sentences
+from benchmarks.bench_load import GatewayTarget, Sample, gateway_session
+from benchmarks.bench_stack import GatewayServer
+from benchmarks.bench_texts import TEXTS, BenchText
+from tts_gateway.gateway.text_normalization import TextNormalizer
+from tts_gateway.gateway.text_splitting import split_sentences
 
 NUMBER_HEAVY = (
     "It costs $5 today.",
@@ -258,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_before": load_before,
         "load_after": _load(),
     }
-    command = "python benchmarks/text_normalization.py --out docs/benchmarks/"
+    command = "python -m benchmarks.text_normalization --out docs/benchmarks/"
     if (args.repeats, args.rounds, args.cores) != (50, 5, 2):
         command += f" --repeats {args.repeats} --rounds {args.rounds} --cores {args.cores}"
     args.out.mkdir(parents=True, exist_ok=True)

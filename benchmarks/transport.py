@@ -4,7 +4,7 @@ Starts the embedded Triton (cpu profile), sends the same requests to the decoupl
 ``piper_stream`` model both ways, and prints first-chunk latency, total time and the
 bytes that crossed the socket per second of audio.
 
-    python benchmarks/transport.py [--requests 20]
+    python -m benchmarks.transport [--requests 20]
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.embedded_triton import EmbeddedTriton
-from app.triton_client import TritonClient
-from tts_backends.model_repository import render_repository
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.models.model_repository import render_repository
+from tts_gateway.paths import TRITON_REPOSITORY
 
 TEXT = "Transport matters for streaming. Each chunk is a second or two of audio. Which wire carries it best?"
 MODEL = "piper_stream"
 SAMPLE_RATE = 22_050
-REPO = Path(__file__).resolve().parents[1] / "triton_repo"
+REPO = TRITON_REPOSITORY
 
 
 async def via_grpc(client: TritonClient) -> tuple[float, float, int, int]:

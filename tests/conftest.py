@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,11 +9,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
-from tts_backends.model_repository import render_repository
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models.model_repository import render_repository
+from tts_gateway.paths import TRITON_REPOSITORY
 
 if TYPE_CHECKING:
-    from tts_backends.cosyvoice2.tiny_checkpoint import TinyCheckpoint
+    from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import TinyCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def cpu_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("cpu_profile") / "models"
-    render_repository(ROOT / "triton_repo", "cpu", dest)
+    render_repository(TRITON_REPOSITORY, "cpu", dest)
     return dest
 
 
@@ -47,15 +47,13 @@ class CosyVoiceServer:
 def cosyvoice_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CosyVoiceServer]:
     """The cosyvoice2-cpu profile over a tiny random-weight checkpoint in the real format."""
     # Imported here: torch and the scripts are only needed by the tests that use this server.
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import cosyvoice_models
-
-    from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+    from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
+    from tts_gateway.tools import model_prep
 
     root = tmp_path_factory.mktemp("cosyvoice2")
     tiny = write_tiny_checkpoint(root / "models")
     repository = root / "repository"
-    code = cosyvoice_models.main(
+    code = model_prep.main(
         [
             "render",
             "--profile",

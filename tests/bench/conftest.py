@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
-from tts_backends.model_repository import render_repository
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models.model_repository import render_repository
+from tts_gateway.paths import TRITON_REPOSITORY
 
 ROOT = Path(__file__).resolve().parents[2]
-# The benchmark modules import each other as top-level modules, as `python benchmarks/bench.py` runs them.
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 FIXTURE_VALUES = {"audio_seconds": "1.0", "chunk_seconds": "0.25"}
 STREAM_FIRST_CHUNK_DELAY_MS = 100
@@ -26,7 +24,7 @@ def bench_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedT
         "bench_fixture": FIXTURE_VALUES,
         "bench_fixture_stream": {**FIXTURE_VALUES, "first_chunk_delay_ms": str(STREAM_FIRST_CHUNK_DELAY_MS)},
     }
-    render_repository(ROOT / "triton_repo", "bench", root / "models", overrides)
+    render_repository(TRITON_REPOSITORY, "bench", root / "models", overrides)
     server = EmbeddedTriton(root / "models", workdir=root)
     server.start()
     yield server

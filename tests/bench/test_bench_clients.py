@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_load import DirectPlan, DirectSpec, client_processes, rss_mb, split, tree_rss_mb
-from bench_stack import format_cpus, parse_cpus, pinned
-from bench_stats import summarize
-from bench_texts import BenchText
 
-from app.embedded_triton import EmbeddedTriton
+from benchmarks.bench_load import DirectPlan, DirectSpec, client_processes, rss_mb, split, tree_rss_mb
+from benchmarks.bench_stack import format_cpus, parse_cpus, pinned
+from benchmarks.bench_stats import summarize
+from benchmarks.bench_texts import BenchText
 from tests.bench.conftest import FIXTURE_VALUES, STREAM_FIRST_CHUNK_DELAY_MS
-from tts_backends import contract
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models import contract
 
 TEXT = BenchText("one", "en", "Hello there.")
 SENTENCE = {contract.TARGET_TEXT: TEXT.text, contract.VOICE: "tone"}

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
-from app.errors import InvalidRequestError
-from app.triton_client import TritonClient
 from tests.bench.conftest import STREAM_FIRST_CHUNK_DELAY_MS
-from tts_backends import contract
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.errors import InvalidRequestError
+from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton
 

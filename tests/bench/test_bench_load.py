@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 import tritonclient.grpc.aio as grpcclient
-from bench_load import DirectTarget
-from bench_texts import BenchText
 
-from app.embedded_triton import EmbeddedTriton
+from benchmarks.bench_load import DirectTarget
+from benchmarks.bench_texts import BenchText
 from tests.bench.conftest import STREAM_FIRST_CHUNK_DELAY_MS
-from tts_backends import contract
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import bench
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
+from benchmarks import bench
 from tests.bench.conftest import STREAM_FIRST_CHUNK_DELAY_MS
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

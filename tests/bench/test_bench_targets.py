@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 # benchmarks/ is on sys.path (conftest.py), as when bench.py runs.
-from bench_report import check_targets, markdown, targets_json
-from bench_stats import ratios
+from benchmarks.bench_report import check_targets, markdown, targets_json
+from benchmarks.bench_stats import ratios
 
 
 def stats(total_p50: float, first_p50: float, rps: float, rss: float | None = None) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def test_each_target_passes_fails_or_is_not_measured() -> None:
 def test_markdown_shows_the_verdicts() -> None:
     data = report()
     data.update(
-        command="python benchmarks/bench.py",
+        command="python -m benchmarks.bench",
         started="2026-01-01T00:00:00+00:00",
         machine={"cpu": "x", "cpus_usable": 2, "memory_gib": 8, "system": "L", "python": "3.11", "load_average": "0"},
         targets=targets_json(check_targets(data, "bench_fixture")),

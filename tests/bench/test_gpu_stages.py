@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # benchmarks/ is on sys.path (conftest.py), as when the benchmarks run.
-from gpu_cosyvoice2 import _first_hop_cell
-from gpu_stages import first_hops
-
-from tts_backends.stage_trace import StageTrace
+from benchmarks.gpu_cosyvoice2 import _first_hop_cell
+from benchmarks.gpu_stages import first_hops
+from tts_gateway.models.stage_trace import StageTrace
 
 
 def test_first_hops_of_the_passes_own_streams(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 # benchmarks/ is on sys.path (conftest.py), as when the benchmarks run.
-from gpu_cosyvoice2 import PassResult, RequestResult, _stalls, playback_stall_s
+from benchmarks.gpu_cosyvoice2 import PassResult, RequestResult, _stalls, playback_stall_s
 
 
 def test_chunks_that_arrive_before_the_audio_runs_out_do_not_stall() -> None:

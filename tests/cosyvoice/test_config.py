@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tts_backends.cosyvoice2.config import (
+from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import OFFICIAL_CONFIG_FILE
+from tts_gateway.models.cosyvoice2.model.config import (
     ConfigError,
     CosyVoice2Config,
     Ref,
@@ -17,7 +18,6 @@ from tts_backends.cosyvoice2.config import (
     tiny_config,
     write_config,
 )
-from tts_backends.cosyvoice2.random_checkpoint import OFFICIAL_CONFIG_FILE
 
 pytestmark = pytest.mark.cosyvoice
 

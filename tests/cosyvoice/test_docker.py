@@ -10,17 +10,15 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from tts_gateway.tools import model_prep
 
-import cosyvoice_models  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -59,8 +57,7 @@ def test_gateway_waits_for_triton_and_reaches_its_grpc_port(compose: dict[str, A
     assert gateway["build"]["target"] == "gateway"
     assert gateway["depends_on"]["triton"]["condition"] == "service_healthy"
     assert gateway["environment"]["TTS_TRITON_URL"] == "triton:8001"
-    assert any(v.startswith("./ref_audios:") for v in gateway["volumes"])
-    assert (ROOT / "ref_audios").is_dir()
+    assert any(v.startswith("voices:") for v in gateway["volumes"])
     assert any(str(port).endswith(":8080") for port in gateway["ports"])
 
 
@@ -69,8 +66,9 @@ def test_triton_image_is_pinned_and_its_entrypoint_is_a_valid_launch(dockerfile:
     assert images == ["nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3"]
     entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, flags=re.M).group(1))  # type: ignore[union-attr]
     command = json.loads(re.search(r"^CMD (\[.*\])$", dockerfile, flags=re.M).group(1))  # type: ignore[union-attr]
-    assert entrypoint[:2] == ["python3", "scripts/cosyvoice_models.py"]
-    args = cosyvoice_models.parser().parse_args(entrypoint[2:] + command)
+    # `tts-models` is the package's console script for model_prep.main.
+    assert entrypoint[0] == "tts-models"
+    args = model_prep.parser().parse_args(entrypoint[1:] + command)
     assert args.command == "launch" and args.prepare
     assert args.profile == "gpu-trtllm"
     assert args.models_root == Path("/models")

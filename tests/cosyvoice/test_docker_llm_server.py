@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tts_backends.model_repository import load_profiles
+from tts_gateway.models.model_repository import load_profiles
+from tts_gateway.paths import TRITON_REPOSITORY
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -64,7 +65,7 @@ def test_triton_profile_points_the_orchestrator_at_the_llm_service(compose: dict
     triton = compose["services"]["triton"]
     assert triton["command"] == ["--profile", "gpu-llm-server"]
     llm_command = compose["services"]["llm"]["command"]
-    for model in load_profiles(ROOT / "triton_repo")["gpu-llm-server"].models:
+    for model in load_profiles(TRITON_REPOSITORY)["gpu-llm-server"].models:
         if model.source != "cosyvoice2":
             continue
         assert model.values["llm_urls"] == "http://llm:8000/v1"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from tts_backends.cosyvoice2 import features
+from tts_gateway.models.cosyvoice2.model import features
 
 pytestmark = pytest.mark.cosyvoice
 

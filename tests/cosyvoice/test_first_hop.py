@@ -1,10 +1,10 @@
-"""The first hop sized by recent gaps to the second chunk (tts_backends/cosyvoice2/first_hop.py)."""
+"""The first hop sized by recent gaps to the second chunk (tts_gateway/models/cosyvoice2/orchestrator/first_hop.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tts_backends.cosyvoice2.first_hop import AdaptiveFirstHop
+from tts_gateway.models.cosyvoice2.orchestrator.first_hop import AdaptiveFirstHop
 
 
 def test_the_ladder_doubles_up_to_the_largest_first_hop() -> None:

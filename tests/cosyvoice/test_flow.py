@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from tts_backends.cosyvoice2.config import FlowConfig, tiny_config
-from tts_backends.cosyvoice2.flow import CausalFlow
+from tts_gateway.models.cosyvoice2.model.config import FlowConfig, tiny_config
+from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
 
 pytestmark = pytest.mark.cosyvoice
 

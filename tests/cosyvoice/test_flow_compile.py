@@ -14,11 +14,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.cosyvoice.test_token2wav_batching import calls, tokens, voice
-from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
-from tts_backends.cosyvoice2.flow_compile import ALIGNED_FRAMES, compile_flow_levels
-from tts_backends.cosyvoice2.flow_decoder import UNetLevel
-from tts_backends.cosyvoice2.random_checkpoint import official_config
-from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import official_config
+from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_flow_levels
+from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
+from tts_gateway.models.cosyvoice2.model.flow_decoder import UNetLevel
 
 pytestmark = pytest.mark.cosyvoice
 

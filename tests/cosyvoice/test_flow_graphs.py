@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_backends.cosyvoice2.config import tiny_config
-from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
-from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs, row_buckets, segment_steps
+from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs, row_buckets, segment_steps
+from tts_gateway.models.cosyvoice2.model.config import tiny_config
+from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.config import tiny_config
-from tts_backends.cosyvoice2.flow import CausalFlow, FlowItem
-from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
-from tts_backends.cosyvoice2.flow_prefix import (
+from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
+from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.model.config import tiny_config
+from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
+from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     PrefixReplay,
     VoicePrefix,
     VoicePrefixCache,
@@ -22,8 +23,7 @@ from tts_backends.cosyvoice2.flow_prefix import (
     prefix_nbytes,
     voice_key,
 )
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 pytestmark = pytest.mark.cosyvoice
 

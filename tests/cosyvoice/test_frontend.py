@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tts_backends.cosyvoice2 import features, tiny_frontend, vocab
-from tts_backends.cosyvoice2.frontend import (
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.model import features, vocab
+from tts_gateway.models.cosyvoice2.model.frontend import (
     AudioTokenizer,
     SpeakerEmbedder,
     VoicePrompt,

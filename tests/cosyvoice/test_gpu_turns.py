@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tts_backends.cosyvoice2.gpu_turns import GpuTurns, YieldToFirstChunks
+from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns, YieldToFirstChunks
 
 
 def test_a_mark_held_in_another_process_is_seen_and_waited_for(tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_a_mark_held_in_another_process_is_seen_and_waited_for(tmp_path: Path) -
             textwrap.dedent(f"""
                 import sys, time
                 from pathlib import Path
-                from tts_backends.cosyvoice2.gpu_turns import GpuTurns
+                from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns
                 with GpuTurns(Path({str(path)!r})).hold(3):
                     print("holding", flush=True)
                     time.sleep(0.3)

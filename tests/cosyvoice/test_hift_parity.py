@@ -36,9 +36,9 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.config import HiftConfig, tiny_config
-from tts_backends.cosyvoice2.hift import HiFTGenerator
-from tts_backends.cosyvoice2.hift_stream import HiftStreamState
+from tts_gateway.models.cosyvoice2.model.config import HiftConfig, tiny_config
+from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
+from tts_gateway.models.cosyvoice2.model.hift_stream import HiftStreamState
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -11,8 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2ForCausalLM
 
-from tts_backends.cosyvoice2 import tiny_frontend, vocab
-from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.model import vocab
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 

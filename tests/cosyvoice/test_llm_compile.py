@@ -14,8 +14,8 @@ import pytest
 from torch._dynamo.utils import counters
 
 from tests.cosyvoice.test_llm_engine import GREEDY, SAMPLED, submit
-from tts_backends.cosyvoice2 import tiny_frontend
-from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tts_backends.cosyvoice2 import tiny_frontend, vocab
-from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
-from tts_backends.cosyvoice2.llm_engine import Generation, GenerationHandle
-from tts_backends.cosyvoice2.llm_streams import CancellationWatch, Outbox, TokenStream
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.engines.llm_engine import Generation, GenerationHandle
+from tts_gateway.models.cosyvoice2.engines.llm_streams import CancellationWatch, Outbox, TokenStream
+from tts_gateway.models.cosyvoice2.model import vocab
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from app.embedded_triton import EmbeddedTriton
 from tests.fixtures.scripted_llm import LLM_CONFIG
-from tts_backends.cosyvoice2 import vocab
-from tts_backends.cosyvoice2.llm_grpc import TritonLLMStreams
-from tts_backends.cosyvoice2.pipeline import LLMRequest
-from tts_backends.request_parsing import BackendUnavailableError
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models.cosyvoice2.model import vocab
+from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
+from tts_gateway.models.request_parsing import BackendUnavailableError
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.triton]
 
@@ -36,8 +36,8 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from tts_backends import contract
-from tts_backends.cosyvoice2 import tensors
+from tts_gateway.models import contract
+from tts_gateway.models.cosyvoice2 import tensors
 
 
 class TritonPythonModel:
@@ -77,9 +77,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tts_backends.cosyvoice2.llm_grpc import TritonLLMStreams, own_grpc_url
-from tts_backends.cosyvoice2.pipeline import LLMRequest
-from tts_backends.cosyvoice2.triton_stages import StageModels, TritonStages
+from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams, own_grpc_url
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
+from tts_gateway.models.cosyvoice2.orchestrator.triton_stages import StageModels, TritonStages
 
 
 class TritonPythonModel:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tts_backends.cosyvoice2.llm_sampling import SamplingRows, hash32, sample, seed_keys, uniforms, unit_interval
+from tts_gateway.models.cosyvoice2.engines.llm_sampling import (
+    SamplingRows,
+    hash32,
+    sample,
+    seed_keys,
+    uniforms,
+    unit_interval,
+)
 
 pytestmark = pytest.mark.cosyvoice
 

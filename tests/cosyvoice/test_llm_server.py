@@ -1,4 +1,4 @@
-"""The LLM stage on an OpenAI-compatible server (``tts_backends.cosyvoice2.llm_server``), over real servers.
+"""The LLM stage on an OpenAI-compatible server (``orchestrator/llm_server_client.py``), over real servers.
 
 ``transformers serve`` (the ``transformers`` dialect: text prompt, ``generation_config``) runs
 for real on the tiny checkpoint's LLM. vLLM and trtllm-serve do not run without a GPU; the
@@ -20,6 +20,7 @@ import pytest
 
 from tests.e2e.gateway_process import free_port
 from tests.llm_server_process import LLMServerProcess, established_connections
+from tts_gateway.paths import TRITON_REPOSITORY
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -31,7 +32,7 @@ PROMPT_TOKENS = [1, 2, 3, 4000, 6560]
 
 @pytest.fixture(scope="module")
 def llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+    from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "models").llm_dir
 
@@ -68,8 +69,8 @@ def token_id_servers(llm_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def _request(tokenizer: Any, *, seed: int = 7, min_new: int = 8, max_new: int = 24, temperature: float = 0.8) -> Any:
-    from tts_backends.cosyvoice2 import vocab
-    from tts_backends.cosyvoice2.pipeline import LLMRequest
+    from tts_gateway.models.cosyvoice2.model import vocab
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
 
     return LLMRequest(
         input_ids=vocab.build_prompt_ids(tokenizer, TRANSCRIPT, TEXT, PROMPT_TOKENS),
@@ -86,7 +87,11 @@ def _request(tokenizer: Any, *, seed: int = 7, min_new: int = 8, max_new: int = 
 
 
 def _client(tokenizer: Any, urls: list[str], api: str, **settings: Any) -> Any:
-    from tts_backends.cosyvoice2.llm_server import LLMServerAPI, LLMServerClient, LLMServerSettings
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import (
+        LLMServerAPI,
+        LLMServerClient,
+        LLMServerSettings,
+    )
 
     return LLMServerClient(LLMServerSettings(urls=tuple(urls), api=LLMServerAPI(api), **settings), tokenizer)
 
@@ -97,7 +102,7 @@ def _ids(client: Any, request: Any) -> list[int]:
 
 def _speech(ids: list[int]) -> list[int]:
     """The speech tokens the pipeline keeps: up to the first id that is not one."""
-    from tts_backends.cosyvoice2 import vocab
+    from tts_gateway.models.cosyvoice2.model import vocab
 
     tokens = []
     for token_id in ids:
@@ -159,7 +164,7 @@ def test_closing_the_generator_closes_the_http_stream(transformers_serve: LLMSer
 def test_a_dialect_the_server_does_not_speak_is_an_internal_error(
     transformers_serve: LLMServerProcess, tokenizer: Any
 ) -> None:
-    from tts_backends.cosyvoice2.llm_server import LLMServerError
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerError
 
     client = _client(tokenizer, [transformers_serve.url], "vllm")
     try:
@@ -170,9 +175,9 @@ def test_a_dialect_the_server_does_not_speak_is_an_internal_error(
 
 
 def test_user_text_spelling_a_control_token_cannot_travel_as_text(tokenizer: Any) -> None:
-    from tts_backends.cosyvoice2 import vocab
-    from tts_backends.cosyvoice2.llm_server import prompt_text
-    from tts_backends.request_parsing import ContractError
+    from tts_gateway.models.cosyvoice2.model import vocab
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import prompt_text
+    from tts_gateway.models.request_parsing import ContractError
 
     ids = vocab.build_prompt_ids(tokenizer, TRANSCRIPT, TEXT, PROMPT_TOKENS)
     assert tokenizer.encode(prompt_text(tokenizer, ids)) == ids
@@ -211,8 +216,8 @@ def test_token_ids_and_their_text_are_read_alike(token_id_servers: dict[str, Any
 
 
 def test_the_body_sends_the_sampling_fields_one_to_one(tokenizer: Any) -> None:
-    from tts_backends.cosyvoice2 import vocab
-    from tts_backends.cosyvoice2.llm_server import LLMServerAPI, completion_body
+    from tts_gateway.models.cosyvoice2.model import vocab
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerAPI, completion_body
 
     request = _request(tokenizer, seed=5, min_new=3, max_new=9)
     body = completion_body(request, LLMServerAPI.VLLM, model="m")
@@ -247,7 +252,7 @@ def test_the_body_sends_the_sampling_fields_one_to_one(tokenizer: Any) -> None:
 
 
 def test_a_prompt_beyond_the_context_is_the_callers_fault(token_id_servers: dict[str, Any], tokenizer: Any) -> None:
-    from tts_backends.request_parsing import ContractError
+    from tts_gateway.models.request_parsing import ContractError
 
     client = _client(tokenizer, [token_id_servers["text"].url], "vllm", model="cosyvoice2_llm")
     try:
@@ -288,7 +293,7 @@ def test_a_server_that_is_down_is_skipped_for_one_that_is_up(
 
 
 def test_no_server_up_is_unavailable_after_the_retries(tokenizer: Any) -> None:
-    from tts_backends.request_parsing import BackendUnavailableError
+    from tts_gateway.models.request_parsing import BackendUnavailableError
 
     client = _client(tokenizer, [f"http://127.0.0.1:{free_port()}/v1"], "transformers", retries=2, timeout_s=2.0)
     try:
@@ -357,7 +362,7 @@ def _token_chunk(token_id: int) -> dict[str, Any]:
 
 
 def test_a_429_is_retried_after_the_servers_retry_after(tokenizer: Any) -> None:
-    from tts_backends.cosyvoice2 import vocab
+    from tts_gateway.models.cosyvoice2.model import vocab
 
     tokens = [vocab.speech_token_to_id(k) for k in (5, 6, 7)]
     server = _ScriptedCompletions(
@@ -377,8 +382,8 @@ def test_a_429_is_retried_after_the_servers_retry_after(tokenizer: Any) -> None:
 
 
 def test_an_error_in_the_stream_after_tokens_is_unavailable_and_not_retried(tokenizer: Any) -> None:
-    from tts_backends.cosyvoice2 import vocab
-    from tts_backends.request_parsing import BackendUnavailableError
+    from tts_gateway.models.cosyvoice2.model import vocab
+    from tts_gateway.models.request_parsing import BackendUnavailableError
 
     token = vocab.speech_token_to_id(5)
     server = _ScriptedCompletions([(200, {}, [_token_chunk(token), {"error": {"message": "engine died"}}])])
@@ -395,7 +400,7 @@ def test_an_error_in_the_stream_after_tokens_is_unavailable_and_not_retried(toke
 
 
 def test_a_stream_of_something_else_than_completion_chunks_is_the_servers_fault(tokenizer: Any) -> None:
-    from tts_backends.cosyvoice2.llm_server import LLMServerError
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerError
 
     server = _ScriptedCompletions([(200, {}, ['"not a chunk"', "[DONE]"])])
     client = _client(tokenizer, [server.url], "vllm", retries=0)
@@ -411,8 +416,8 @@ def test_a_stream_of_something_else_than_completion_chunks_is_the_servers_fault(
 
 
 def test_spelt_tokens_are_read_across_piece_boundaries_and_plain_text_ends_speech(tokenizer: Any) -> None:
-    from tts_backends.cosyvoice2 import vocab
-    from tts_backends.cosyvoice2.llm_server import NOT_SPEECH, SpeechTokenText
+    from tts_gateway.models.cosyvoice2.model import vocab
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import NOT_SPEECH, SpeechTokenText
 
     text = SpeechTokenText(tokenizer.get_added_vocab())
     assert text.feed("<|s_1|><|s_") == [vocab.speech_token_to_id(1)]
@@ -430,11 +435,11 @@ def test_llm_server_profiles_deploy_every_stage_but_the_llm(profile: str, tmp_pa
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from tts_backends.cosyvoice2.llm_server import LLMServerSettings
-    from tts_backends.cosyvoice2.pipeline import PipelineSettings
-    from tts_backends.model_repository import render_repository
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerSettings
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import PipelineSettings
+    from tts_gateway.models.model_repository import render_repository
 
-    names = render_repository(REPO_ROOT / "triton_repo", profile, tmp_path)
+    names = render_repository(TRITON_REPOSITORY, profile, tmp_path)
     assert sorted(names) == ["audio_tokenizer", "cosyvoice2", "cosyvoice2_stream", "speaker_embedding", "token2wav"]
     for name in ("cosyvoice2", "cosyvoice2_stream"):
         config = text_format.Parse((tmp_path / name / "config.pbtxt").read_text(), mc.ModelConfig())
@@ -448,10 +453,10 @@ def test_llm_server_profiles_deploy_every_stage_but_the_llm(profile: str, tmp_pa
 
 
 def test_in_triton_profiles_name_no_llm_server() -> None:
-    from tts_backends.cosyvoice2.llm_server import LLMServerSettings
-    from tts_backends.model_repository import load_profiles
+    from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerSettings
+    from tts_gateway.models.model_repository import load_profiles
 
     for profile in ("cosyvoice2-cpu", "gpu-trtllm", "gpu-torch"):
-        for model in load_profiles(REPO_ROOT / "triton_repo")[profile].models:
+        for model in load_profiles(TRITON_REPOSITORY)[profile].models:
             if model.source == "cosyvoice2":
                 assert LLMServerSettings.from_parameters(model.values, max_connections=1) is None

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2 import vocab
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.pipeline import (
+from tts_gateway.models.cosyvoice2.model import vocab
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import (
     CosyVoice2Pipeline,
     LLMRequest,
     PipelineSettings,
@@ -29,8 +29,8 @@ from tts_backends.cosyvoice2.pipeline import (
     SynthesisError,
     Token2WavRequest,
 )
-from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
-from tts_backends.request_parsing import BackendUnavailableError, ContractError, SpeechRequest
+from tts_gateway.models.cosyvoice2.orchestrator.streaming import HopPolicy, HopSchedule
+from tts_gateway.models.request_parsing import BackendUnavailableError, ContractError, SpeechRequest
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
+from tts_gateway.models.cosyvoice2.engines.playback_guard import PlaybackGuard
 
 
 def test_a_fixed_guard_keeps_its_horizon_whatever_the_groups_take() -> None:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tts_backends.cosyvoice2.prompt_cache import CacheStats, PromptCache, voice_key
+from tts_gateway.models.cosyvoice2.orchestrator.prompt_cache import CacheStats, PromptCache, voice_key
 
 pytestmark = pytest.mark.cosyvoice
 

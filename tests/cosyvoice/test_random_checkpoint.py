@@ -12,12 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tts_backends.cosyvoice2 import vocab
-from tts_backends.cosyvoice2.config import load_config
-from tts_backends.cosyvoice2.flow import CausalFlow
-from tts_backends.cosyvoice2.hift import HiFTGenerator
-from tts_backends.cosyvoice2.llm import SamplingParams, TorchSpeechLLM
-from tts_backends.cosyvoice2.random_checkpoint import (
+from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
     FLOW_FILENAME,
     FULL_STOP_LOGIT,
     HIFT_FILENAME,
@@ -27,8 +22,13 @@ from tts_backends.cosyvoice2.random_checkpoint import (
     full_size,
     module_states,
 )
-from tts_backends.cosyvoice2.tiny_checkpoint import tiny_size
-from tts_backends.cosyvoice2.tiny_frontend import llm_state, tiny_llm_config, write_llm
+from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import tiny_size
+from tts_gateway.models.cosyvoice2.checkpoints.tiny_frontend import llm_state, tiny_llm_config, write_llm
+from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.model import vocab
+from tts_gateway.models.cosyvoice2.model.config import load_config
+from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
+from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
 
 pytestmark = pytest.mark.cosyvoice
 

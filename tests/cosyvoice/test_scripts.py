@@ -21,16 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.cuda_mps import PIPE_VARIABLE
 from tests.unit.test_cuda_mps import calls, stand_in
-from tts_backends import contract
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import cosyvoice_models  # noqa: E402
-import hub_download  # noqa: E402
-import trtllm_engine  # noqa: E402
+from tts_gateway.gateway.cuda_mps import PIPE_VARIABLE
+from tts_gateway.models import contract
+from tts_gateway.tools import hub_download, model_prep, trtllm_engine
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -322,7 +316,7 @@ def test_checkpoint_fingerprint_follows_config_and_weights(tmp_path: Path) -> No
 
 def test_render_moves_model_paths_under_the_given_root(tmp_path: Path) -> None:
     dest = tmp_path / "repo"
-    code = cosyvoice_models.main(
+    code = model_prep.main(
         [
             "render",
             "--profile",
@@ -345,17 +339,24 @@ def test_render_moves_model_paths_under_the_given_root(tmp_path: Path) -> None:
 
 
 def test_bad_override_is_reported_not_raised(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = cosyvoice_models.main(
-        ["render", "--profile", "cosyvoice2-cpu", "--dest", str(tmp_path), "--set", "llm.nope=1"]
-    )
+    code = model_prep.main(["render", "--profile", "cosyvoice2-cpu", "--dest", str(tmp_path), "--set", "llm.nope=1"])
     assert code == 1
     assert "unknown keys ['nope']" in capsys.readouterr().err
 
 
 def launch_command(repo: Path, *options: str) -> list[str]:
-    """``cosyvoice_models.py launch`` of the CPU profile into ``repo``."""
-    script = str(SCRIPTS / "cosyvoice_models.py")
-    return [sys.executable, script, "launch", "--profile", "cosyvoice2-cpu", "--repo", str(repo), *options]
+    """``tts-models launch`` of the CPU profile into ``repo``."""
+    return [
+        sys.executable,
+        "-m",
+        "tts_gateway.tools.model_prep",
+        "launch",
+        "--profile",
+        "cosyvoice2-cpu",
+        "--repo",
+        str(repo),
+        *options,
+    ]
 
 
 def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from tts_backends.cosyvoice2.hift_stream import HiftStreamState, hamming_crossfade
-from tts_backends.cosyvoice2.streaming import HopPolicy, HopSchedule
+from tts_gateway.models.cosyvoice2.model.hift_stream import HiftStreamState, hamming_crossfade
+from tts_gateway.models.cosyvoice2.orchestrator.streaming import HopPolicy, HopSchedule
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -13,12 +13,13 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tts_backends import contract
-from tts_backends.model_repository import TemplateError, load_profiles, render_repository
+from tts_gateway.models import contract
+from tts_gateway.models.model_repository import TemplateError, load_profiles, render_repository
+from tts_gateway.paths import TRITON_REPOSITORY
 
 pytestmark = pytest.mark.cosyvoice
 
-SOURCE = Path(__file__).resolve().parents[2] / "triton_repo"
+SOURCE = TRITON_REPOSITORY
 COSYVOICE_PROFILES = ("cosyvoice2-cpu", "gpu-trtllm", "gpu-torch")
 
 
@@ -98,7 +99,7 @@ def test_offline_and_stream_deployments_differ_only_in_decoupling_and_speed(
 def test_orchestrator_parameters_build_pipeline_settings(
     rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
 ) -> None:
-    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import PipelineSettings
 
     configs = rendered[profile]
     params = _params(configs["cosyvoice2"])
@@ -117,8 +118,8 @@ def _llm_config(configs: dict[str, mc.ModelConfig]) -> mc.ModelConfig:
 def test_llm_model_accepts_what_the_orchestrator_sends(
     rendered: dict[str, dict[str, mc.ModelConfig]], profile: str
 ) -> None:
-    from tts_backends.cosyvoice2 import tensors
-    from tts_backends.cosyvoice2.pipeline import LLMRequest
+    from tts_gateway.models.cosyvoice2 import tensors
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
 
     llm = _llm_config(rendered[profile])
     assert llm.model_transaction_policy.decoupled, "the orchestrator always streams from the LLM"
@@ -189,7 +190,7 @@ def test_tensorrt_llm_config_matches_the_backend(rendered: dict[str, dict[str, m
 
 @pytest.mark.parametrize("profile", COSYVOICE_PROFILES)
 def test_voice_models_match_the_orchestrator(rendered: dict[str, dict[str, mc.ModelConfig]], profile: str) -> None:
-    from tts_backends.cosyvoice2 import tensors
+    from tts_gateway.models.cosyvoice2 import tensors
 
     configs = rendered[profile]
     params = _params(configs["cosyvoice2"])
@@ -237,7 +238,7 @@ def test_token2wav_records_hift_for_the_hops_the_orchestrators_make(
 ) -> None:
     """The first 20 non-final chunks, caught up or not, are shapes the HiFT graphs hold (else vocoded
     eagerly), and every recorded shape is one of them (else its graphs cost start-up and memory for nothing)."""
-    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import PipelineSettings
 
     checked = 0
     for profile, configs in rendered.items():
@@ -261,7 +262,7 @@ def test_the_llm_yields_only_to_requests_past_their_own_first_chunk(
     rendered: dict[str, dict[str, mc.ModelConfig]],
 ) -> None:
     """yield_after_tokens is the tokens the orchestrator needs for a first chunk: its first hop plus the look-ahead."""
-    from tts_backends.cosyvoice2.pipeline import PipelineSettings
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import PipelineSettings
 
     checked = 0
     for profile, configs in rendered.items():

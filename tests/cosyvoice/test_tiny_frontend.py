@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
-from tts_backends.cosyvoice2 import tiny_frontend, vocab
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.model import vocab
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.token2wav import StreamStateError, Token2Wav
+from tts_gateway.models.cosyvoice2.engines.token2wav import StreamStateError, Token2Wav
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.token2wav import Conversion, StreamStateError, Token2Wav
+from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, StreamStateError, Token2Wav
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -222,8 +222,8 @@ def test_calls_of_different_lengths_are_vocoded_in_one_call_per_excitation_cache
 
 def test_a_mel_much_longer_than_the_rest_is_vocoded_apart() -> None:
     """Padding short chunks to one long final chunk would cost more than the call it saves."""
-    from tts_backends.cosyvoice2.hift import ExcitationNoise
-    from tts_backends.cosyvoice2.token2wav import _padding_batches
+    from tts_gateway.models.cosyvoice2.engines.token2wav import _padding_batches
+    from tts_gateway.models.cosyvoice2.model.hift import ExcitationNoise
 
     def part(index: int, rows: int, frames: int) -> tuple[list[int], torch.Tensor, ExcitationNoise, None]:
         return [index], torch.zeros(rows, 80, frames), ExcitationNoise(torch.zeros(0), torch.zeros(0)), None

@@ -15,11 +15,10 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_backends.cosyvoice2.flow_graphs import FlowSolverGraphs
-from tts_backends.cosyvoice2.frontend import VoicePrompt
-from tts_backends.cosyvoice2.playback_guard import PlaybackGuard
-from tts_backends.cosyvoice2.token2wav import Audio, Conversion, Token2Wav
-from tts_backends.cosyvoice2.token2wav_queue import (
+from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
+from tts_gateway.models.cosyvoice2.engines.playback_guard import PlaybackGuard
+from tts_gateway.models.cosyvoice2.engines.token2wav import Audio, Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.engines.token2wav_queue import (
     ConversionQueue,
     Converted,
     GroupFailed,
@@ -27,6 +26,7 @@ from tts_backends.cosyvoice2.token2wav_queue import (
     Queued,
     take_group,
 )
+from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 VOICE = VoicePrompt(
     speech_tokens=np.arange(10),

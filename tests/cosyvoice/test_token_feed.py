@@ -10,7 +10,7 @@ from collections.abc import Generator
 
 import pytest
 
-from tts_backends.cosyvoice2.token_feed import LLMStalled, StopSignal, TokenFeed
+from tts_gateway.models.cosyvoice2.orchestrator.token_feed import LLMStalled, StopSignal, TokenFeed
 
 pytestmark = pytest.mark.cosyvoice
 

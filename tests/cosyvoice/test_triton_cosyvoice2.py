@@ -11,7 +11,6 @@ that a cancelled stream stops working.
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import CosyVoiceServer
-from tts_backends import contract
+from tts_gateway.models import contract
+from tts_gateway.paths import REFERENCE_VOICES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,9 +56,9 @@ def server(cosyvoice_server: CosyVoiceServer) -> CosyVoiceServer:
 def voices() -> tuple[Voice, Voice]:
     loaded = []
     for name in ("harbor", "lumen"):
-        audio, rate = sf.read(ROOT / "ref_audios" / f"{name}.wav", dtype="float32", always_2d=True)
+        audio, rate = sf.read(REFERENCE_VOICES / f"{name}.wav", dtype="float32", always_2d=True)
         wav = soxr.resample(audio.mean(axis=1), rate, contract.REFERENCE_SAMPLE_RATE).astype(np.float32)
-        text = (ROOT / "ref_audios" / f"{name}.txt").read_text(encoding="utf-8").strip()
+        text = (REFERENCE_VOICES / f"{name}.txt").read_text(encoding="utf-8").strip()
         loaded.append(Voice(wav[: 6 * contract.REFERENCE_SAMPLE_RATE], text))
     return loaded[0], loaded[1]
 
@@ -257,8 +257,9 @@ def test_cancelled_stream_stops_converting(server: CosyVoiceServer, voices: tupl
 
 def _llm_ids(server: CosyVoiceServer, *, streaming: bool) -> list[list[int]]:
     """The ids of each response of the ``llm`` model to one seeded request (its TensorRT-LLM tensors)."""
-    from tts_backends.cosyvoice2 import tensors, vocab
-    from tts_backends.cosyvoice2.pipeline import LLMRequest
+    from tts_gateway.models.cosyvoice2 import tensors
+    from tts_gateway.models.cosyvoice2.model import vocab
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
 
     request = LLMRequest(
         input_ids=[vocab.SOS_ID, 300, 301, 302, vocab.TASK_ID_ID],
@@ -306,9 +307,9 @@ def test_the_llm_streams_its_tokens_in_order_each_response_carrying_new_ones(ser
 
 def test_token2wav_answers_each_call_of_a_batch_on_its_own(server: CosyVoiceServer) -> None:
     """Calls sent together: the good ones get their audio, the one out of step its own error."""
-    from tts_backends.cosyvoice2 import tensors
-    from tts_backends.cosyvoice2.frontend import VoicePrompt
-    from tts_backends.cosyvoice2.pipeline import Token2WavRequest
+    from tts_gateway.models.cosyvoice2 import tensors
+    from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
+    from tts_gateway.models.cosyvoice2.orchestrator.pipeline import Token2WavRequest
 
     rng = np.random.default_rng(0)
     prompt = VoicePrompt(
@@ -344,12 +345,13 @@ def test_token2wav_answers_each_call_of_a_batch_on_its_own(server: CosyVoiceServ
 
 def test_the_models_write_their_load_phases_to_the_server_log(server: CosyVoiceServer) -> None:
     """The backends' log records reach Triton's log, named by model; the benchmark reads the start from them."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from server_startup import load_timeline
+    from benchmarks.server_startup import load_timeline
 
     log = Path(server.triton.log_path).read_text(encoding="utf-8", errors="replace")
-    assert "token2wav: tts_backends.cosyvoice2.token2wav: flow and HiFT weights loaded onto cpu in " in log
-    assert "llm: tts_backends.cosyvoice2.llm: LLM weights loaded onto cpu in " in log
+    assert (
+        "token2wav: tts_gateway.models.cosyvoice2.engines.token2wav: flow and HiFT weights loaded onto cpu in " in log
+    )
+    assert "llm: tts_gateway.models.cosyvoice2.engines.llm: LLM weights loaded onto cpu in " in log
     timeline = load_timeline(log)
     weights = next(i for i, event in enumerate(timeline) if "token2wav: flow and HiFT weights loaded" in event)
     loaded = timeline.index(next(event for event in timeline if event.endswith(" token2wav: loaded")))

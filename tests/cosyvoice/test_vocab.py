@@ -7,7 +7,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
-from tts_backends.cosyvoice2 import tiny_frontend, vocab
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.model import vocab
 
 pytestmark = pytest.mark.cosyvoice
 

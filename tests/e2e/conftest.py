@@ -10,8 +10,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from openai import AsyncOpenAI, OpenAI
 
-from app.embedded_triton import EmbeddedTriton
 from tests.e2e.gateway_process import GatewayProcess
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import tritonclient.grpc as grpcclient
 
-from app.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 
 def processes_under(directory: Path) -> list[int]:
@@ -125,7 +125,7 @@ class GatewayProcess:
         env = {**os.environ, "TTS_LOG_LEVEL": "info", **self._env}
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "app", "serve", "--port", str(self.port), *self._args],
+                [sys.executable, "-m", "tts_gateway", "serve", "--port", str(self.port), *self._args],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

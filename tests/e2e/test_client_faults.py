@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
 from tests.e2e.gateway_process import (
     GatewayProcess,
     SlowReader,
@@ -20,7 +19,9 @@ from tests.e2e.gateway_process import (
     rss_bytes,
     stream_requests_seen,
 )
-from tts_backends.model_repository import parse_overrides, render_repository
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models.model_repository import parse_overrides, render_repository
+from tts_gateway.paths import TRITON_REPOSITORY
 
 pytestmark = pytest.mark.triton
 
@@ -113,7 +114,7 @@ def tone_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayPr
     """
     root = tmp_path_factory.mktemp("tone")
     overrides = [f"bench_fixture_stream.audio_seconds={TONE_SECONDS}", f"bench_fixture_stream.chunk_seconds={CHUNK}"]
-    render_repository(ROOT / "triton_repo", "bench", root / "models", parse_overrides(overrides))
+    render_repository(TRITON_REPOSITORY, "bench", root / "models", parse_overrides(overrides))
     with EmbeddedTriton(root / "models", workdir=root / "triton") as triton:
         gateway = GatewayProcess(
             root / "gateway.log", {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(root / "voices")}

@@ -18,6 +18,7 @@ from openai import NotFoundError, OpenAI
 from tests.audio_checks import DecodedAudio, decode
 from tests.conftest import CosyVoiceServer
 from tests.e2e.gateway_process import GatewayProcess
+from tts_gateway.paths import REFERENCE_VOICES
 
 pytestmark = [pytest.mark.triton, pytest.mark.cosyvoice]
 
@@ -106,7 +107,7 @@ def test_instructions_reach_the_model(cosy_client: OpenAI) -> None:
 def test_uploaded_voice_clones(cosy_gateway: GatewayProcess, cosy_client: OpenAI, transcript: str | None) -> None:
     name = "uploaded-with-text" if transcript else "uploaded-no-text"
     data = {"name": name} | ({"transcript": transcript} if transcript else {})
-    files = {"audio_sample": ("harbor.wav", (REPO_ROOT / "ref_audios" / "harbor.wav").read_bytes(), "audio/wav")}
+    files = {"audio_sample": ("harbor.wav", (REFERENCE_VOICES / "harbor.wav").read_bytes(), "audio/wav")}
     created = httpx.post(f"{cosy_gateway.url}/v1/audio/voices", data=data, files=files, timeout=60)
     assert created.status_code == 201, created.text
     audio = _pcm(cosy_client, voice=name)

@@ -9,7 +9,6 @@ start again. The tests run in file order: each leaves the LLM server up for the 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,10 +19,10 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import DecodedAudio, decode
 from tests.e2e.gateway_process import GatewayProcess, cpu_seconds, free_port
 from tests.llm_server_process import LLMServerProcess
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = [pytest.mark.triton, pytest.mark.cosyvoice]
 
@@ -51,10 +50,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    import cosyvoice_models
-
-    from tts_backends.cosyvoice2.tiny_checkpoint import write_tiny_checkpoint
+    from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
+    from tts_gateway.tools import model_prep
 
     root = tmp_path_factory.mktemp("cosyvoice2_llm_server")
     tiny = write_tiny_checkpoint(root / "models")
@@ -69,7 +66,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     overrides += ["--set", "token2wav.playback_guard_ms=auto", "--set", "token2wav.gather_ms=12"]
     repository = root / "repository"
     args = ["render", "--profile", "cosyvoice2-cpu-llm-server", "--dest", str(repository)]
-    assert cosyvoice_models.main([*args, "--models-root", str(root / "models"), *overrides]) == 0
+    assert model_prep.main([*args, "--models-root", str(root / "models"), *overrides]) == 0
     triton = EmbeddedTriton(repository, workdir=root, startup_timeout=300.0)
     triton.start()
     env = {

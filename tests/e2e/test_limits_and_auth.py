@@ -20,10 +20,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess
 from tests.fixtures.scripted_triton import TONE_SECONDS, start_scripted_triton
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

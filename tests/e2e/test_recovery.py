@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, crash, free_ports
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

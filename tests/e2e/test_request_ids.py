@@ -10,9 +10,9 @@ import pytest
 import tritonclient.http as httpclient
 from openai import OpenAI
 
-from app.embedded_triton import EmbeddedTriton
 from tests.e2e.gateway_process import GatewayProcess
 from tests.fixtures.scripted_triton import start_scripted_triton
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

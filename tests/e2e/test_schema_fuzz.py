@@ -21,11 +21,11 @@ from schemathesis.checks import (
     positive_data_acceptance,
 )
 
-from app.app_factory import create_app
-from app.embedded_triton import EmbeddedTriton
-from app.settings import Settings
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess
+from tts_gateway.gateway.app_factory import create_app
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.settings import Settings
 
 pytestmark = pytest.mark.triton
 

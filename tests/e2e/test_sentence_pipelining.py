@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
 from tests.fixtures.scripted_triton import TONE_SECONDS, start_scripted_triton
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

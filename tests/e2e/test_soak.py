@@ -21,9 +21,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess, rss_bytes
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

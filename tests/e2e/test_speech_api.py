@@ -12,9 +12,9 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from app.embedded_triton import EmbeddedTriton
 from tests.audio_checks import DecodedAudio, decode
 from tests.e2e.gateway_process import GatewayProcess
 from tests.speech_recognition import transcribe, which_was_said
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
 from tests.e2e.gateway_process import GatewayProcess, crash, free_ports, stream_requests_seen
 from tests.fixtures.scripted_triton import REPOSITORY, TONE_SECONDS
-from tts_backends.model_repository import render_repository
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.models.model_repository import render_repository
 
 pytestmark = pytest.mark.triton
 

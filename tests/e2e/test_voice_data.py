@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.embedded_triton import EmbeddedTriton
-from app.voice_registry import GENERATION_FILE, LOCK_FILE
 from tests.e2e.gateway_process import GatewayProcess
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.voice_registry import GENERATION_FILE, LOCK_FILE
 
 pytestmark = pytest.mark.triton
 

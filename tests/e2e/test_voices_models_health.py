@@ -13,6 +13,7 @@ from openai import OpenAI
 
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess
+from tts_gateway.paths import REFERENCE_VOICES
 
 pytestmark = pytest.mark.triton
 
@@ -70,7 +71,7 @@ def test_voice_listing_of_all_has_builtin_and_shipped_voices(gateway: GatewayPro
     for shipped in ("lumen", "harbor"):
         assert voices[shipped]["type"] == "reference"
         assert voices[shipped]["models"] == []
-        assert voices[shipped]["transcript"] == (REPO_ROOT / "ref_audios" / f"{shipped}.txt").read_text().strip()
+        assert voices[shipped]["transcript"] == (REFERENCE_VOICES / f"{shipped}.txt").read_text().strip()
         assert 1.0 < voices[shipped]["duration"] < 30.0
 
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
 from tests.fixtures.scripted_triton import start_scripted_triton
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from tts_backends.piper import PiperEngine
+from tts_gateway.models.piper import PiperEngine
 
 THREE_SENTENCES = "The quick brown fox jumps over the lazy dog. It was a sunny day! Did anyone notice?"
 WORDS = len(THREE_SENTENCES.split())

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from tts_backends import contract
-from tts_backends.request_parsing import ContractError, SpeechRequest, parse_speech_request
+from tts_gateway.models import contract
+from tts_gateway.models.request_parsing import ContractError, SpeechRequest, parse_speech_request
 
 
 def text(value: str | bytes) -> NDArray[np.object_]:

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from app.embedded_triton import EmbeddedTriton
-from app.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
-from app.triton_client import TritonClient
 from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS
-from tts_backends import contract
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
+from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from app.allocator import MMAP_THRESHOLD
+from tts_gateway.gateway.allocator import MMAP_THRESHOLD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 _PROBE = textwrap.dedent(
     """
     import sys
-    from app.allocator import keep_audio_buffers_in_heap
+    from tts_gateway.gateway.allocator import keep_audio_buffers_in_heap
 
     if sys.argv[1] == "tuned":
         assert keep_audio_buffers_in_heap()

@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 from numpy.typing import NDArray
 
-from app.audio_encoding import (
+from tts_gateway.gateway.audio_encoding import (
     AUDIO_FORMATS,
     CONTENT_TYPES,
     OUTPUT_SAMPLE_RATE,

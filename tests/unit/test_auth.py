@@ -6,8 +6,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.auth import ApiKeyMiddleware
-from app.errors import install_error_handlers
+from tts_gateway.gateway.auth import ApiKeyMiddleware
+from tts_gateway.gateway.errors import install_error_handlers
 
 KEYS = ("key-one", "key-two")
 

@@ -192,7 +192,7 @@ def test_a_directory_set_after_prometheus_client_is_imported_is_refused(tmp_path
     late = (
         "import os, prometheus_client\n"
         f"os.environ[{_DIR_ENV!r}] = {str(tmp_path)!r}\n"
-        "from app.metrics import GatewayMetrics\n"
+        "from tts_gateway.gateway.metrics import GatewayMetrics\n"
         "GatewayMetrics()\n"
     )
     env = {name: value for name, value in os.environ.items() if name != _DIR_ENV}
@@ -203,7 +203,7 @@ def test_a_directory_set_after_prometheus_client_is_imported_is_refused(tmp_path
 
 
 async def test_one_process_keeps_its_own_registry_and_process_metrics() -> None:
-    from app.metrics import GatewayMetrics
+    from tts_gateway.gateway.metrics import GatewayMetrics
 
     assert _DIR_ENV not in os.environ
     busy, idle = GatewayMetrics(), GatewayMetrics()
@@ -218,7 +218,7 @@ async def test_one_process_keeps_its_own_registry_and_process_metrics() -> None:
 
 def _serve() -> None:
     """The child's side: one ``GatewayMetrics`` in multi-process mode, set as the commands say."""
-    from app.metrics import GatewayMetrics
+    from tts_gateway.gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
 

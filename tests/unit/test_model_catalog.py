@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import NotFoundError
-from app.model_catalog import ModelCatalog
-from app.triton_client import TritonModelConfig
+from tts_gateway.gateway.errors import NotFoundError
+from tts_gateway.gateway.model_catalog import ModelCatalog
+from tts_gateway.gateway.triton_client import TritonModelConfig
 
 
 def _config(name: str, *, decoupled: bool = False, contract: bool = True, **params: str) -> TritonModelConfig:

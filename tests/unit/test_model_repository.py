@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from tts_backends.model_repository import (
+from tts_gateway.models.model_repository import (
     TemplateError,
     fill_template,
     load_profiles,
     parse_overrides,
     render_repository,
 )
+from tts_gateway.paths import TRITON_REPOSITORY
 
-REPO = Path(__file__).resolve().parents[2] / "triton_repo"
+REPO = TRITON_REPOSITORY
 
 
 def test_fill_substitutes_every_placeholder() -> None:

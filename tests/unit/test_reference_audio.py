@@ -14,14 +14,14 @@ import soundfile as sf
 from av.audio.stream import AudioStream
 from numpy.typing import NDArray
 
-from app.reference_audio import (
+from tests.hostile_audio import flac_silence_bomb, wav_with_header
+from tts_gateway.gateway.reference_audio import (
     MAX_INPUT_SAMPLE_RATE,
     ReferenceAudio,
     ReferenceAudioError,
     load_reference_audio,
 )
-from tests.hostile_audio import flac_silence_bomb, wav_with_header
-from tts_backends.contract import REFERENCE_SAMPLE_RATE
+from tts_gateway.models.contract import REFERENCE_SAMPLE_RATE
 
 TONE_HZ = 440.0
 

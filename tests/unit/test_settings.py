@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.settings import OPENAI_VOICE_NAMES, Settings
+from tts_gateway.gateway.settings import OPENAI_VOICE_NAMES, Settings
 
 
 def test_voice_aliases_from_the_environment_merge_over_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import pytest
 
-from tts_backends.triton_logging import PACKAGE_LOGGER, TritonLogHandler, forward_to_triton
+from tts_gateway.models.triton_logging import PACKAGE_LOGGER, TritonLogHandler, forward_to_triton
 
 
 class _Written:
@@ -43,23 +43,23 @@ def written() -> Iterator[list[tuple[str, str]]]:
 
 def test_records_go_to_the_matching_level_named_by_model_and_logger(written: list[tuple[str, str]]) -> None:
     forward_to_triton(_Written, "token2wav")
-    log = logging.getLogger("tts_backends.cosyvoice2.flow_graphs")
+    log = logging.getLogger("tts_gateway.models.cosyvoice2.engines.flow_graphs")
     log.debug("not shown")
     log.info("captured in %.1f s", 12.34)
     log.warning("slow")
     log.error("failed")
     assert written == [
-        ("info", "token2wav: tts_backends.cosyvoice2.flow_graphs: captured in 12.3 s"),
-        ("warn", "token2wav: tts_backends.cosyvoice2.flow_graphs: slow"),
-        ("error", "token2wav: tts_backends.cosyvoice2.flow_graphs: failed"),
+        ("info", "token2wav: tts_gateway.models.cosyvoice2.engines.flow_graphs: captured in 12.3 s"),
+        ("warn", "token2wav: tts_gateway.models.cosyvoice2.engines.flow_graphs: slow"),
+        ("error", "token2wav: tts_gateway.models.cosyvoice2.engines.flow_graphs: failed"),
     ]
 
 
 def test_a_second_call_replaces_the_first_handler(written: list[tuple[str, str]]) -> None:
     forward_to_triton(_Written, "first")
     forward_to_triton(_Written, "second")
-    logging.getLogger("tts_backends.x").info("once")
-    assert written == [("info", "second: tts_backends.x: once")]
+    logging.getLogger("tts_gateway.models.x").info("once")
+    assert written == [("info", "second: tts_gateway.models.x: once")]
 
 
 def test_other_packages_records_are_not_forwarded(written: list[tuple[str, str]]) -> None:

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from app.metrics import GatewayMetrics
-from app.triton_client import TritonClient, TritonModelConfig
-from app.triton_pool import TritonPool, _addresses, join_target, split_target
+from tts_gateway.gateway.metrics import GatewayMetrics
+from tts_gateway.gateway.triton_client import TritonClient, TritonModelConfig
+from tts_gateway.gateway.triton_pool import TritonPool, _addresses, join_target, split_target
 
 
 def _pool(*addresses: str) -> TritonPool:

@@ -1,0 +1,1 @@
+"""Benchmark suites: run each as ``python -m benchmarks.NAME``."""

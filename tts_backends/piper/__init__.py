@@ -1,5 +1,0 @@
-"""Piper neural text-to-speech: the embedded CPU default voice."""
-
-from tts_backends.piper.engine import PiperEngine
-
-__all__ = ["PiperEngine"]

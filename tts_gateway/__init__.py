@@ -1,0 +1,1 @@
+"""tts-gateway: an OpenAI-compatible speech endpoint for CosyVoice2 on Triton."""

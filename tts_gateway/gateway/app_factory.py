@@ -1,0 +1,175 @@
+"""``create_app(settings)``: the FastAPI application and the lifespan that wires it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from tts_gateway.gateway.admission import AdmissionControl
+from tts_gateway.gateway.allocator import keep_audio_buffers_in_heap
+from tts_gateway.gateway.auth import ApiKeyMiddleware
+from tts_gateway.gateway.backend import SpeechBackend
+from tts_gateway.gateway.cuda_mps import CudaMps
+from tts_gateway.gateway.dependencies import Services
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.errors import install_error_handlers
+from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
+from tts_gateway.gateway.request_ids import RequestIdMiddleware
+from tts_gateway.gateway.request_limits import RequestBodyLimitMiddleware
+from tts_gateway.gateway.routes import health, models, speech, voices
+from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
+from tts_gateway.gateway.speech_service import SpeechService
+from tts_gateway.gateway.text_normalization import TextNormalizer
+from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.gateway.triton_pool import TritonPool
+from tts_gateway.gateway.triton_supervisor import TritonSupervisor
+from tts_gateway.gateway.voice_registry import VoiceRegistry
+from tts_gateway.models.model_repository import load_profiles, parse_overrides, render_repository
+
+logger = logging.getLogger(__name__)
+
+# How long a gateway pointed at a remote Triton waits for it at start-up before serving 503s.
+_REMOTE_STARTUP_WAIT = 10.0
+# The voice upload route (routes/voices.py): its body may be as large as an upload plus the form fields.
+_UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
+_LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def start_embedded_triton(
+    settings: Settings, stack: ExitStack | AsyncExitStack, on_restart: Callable[[], None]
+) -> TritonSupervisor:
+    """Render the embedded profile and start ``tritonserver`` over it, supervised (blocking until it is ready).
+
+    ``stack`` removes the temporary work directory; stopping the supervisor (and the server) is the caller's.
+    ``on_restart`` runs each time the supervisor replaces a server that exited or hung.
+    """
+    if settings.embedded_workdir is not None:
+        workdir = settings.embedded_workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        workdir = Path(tempfile.mkdtemp(prefix="tts-gateway-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+    repository = workdir / "model_repository"
+    overrides = parse_overrides(settings.embedded_overrides)
+    names = render_repository(settings.triton_repository, settings.embedded_profile, repository, overrides)
+    profile = load_profiles(settings.triton_repository)[settings.embedded_profile]
+    logger.info("starting embedded Triton (profile %s: %s)", settings.embedded_profile, ", ".join(names))
+    server = EmbeddedTriton(
+        repository,
+        workdir=workdir,
+        startup_timeout=settings.embedded_startup_timeout,
+        log_path=workdir / "tritonserver.log",
+        cuda_mps=CudaMps.for_mode(settings.embedded_cuda_mps, workdir / "mps", profile_asks=profile.cuda_mps),
+    )
+    supervisor = TritonSupervisor(server, on_restart=on_restart)
+    supervisor.start()
+    return supervisor
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    keep_audio_buffers_in_heap()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        _log_exposure(settings)
+        admission = AdmissionControl(
+            slots=settings.max_concurrent_speech,
+            max_queued=settings.max_queued_speech,
+            queue_timeout=settings.queue_timeout,
+            metrics=metrics,
+        )
+        async with AsyncExitStack() as stack:
+            # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
+            stack.callback(metrics.close)
+            # The grammars load (a second or two) on a thread while Triton starts.
+            loading = asyncio.create_task(asyncio.to_thread(TextNormalizer))
+            stack.callback(loading.cancel)
+            urls = settings.triton_urls
+            if not urls:
+                # Blocks the event loop until Triton is ready: nothing is served yet.
+                supervisor = start_embedded_triton(settings, stack, metrics.embedded_restarts.inc)
+                stack.push_async_callback(asyncio.to_thread, supervisor.stop)
+                urls = [supervisor.server.grpc_url]
+
+            def connect(address: str) -> TritonClient:
+                return TritonClient(
+                    address, timeout=settings.backend_timeout, chunk_timeout=settings.backend_chunk_timeout
+                )
+
+            pool = TritonPool(urls, connect, metrics, resolve_interval=settings.triton_resolve_interval)
+            backend = SpeechBackend(
+                pool,
+                metrics,
+                default_model=settings.default_model,
+                model_aliases=settings.model_aliases,
+                openai_model_names=OPENAI_MODEL_NAMES,
+            )
+            stack.push_async_callback(backend.close)
+            registry = VoiceRegistry(
+                settings.ref_audios_dir,
+                settings.voices_dir,
+                min_seconds=settings.ref_min_seconds,
+                max_seconds=settings.ref_max_seconds,
+                aliases=settings.voice_aliases,
+            )
+            await asyncio.to_thread(registry.load)
+            wait = settings.embedded_startup_timeout if settings.triton_url is None else _REMOTE_STARTUP_WAIT
+            if not await backend.wait_ready(wait):
+                logger.warning("Triton at %s is not ready; serving 503 until it is", ", ".join(urls))
+            backend.start_watching()
+            normalizer = await loading
+            stack.callback(normalizer.close)
+            app.state.services = Services(
+                settings=settings,
+                backend=backend,
+                voices=registry,
+                speech=SpeechService(backend, registry, settings, metrics, admission, normalizer),
+                metrics=metrics,
+                started_at=int(time.time()),
+            )
+            yield
+
+    app = FastAPI(
+        title="TTS gateway",
+        summary="OpenAI-compatible text-to-speech over NVIDIA Triton (CosyVoice2, Piper)",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (speech, voices, models, health):
+        app.include_router(module.router)
+    # The last added runs first: every answer carries its request id, metrics see every answer, a
+    # missing key is refused before the body is read, and the body limit applies before any route
+    # parses anything.
+    app.add_middleware(
+        RequestBodyLimitMiddleware,
+        default_limit=settings.request_max_bytes,
+        route_limits={_UPLOAD_ROUTE: settings.upload_max_bytes + settings.request_max_bytes},
+    )
+    if settings.api_keys:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            keys=[key.get_secret_value() for key in settings.api_keys],
+            public_paths=settings.public_endpoints,
+        )
+    app.add_middleware(HttpMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def _log_exposure(settings: Settings) -> None:
+    if settings.api_keys:
+        public = ", ".join(settings.public_endpoints) or "none"
+        logger.info("API keys required (%d configured); public paths: %s", len(settings.api_keys), public)
+    elif settings.host not in _LOOPBACK_HOSTS:
+        logger.warning("listening on %s without API keys: anyone who can reach it can use it", settings.host)

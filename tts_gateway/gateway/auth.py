@@ -1,0 +1,64 @@
+"""Optional API-key authentication, as pure ASGI middleware.
+
+It runs before routing, so it covers every route, the OpenAPI pages and unknown paths
+alike (an unauthenticated caller cannot even learn which paths exist from 404s), and
+it answers before any request body is read. Clients send ``Authorization: Bearer KEY``,
+as the OpenAI SDK does with its ``api_key``.
+
+A presented key is hashed and compared with the hash of every configured key, each with
+:func:`hmac.compare_digest` and without stopping at a match: the time taken says neither
+which key matched nor how long the keys are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tts_gateway.gateway.errors import AuthenticationError
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ApiKeyMiddleware:
+    """Lets an HTTP request through when it carries one of ``keys`` or asks for a public path."""
+
+    def __init__(self, app: ASGIApp, *, keys: Iterable[str], public_paths: Iterable[str]) -> None:
+        self._app = app
+        self._digests = tuple(_digest(key) for key in keys)
+        if not self._digests:
+            raise ValueError("ApiKeyMiddleware needs at least one key")
+        self._public = frozenset(public_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Only HTTP is checked: the gateway serves no WebSocket routes, and lifespan events carry no request.
+        if scope["type"] != "http" or scope["path"] in self._public:
+            await self._app(scope, receive, send)
+            return
+        error = self._check(Headers(scope=scope).get("authorization"))
+        if error is None:
+            await self._app(scope, receive, send)
+        else:
+            await error.response()(scope, receive, send)
+
+    def _check(self, authorization: str | None) -> AuthenticationError | None:
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            return AuthenticationError("missing API key; send it as 'Authorization: Bearer <key>'")
+        if not self._matches(token):
+            return AuthenticationError("incorrect API key provided")
+        return None
+
+    def _matches(self, token: str) -> bool:
+        presented = _digest(token)
+        matched = False
+        for known in self._digests:
+            matched |= hmac.compare_digest(presented, known)
+        return matched

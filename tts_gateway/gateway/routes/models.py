@@ -1,0 +1,47 @@
+"""Model listings: OpenAI's ``/v1/models`` and the community ``/v1/audio/models``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from tts_gateway.gateway.dependencies import ServicesDep
+from tts_gateway.gateway.errors import NotFoundError
+from tts_gateway.gateway.protocol import ERROR_RESPONSES, AudioModel, AudioModelList, ModelCard, ModelList
+
+router = APIRouter(responses=ERROR_RESPONSES)
+
+
+@router.get("/v1/models")
+async def list_models(services: ServicesDep) -> ModelList:
+    catalog = services.backend.catalog
+    created = services.started_at
+    names = [*catalog.models, *catalog.aliases]
+    return ModelList(data=[ModelCard(id=name, created=created) for name in names])
+
+
+@router.get("/v1/models/{model_id}")
+async def get_model(model_id: str, services: ServicesDep) -> ModelCard:
+    catalog = services.backend.catalog
+    if model_id not in catalog.models and model_id not in catalog.aliases:
+        raise NotFoundError(f"model {model_id!r} does not exist", param="model", code="model_not_found")
+    return ModelCard(id=model_id, created=services.started_at)
+
+
+@router.get("/v1/audio/models")
+async def list_audio_models(services: ServicesDep) -> AudioModelList:
+    catalog = services.backend.catalog
+    return AudioModelList(
+        models=[
+            AudioModel(
+                id=m.id,
+                name=m.description or m.id,
+                sample_rate=m.sample_rate,
+                supports_cloning=m.supports_cloning,
+                native_speed=m.supports_speed,
+                supports_streaming=m.supports_streaming,
+                languages=list(m.languages),
+                voices=list(m.builtin_voices),
+            )
+            for m in catalog.models.values()
+        ]
+    )

@@ -1,0 +1,1 @@
+"""Random-weight checkpoints in the real on-disk layout, for tests and benchmarks."""

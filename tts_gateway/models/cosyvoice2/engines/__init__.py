@@ -1,0 +1,1 @@
+"""How the networks run fast: batching, CUDA graphs, compiled kernels, GPU sharing."""

@@ -1,0 +1,82 @@
+"""The flow estimator's U-Net levels compiled by ``torch.compile`` at load, for every shape at once.
+
+Replayed from CUDA graphs, a first chunk's flow still launches about 15,500 kernels, most of them
+small: layer norms, activations, residual adds and cuDNN's layout copies around the convolutions
+(``benchmarks/gpu_flow_profile.py``). Inductor fuses those. Compiling the estimator whole with
+static shapes took 70-80 s for each of token2wav's 72 CUDA-graph buckets, so this compiles its
+levels instead (what PyTorch calls regional compilation), with symbolic shapes: the 12 mid levels
+are instances of one class with parameters of one shape and share one compiled graph, and a graph
+serves every row and frame count that is a multiple of 8, as the recorded buckets' are and eager
+solves are padded to (:data:`ALIGNED_FRAMES`). The levels run inside the recorded solve, where the compiled
+code's Python launchers cost nothing per call; the encoder, which runs eagerly, is left as it is
+(compiled, its blocks made a first chunk slower in Triton, where the host is busy).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Final
+
+import torch
+
+from tts_gateway.models.cosyvoice2.engines.compiling import read_text_as_utf8
+from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
+from tts_gateway.models.cosyvoice2.model.flow_decoder import UNetLevel
+
+_WARM_UP_TOKENS: Final = 20
+
+ALIGNED_FRAMES: Final = 8
+"""Frames of a compiled flow's eager solves are padded to a multiple of this. Inductor specialises a
+compiled level on whether its frame count is a multiple of 8 (its alignment check around attention);
+the recorded solves' buckets must be, and eager solves padded alike run the same compiled graphs:
+three compiles at load instead of six."""
+
+
+def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, warm_up: bool = True) -> float:
+    """Compile the U-Net levels of ``flow``'s estimator in place with ``backend``; seconds taken.
+
+    ``torch.compile`` only traces a level at its first call, so this then converts a streaming
+    first chunk: a request must not be the one that waits for a compile. (The estimator's batch
+    is the classifier-free-guidance pair, never 1, so the trace's sizes stay symbolic.) Inductor
+    picks its kernels' block sizes and reduction splits for the shape of that first call, so a
+    caller about to record CUDA graphs passes ``warm_up=False`` and lets its recording, which starts
+    with the largest bucket, be the first call: compiled from the warm-up's 2 rows x 80 frames, a
+    group's flow at 64 streams took about 230 ms on the H100 instead of 200.
+    """
+    started = time.monotonic()
+    read_text_as_utf8()
+    flow.frame_multiple = ALIGNED_FRAMES
+    try:
+        for module in flow.decoder.estimator.modules():
+            if isinstance(module, UNetLevel):
+                module.compile(backend=backend, dynamic=True)
+        if warm_up:
+            _warm_up(flow, n_timesteps)
+    except Exception as exc:
+        raise compile_failed(backend, exc) from exc
+    return time.monotonic() - started
+
+
+def compile_failed(backend: str, exc: Exception) -> RuntimeError:
+    """The error to raise when compiling the flow's levels (at the warm-up or the first recorded graph) fails."""
+    return RuntimeError(
+        f"compiling the flow with {backend!r} failed ({type(exc).__name__}: {exc}); "
+        "an empty compile_backend runs it uncompiled"
+    )
+
+
+def _warm_up(flow: CausalFlow, n_timesteps: int) -> None:
+    weight = flow.input_embedding.weight
+    cfg = flow.cfg
+    tokens = torch.zeros(_WARM_UP_TOKENS, dtype=torch.long)
+    item = FlowItem(
+        token=tokens,
+        prompt_token=tokens,
+        prompt_feat=torch.zeros(cfg.token_mel_ratio * _WARM_UP_TOKENS, cfg.output_size, dtype=weight.dtype),
+        embedding=torch.ones(cfg.spk_embed_dim, dtype=weight.dtype),
+        streaming=True,
+        finalize=False,
+    )
+    flow.inference_batch([item], n_timesteps=n_timesteps)
+    if weight.device.type == "cuda":
+        torch.cuda.synchronize(weight.device)

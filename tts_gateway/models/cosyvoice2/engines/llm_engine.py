@@ -1,0 +1,556 @@
+"""Continuous batching of speech-token generation: every request in flight advances in one step.
+
+One scheduler thread owns the model. Callers :meth:`BatchingEngine.submit` a request with a
+:class:`TokenSink`; between two steps the thread admits waiting requests (one padded, batched
+prefill), then runs one decode step for all live requests together and hands each its new token.
+Requests join and leave between steps: a finished or cancelled one frees its cache slot at once,
+and the last live slot moves into the hole so that live requests always fill slots ``0..n-1``.
+
+On CUDA every decode step (forward pass, sampling and the bookkeeping that prepares the next
+step) is replayed from a CUDA graph, one per batch-size bucket and attention span (the cache
+positions the step reads, :class:`SlotDecoder`), all captured when the engine starts; with a
+``compile_backend`` the decoder's regions and the sampler are compiled first. Steps are
+pipelined: the next step is launched (its inputs are already on the device) before the host
+reads and hands out the ids of the last one, so the GPU decodes while the host delivers. A
+request that ended at step ``k`` therefore runs one step more, whose id is dropped; that step
+stays within the request's positions. On the CPU the same loop runs eagerly at the
+exact batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder
+from tts_gateway.models.cosyvoice2.engines.llm_sampling import SamplingRows, sample, seed_keys
+from tts_gateway.models.cosyvoice2.model import vocab
+
+_log = logging.getLogger(__name__)
+
+# The columns a request can draw: every speech token, then <|eos1|> <|eos2|> <|eos3|> <|sos|> <|task_id|>.
+COLUMN_IDS: tuple[int, ...] = (
+    *range(vocab.SPEECH_TOKEN_OFFSET, vocab.SPEECH_TOKEN_OFFSET + vocab.SPEECH_TOKEN_SIZE),
+    *range(vocab.EOS1_ID, vocab.TOKENIZER_SIZE),
+)
+_COLUMN_OF = {token_id: column for column, token_id in enumerate(COLUMN_IDS)}
+_SPEECH_COLUMNS = vocab.SPEECH_TOKEN_SIZE
+_SEED_LIMIT = 1 << 64
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Prompt lengths whose prefill (one request) is recorded as a CUDA graph; longer prompts run eagerly.
+PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
+
+
+class StepGate(Protocol):
+    """Decides whether the engine leaves the GPU to another process before its next step."""
+
+    def busy(self, produced: Sequence[int]) -> bool:
+        """Whether to wait before a step for live requests that made ``produced`` tokens each so far."""
+        ...
+
+    def wait(self, stop: Callable[[], bool]) -> float:
+        """Block until the GPU is left to the engine again or ``stop()`` holds (bounded); returns the
+        seconds waited."""
+        ...
+
+
+class TokenSink(Protocol):
+    """Where a request's tokens go; both methods are called from the engine's thread."""
+
+    def token(self, token_id: int) -> None:
+        """One generated speech-token id (stop ids are never passed on)."""
+        ...
+
+    def finished(self, error: BaseException | None) -> None:
+        """The request ended: normally, by a stop id, its length limit or cancellation, or by ``error``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One validated request. ``seed`` is an unsigned 64-bit value; None draws one."""
+
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+    min_new_tokens: int
+    stop_ids: frozenset[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int | None = None
+
+
+@dataclass(eq=False)
+class GenerationHandle:
+    """A submitted request; :meth:`cancel` stops it at the engine's next step."""
+
+    request: Generation
+    sink: TokenSink
+    submitted: float = field(default_factory=time.monotonic)
+    admitted: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+    produced: int = 0
+    # Decode steps launched with the request's row: its next step writes at prompt length + launched.
+    launched: int = 0
+    # Decode steps the request ran in, their device time and how long the host waited for them:
+    # the trace tells a GPU-bound engine (waits as long as the steps) from a host-bound one.
+    steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    ended: bool = False
+    _cancelled: bool = False
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+
+class _Rows:
+    """The per-slot tensors of the sampler and the decode inputs, each ``[slots]`` or ``[slots, columns]``."""
+
+    def __init__(self, slots: int, columns: int, device: torch.device) -> None:
+        def vector(dtype: torch.dtype) -> Tensor:
+            return torch.zeros(slots, device=device, dtype=dtype)
+
+        def matrix() -> Tensor:
+            return torch.zeros(slots, columns, device=device, dtype=torch.bool)
+
+        self.tokens = vector(torch.int64)
+        self.positions = vector(torch.int64)
+        self.drawn = vector(torch.int64)
+        self.sampling = SamplingRows(
+            temperature=vector(torch.float32),
+            top_k=vector(torch.int64),
+            top_p=vector(torch.float32),
+            penalty=vector(torch.float32),
+            keys=vector(torch.int64),
+            steps=vector(torch.int64),
+            min_new=vector(torch.int64),
+            allowed=matrix(),
+            stops=matrix(),
+            seen=matrix(),
+        )
+
+    def all(self) -> list[Tensor]:
+        s = self.sampling
+        return [
+            self.tokens,
+            self.positions,
+            self.drawn,
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            s.penalty,
+            s.keys,
+            s.steps,
+            s.min_new,
+            s.allowed,
+            s.stops,
+            s.seen,
+        ]
+
+    def window(self, start: int, stop: int) -> SamplingRows:
+        s = self.sampling
+        return SamplingRows(*(getattr(s, column.name)[start:stop] for column in fields(SamplingRows)))
+
+
+@dataclass
+class _Launched:
+    """A decode step on its way: the requests of its rows (in row order) and where its ids land."""
+
+    handles: list[GenerationHandle]
+    drawn: Tensor
+    # On CUDA the events around the step (start, end); on the CPU the step already ran, in ``eager_s``.
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    eager_s: float
+
+
+class BatchingEngine:
+    """Continuous-batching speech-token generation over a :class:`SlotDecoder`."""
+
+    def __init__(
+        self,
+        decoder: SlotDecoder,
+        *,
+        cuda_graphs: bool,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_prefill_rows: int = 8,
+        gate: StepGate | None = None,
+        compile_backend: str = "",
+    ) -> None:
+        """``compile_backend`` (for example "inductor") compiles the decoder's regions and the sampler
+        before the graphs are recorded; a compile that fails raises RuntimeError."""
+        self._decoder = decoder
+        self._device = decoder.device
+        self.slots = decoder.slots
+        self._buckets = sorted({b for b in buckets if b <= self.slots} | {self.slots})
+        self._max_prefill_rows = max_prefill_rows
+        self._gate = gate
+        self._columns = torch.tensor(COLUMN_IDS, device=self._device)
+        self._rows = _Rows(self.slots, len(COLUMN_IDS), self._device)
+        self._live: list[GenerationHandle] = []
+        self._waiting: deque[GenerationHandle] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        prefill_width = min(max(PREFILL_BUCKETS), decoder.max_len)
+        self._prefill_ids = torch.zeros(1, prefill_width, dtype=torch.int64, device=self._device)
+        self._prefill_length = torch.ones(1, dtype=torch.int64, device=self._device)
+        self._prefill_logits = torch.zeros(1, len(COLUMN_IDS), device=self._device)
+        # Two host buffers for the drawn ids: step k+1 is copied out while step k's ids are read.
+        self._cuda = self._device.type == "cuda"
+        self._host_ids = [torch.zeros(self.slots, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
+        self._next_host = 0
+        self._sample = sample
+        if compile_backend:
+            self._compile(compile_backend)
+        if cuda_graphs:
+            started = time.monotonic()
+            self._capture()
+            _log.info(
+                "LLM decode steps and prefills recorded as %d CUDA graphs in %.1f s",
+                len(self._graphs) + len(self._prefill_graphs),
+                time.monotonic() - started,
+            )
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Generation, sink: TokenSink) -> GenerationHandle:
+        """Queue ``request``; raises ValueError (before anything runs) when it cannot be served."""
+        if len(request.input_ids) + request.max_new_tokens > self._decoder.max_len:
+            raise ValueError(
+                f"{len(request.input_ids)} prompt ids + {request.max_new_tokens} new tokens exceed the "
+                f"engine's {self._decoder.max_len} positions (max_seq_len)"
+            )
+        handle = GenerationHandle(request, sink)
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the engine is stopped")
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        # Everything the engine runs is in inference mode, as its compiled regions and sampler were traced:
+        # a tensor made outside it (a recorded prefill's logits copied out) would make dynamo compile again.
+        if self._cuda:
+            # Events, copies and replays of this thread must all go to the model's device.
+            torch.cuda.set_device(self._device)
+        launched: _Launched | None = None
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._live and launched is None:
+                    self._wake.wait()
+                if self._stopping:
+                    pending = [*self._waiting, *self._live]
+                    self._waiting.clear()
+                    self._live.clear()
+                    break
+                admitted = [
+                    self._waiting.popleft()
+                    for _ in range(min(len(self._waiting), self._max_prefill_rows, self.slots - len(self._live)))
+                ]
+            try:
+                if admitted:
+                    self._prefill(admitted)
+                if self._live and self._gate is not None and self._gate.busy([h.produced for h in self._live]):
+                    # Hand out the step in flight before leaving the GPU to the other process.
+                    if launched is not None:
+                        self._land(launched)
+                        launched = None
+                    if self._live:
+                        # A request that arrives meanwhile ends the wait: its prefill goes first.
+                        self._gate.wait(lambda: bool(self._waiting))
+                previous, launched = launched, self._launch() if self._live else None
+                if previous is not None:
+                    self._land(previous)
+            except Exception as exc:
+                _log.exception("LLM engine step failed; failing the requests in flight")
+                launched = None
+                failed = [*admitted, *self._live]
+                self._live.clear()
+                for handle in dict.fromkeys(failed):
+                    if not handle.ended:  # one that ended in this round was told so already
+                        handle.ended = True
+                        _finish(handle, exc)
+        for handle in pending:
+            _finish(handle, RuntimeError("the engine stopped"))
+
+    def _prefill(self, handles: list[GenerationHandle]) -> None:
+        first = len(self._live)
+        now = time.monotonic()
+        lengths = [len(h.request.input_ids) for h in handles]
+        for row, handle in enumerate(handles):
+            handle.admitted = now
+            self._load_row(first + row, handle.request)
+        if self._prefill_graphs:
+            logits = torch.cat(
+                [self._replay_prefill(first + row, h.request.input_ids) for row, h in enumerate(handles)]
+            )
+        else:
+            ids = torch.zeros(len(handles), max(lengths), dtype=torch.int64)
+            for row, handle in enumerate(handles):
+                ids[row, : lengths[row]] = torch.tensor(handle.request.input_ids)
+            logits = self._decoder.prefill(
+                ids.to(self._device), torch.tensor(lengths, device=self._device), first_slot=first
+            )
+        r = self._rows
+        r.positions[first : first + len(handles)] = torch.tensor(lengths, device=self._device)
+        self._advance(logits, first, first + len(handles))
+        self._live.extend(handles)
+        self._deliver(handles, r.drawn[first : first + len(handles)].tolist())
+
+    def _replay_prefill(self, row: int, input_ids: tuple[int, ...]) -> Tensor:
+        """One prompt's prefill from its recorded graph (staging slot, then copied to ``row``), else eagerly."""
+        length = len(input_ids)
+        bucket = next((b for b in sorted(self._prefill_graphs) if b >= length), None)
+        ids = torch.tensor(input_ids, dtype=torch.int64)
+        if bucket is None:
+            lengths = torch.tensor([length], device=self._device)
+            return self._decoder.prefill(ids.to(self._device)[None], lengths, first_slot=row)
+        self._prefill_ids[0, :length] = ids.to(self._device)
+        self._prefill_length.fill_(length)
+        self._prefill_graphs[bucket].replay()
+        self._decoder.move_slot(self._decoder.staging_slot, row, length)
+        return self._prefill_logits.clone()
+
+    def _load_row(self, row: int, request: Generation) -> None:
+        s = self._rows.sampling
+        s.temperature[row] = request.temperature
+        s.top_k[row] = request.top_k
+        s.top_p[row] = request.top_p
+        s.penalty[row] = request.repetition_penalty
+        seed = secrets.randbits(63) if request.seed is None else request.seed % _SEED_LIMIT
+        signed = seed - _SEED_LIMIT if seed >= _SEED_LIMIT // 2 else seed
+        s.keys[row] = seed_keys(torch.tensor(signed, dtype=torch.int64))
+        s.steps[row] = 0
+        s.min_new[row] = request.min_new_tokens
+        stop_columns = torch.tensor([_COLUMN_OF[i] for i in request.stop_ids], dtype=torch.int64)
+        allowed = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        allowed[:_SPEECH_COLUMNS] = True
+        allowed[stop_columns] = True
+        stops = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        stops[stop_columns] = True
+        seen = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        prompt_columns = [_COLUMN_OF[i] for i in request.input_ids if i in _COLUMN_OF]
+        seen[prompt_columns] = True
+        s.allowed[row] = allowed.to(self._device)
+        s.stops[row] = stops.to(self._device)
+        s.seen[row] = seen.to(self._device)
+
+    def _advance(self, logits: Tensor, start: int, stop: int) -> None:
+        """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
+        r = self._rows
+        window = r.window(start, stop)
+        chosen = self._sample(logits, window)
+        drawn = self._columns[chosen]
+        r.drawn[start:stop] = drawn
+        r.tokens[start:stop] = drawn
+        window.seen.scatter_(1, chosen.unsqueeze(1), True)
+        window.steps.add_(1)
+
+    def _decode(self, rows: int, span: int) -> None:
+        r = self._rows
+        logits = self._decoder.decode(r.tokens[:rows], r.positions[:rows], span)
+        r.positions[:rows].add_(1)
+        self._advance(logits, 0, rows)
+
+    def _launch(self) -> _Launched:
+        """Queue one decode step for every live row and the copy of its ids to the host; no waiting."""
+        live = len(self._live)
+        started = time.perf_counter()
+        bucket = next((b for b in self._buckets if b >= live), self.slots)
+        end = 0
+        for handle in self._live:
+            end = max(end, len(handle.request.input_ids) + handle.launched + 1)
+            handle.launched += 1
+        span = self._decoder.span_for(end)
+        graph = self._graphs.get((bucket, span))
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
+        if events is not None:
+            events[0].record()
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode(live, span)
+        host = self._host_ids[self._next_host][:live]
+        self._next_host ^= 1
+        host.copy_(self._rows.drawn[:live], non_blocking=True)
+        if events is not None:
+            events[1].record()
+        return _Launched(handles=list(self._live), drawn=host, events=events, eager_s=time.perf_counter() - started)
+
+    def _land(self, step: _Launched) -> None:
+        """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped."""
+        waited = time.perf_counter()
+        if step.events is not None:
+            started, done = step.events
+            done.synchronize()
+            seconds = started.elapsed_time(done) / 1000.0
+        else:
+            seconds = step.eager_s
+        waited = time.perf_counter() - waited
+        for handle in step.handles:
+            if not handle.ended:
+                handle.steps += 1
+                handle.step_s += seconds
+                handle.wait_s += waited
+        self._deliver(step.handles, step.drawn.tolist())
+
+    def _deliver(self, handles: Sequence[GenerationHandle], drawn: list[int]) -> None:
+        """Hand each request its id, then release the requests that ended."""
+        ended: list[GenerationHandle] = []
+        now = time.monotonic()
+        for handle, token_id in zip(handles, drawn, strict=True):
+            if handle.ended:
+                continue
+            request = handle.request
+            if handle.cancelled or token_id in request.stop_ids:
+                ended.append(handle)
+                continue
+            handle.produced += 1
+            if handle.produced == 1:
+                handle.first_token = now
+            handle.last_token = now
+            handle.sink.token(token_id)
+            if handle.produced >= request.max_new_tokens or handle.cancelled:
+                ended.append(handle)
+        for handle in ended:
+            self._release(handle)
+
+    def _release(self, handle: GenerationHandle) -> None:
+        """Free the request's slot: the last live row moves into it (queued after any launched step)."""
+        row = self._live.index(handle)
+        last = len(self._live) - 1
+        if row != last:
+            self._decoder.move_slot(last, row)
+            for tensor in self._rows.all():
+                tensor[row] = tensor[last]
+            self._live[row] = self._live[last]
+        self._live.pop()
+        handle.ended = True
+        _finish(handle, None)
+
+    @torch.inference_mode()
+    def _compile(self, backend: str) -> None:
+        """Compile the decoder's regions and the sampler, and run them once: a request never waits for a compile."""
+        started = time.monotonic()
+        saved = [tensor.clone() for tensor in self._rows.all()]
+        try:
+            self._decoder.compile(backend)
+            self._sample = torch.compile(sample, backend=backend, dynamic=True)
+            for rows in (1, 2):
+                # One row and several are separate compiles (dynamo specialises sizes of one). The
+                # slots written (0 and 1; there is always a staging slot after the first) are free.
+                self._decode(rows, self._decoder.spans[0])
+                ids = torch.zeros(rows, 2, dtype=torch.int64, device=self._device)
+                self._decoder.prefill(ids, torch.full((rows,), 2, device=self._device), first_slot=0)
+        except Exception as exc:
+            raise RuntimeError(
+                f"compiling the LLM with {backend!r} failed ({type(exc).__name__}: {exc}); "
+                "an empty compile_backend runs it uncompiled"
+            ) from exc
+        finally:
+            for tensor, value in zip(self._rows.all(), saved, strict=True):
+                tensor.copy_(value)
+        _log.info("LLM regions and sampler compiled (%s) in %.1f s", backend, time.monotonic() - started)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Record one decode step per bucket and span and one prefill per prompt-length bucket, sharing one memory
+        pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        saved = [tensor.clone() for tensor in self._rows.all()]
+        staging = self._decoder.staging_slot
+        with torch.cuda.stream(stream):
+            for bucket in sorted(self._buckets, reverse=True):
+                for span in sorted(self._decoder.spans, reverse=True):
+                    for _ in range(2):
+                        self._decode(bucket, span)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._decode(bucket, span)
+                    self._graphs[bucket, span] = graph
+            for width in sorted((b for b in PREFILL_BUCKETS if b <= self._prefill_ids.shape[1]), reverse=True):
+                ids = self._prefill_ids[:, :width]
+                self._decoder.prefill(ids, self._prefill_length, first_slot=staging)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._prefill_logits.copy_(self._decoder.prefill(ids, self._prefill_length, first_slot=staging))
+                self._prefill_graphs[width] = graph
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        for tensor, value in zip(self._rows.all(), saved, strict=True):
+            tensor.copy_(value)
+        torch.cuda.synchronize(self._device)
+
+
+def _finish(handle: GenerationHandle, error: BaseException | None) -> None:
+    """Tell a sink its request ended; a sink that fails must not take the engine's thread down."""
+    try:
+        handle.sink.finished(error)
+    except Exception:
+        _log.exception("a token sink failed at the end of its request")
+
+
+class _QueueSink:
+    """A sink that a consuming thread reads as an iterator (the blocking :func:`generate` API)."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def token(self, token_id: int) -> None:
+        self._queue.put(token_id)
+
+    def finished(self, error: BaseException | None) -> None:
+        self._queue.put(error if error is not None else self._END)
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            item = self._queue.get()
+            if item is self._END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            assert isinstance(item, int)
+            yield item
+
+
+def generate(engine: BatchingEngine, request: Generation) -> Iterator[int]:
+    """Submit ``request`` and yield its tokens as they come; closing the iterator cancels it."""
+    sink = _QueueSink()
+    handle = engine.submit(request, sink)
+
+    def tokens() -> Iterator[int]:
+        try:
+            yield from sink
+        finally:
+            handle.cancel()
+
+    return tokens()

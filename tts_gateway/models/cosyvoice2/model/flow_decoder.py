@@ -1,0 +1,417 @@
+"""The flow's mel decoder: conditional flow matching solved with Euler steps over a causal 1-D U-Net.
+
+:class:`CausalConditionalDecoder` is the velocity estimator (upstream ``CausalConditionalDecoder`` with
+Matcha-TTS/diffusers building blocks); :class:`CausalConditionalCFM` integrates it from fixed noise to
+a mel spectrogram with classifier-free guidance. Module and parameter names follow upstream so that
+``flow.pt``'s ``decoder.*`` entries load unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from tts_gateway.models.cosyvoice2.model.config import DecoderConfig, EstimatorConfig
+from tts_gateway.models.cosyvoice2.model.flow_encoder import chunk_mask
+
+NOISE_SEED = 0
+NOISE_FRAMES = 50 * 300
+"""Upstream draws one noise tensor of 300 s of mel frames with seed 0 and slices it for every call,
+so recomputing a prefix gives the same mel: streaming chunks agree with each other."""
+
+_MASK_BIAS = -1.0e10
+
+
+class EstimatorTape(Protocol):
+    """Left context for a solve over frames that follow a prefix solved before (see :mod:`.flow_prefix`).
+
+    The estimator hands every causal convolution's input and every attention's keys and values
+    to the tape, in a fixed order. A recording tape keeps the prefix's and returns them as they
+    are; a replaying tape returns them with the prefix's in front, so frames after the prefix
+    come out as if the prefix had been solved with them.
+    """
+
+    @property
+    def visible(self) -> Tensor | None:
+        """``[P]`` bool: which of the replayed prefix frames are real (None while recording)."""
+        ...
+
+    def context(self, x: Tensor, width: int) -> Tensor:
+        """``x`` ``[B, C, T]`` with ``width`` frames of left context in front."""
+        ...
+
+    def keys_values(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values ``[B, heads, T, d]``, with the prefix's in front when replaying."""
+        ...
+
+
+class CausalConv1d(nn.Conv1d):
+    """A stride-1 convolution padded on the left only, so frame t never sees frames after t."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int) -> None:
+        super().__init__(in_channels, out_channels, kernel_size)
+        self.left_pad = kernel_size - 1
+
+    def forward(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        padded = F.pad(x, (self.left_pad, 0)) if tape is None else tape.context(x, self.left_pad)
+        return super().forward(padded)
+
+
+class _Transpose(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.transpose(1, 2)
+
+
+class CausalBlock1D(nn.Module):
+    """Causal conv -> LayerNorm over channels -> Mish, with the padding mask applied before and after."""
+
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            CausalConv1d(dim, dim_out, 3), _Transpose(), nn.LayerNorm(dim_out), _Transpose(), nn.Mish()
+        )
+
+    def forward(self, x: Tensor, mask: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        conv, *rest = self.block
+        h = cast(CausalConv1d, conv)(x * mask, tape)
+        for layer in rest:
+            h = layer(h)
+        return h * mask
+
+
+class CausalResnetBlock1D(nn.Module):
+    """Two causal blocks with the time embedding added in between, plus a 1x1 residual projection."""
+
+    def __init__(self, dim: int, dim_out: int, time_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, dim_out))
+        self.block1 = CausalBlock1D(dim, dim_out)
+        self.block2 = CausalBlock1D(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: Tensor, mask: Tensor, time: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        h = self.block1(x, mask, tape) + self.mlp(time).unsqueeze(-1)
+        return self.block2(h, mask, tape) + self.res_conv(x * mask)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with an additive mask bias (diffusers' ``Attention`` layout, no qkv bias)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads = heads
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def forward(self, x: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        """x ``[B, T, dim]``; bias ``[B or 1, T, keys]``, 0 where visible and very negative elsewhere
+        (keys: T, plus the prefix's frames when a tape replays them)."""
+        batch, length, _ = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(batch, length, self.heads, -1).transpose(1, 2)
+
+        keys, values = heads(self.to_k(x)), heads(self.to_v(x))
+        if tape is not None:
+            keys, values = tape.keys_values(keys, values)
+        out = F.scaled_dot_product_attention(heads(self.to_q(x)), keys, values, attn_mask=bias.unsqueeze(1))
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class GELUProjection(nn.Module):
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        # Index 1 is upstream's dropout; an Identity keeps ``net.2`` at the index flow.pt uses.
+        self.net = nn.Sequential(GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention and GELU feed-forward, each residual (Matcha's ``BasicTransformerBlock``)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), bias, tape)
+        return x + self.ff(self.norm3(x))
+
+
+class Downsample1D(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, 2, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+class Upsample1D(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(dim, dim, 4, 2, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+class UNetLevel(nn.ModuleList):
+    """One U-Net level stored as upstream's ``[resnet, transformer_blocks(, resample)]`` list."""
+
+    def __init__(self, resnet: CausalResnetBlock1D, blocks: nn.ModuleList, resample: nn.Module | None) -> None:
+        super().__init__([resnet, blocks] if resample is None else [resnet, blocks, resample])
+
+    def forward(self, x: Tensor, mask: Tensor, time: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        """Resnet then transformers; :meth:`resample` is separate because the skip is taken in between."""
+        x = self[0](x, mask, time, tape).transpose(1, 2)
+        for block in cast(nn.ModuleList, self[1]):
+            x = block(x, bias, tape)
+        return x.transpose(1, 2).contiguous()
+
+    def resample(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        resample = self[2]
+        if isinstance(resample, CausalConv1d):
+            return resample(x, tape)
+        if tape is not None:
+            raise ValueError("a prefix tape needs a U-Net without down- or upsampling (one level)")
+        return cast(Tensor, resample(x))
+
+
+def _sinusoidal_time(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
+    half = dim // 2
+    frequencies = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+    angles = scale * t.unsqueeze(1) * frequencies.unsqueeze(0)
+    return torch.cat((angles.sin(), angles.cos()), dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, in_channels: int, time_dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, time_dim)
+        self.linear_2 = nn.Linear(time_dim, time_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class CausalConditionalDecoder(nn.Module):
+    """1-D U-Net predicting the flow velocity from (x, mu, speaker, prompt condition, t)."""
+
+    def __init__(self, cfg: EstimatorConfig) -> None:
+        super().__init__()
+        self.in_channels = cfg.in_channels
+        self.chunk_size = cfg.static_chunk_size
+        time_dim = cfg.channels[0] * 4
+        self.time_mlp = TimestepEmbedding(cfg.in_channels, time_dim)
+
+        def transformers(dim: int) -> nn.ModuleList:
+            return nn.ModuleList(
+                TransformerBlock(dim, cfg.num_heads, cfg.attention_head_dim) for _ in range(cfg.n_blocks)
+            )
+
+        self.down_blocks = nn.ModuleList()
+        dim_in = cfg.in_channels
+        for i, dim in enumerate(cfg.channels):
+            last = i == len(cfg.channels) - 1
+            resample: nn.Module = CausalConv1d(dim, dim, 3) if last else Downsample1D(dim)
+            self.down_blocks.append(UNetLevel(CausalResnetBlock1D(dim_in, dim, time_dim), transformers(dim), resample))
+            dim_in = dim
+        self.mid_blocks = nn.ModuleList(
+            UNetLevel(CausalResnetBlock1D(dim_in, dim_in, time_dim), transformers(dim_in), None)
+            for _ in range(cfg.num_mid_blocks)
+        )
+        self.up_blocks = nn.ModuleList()
+        widths = (*cfg.channels[::-1], cfg.channels[0])
+        for i in range(len(widths) - 1):
+            dim = widths[i + 1]
+            last = i == len(widths) - 2
+            resample = CausalConv1d(dim, dim, 3) if last else Upsample1D(dim)
+            self.up_blocks.append(
+                UNetLevel(CausalResnetBlock1D(2 * widths[i], dim, time_dim), transformers(dim), resample)
+            )
+        self.final_block = CausalBlock1D(widths[-1], widths[-1])
+        self.final_proj = nn.Conv1d(widths[-1], cfg.out_channels, 1)
+        # One level (CosyVoice2's): no down- or upsampling, so a prefix tape can serve it.
+        self.keeps_time_resolution = len(cfg.channels) == 1
+
+    def _attention_bias(
+        self, mask: Tensor, streaming: Tensor, dtype: torch.dtype, prefix: Tensor | None = None
+    ) -> Tensor:
+        """``[B, T, T]`` additive bias from the padding mask ``[B, 1, T]``; chunked where ``streaming`` ``[B]``.
+
+        With ``prefix`` (``[P]`` bool, the replayed prefix frames that are real), ``[B, T, P + T]``:
+        every real prefix frame lies in an earlier chunk, so every query sees it.
+        """
+        length = mask.size(-1)
+        visible = mask.bool().expand(-1, length, -1)
+        if self.chunk_size > 0:
+            chunks = chunk_mask(length, self.chunk_size, mask.device).unsqueeze(0)
+            visible = visible & (chunks | ~streaming.view(-1, 1, 1))
+        if prefix is not None:
+            visible = torch.cat([prefix.view(1, 1, -1).expand(visible.size(0), length, -1), visible], dim=2)
+        return (1.0 - visible.to(dtype)) * _MASK_BIAS
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: Tensor,
+        tape: EstimatorTape | None = None,
+    ) -> Tensor:
+        """x, mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; t ``[B]``; spks ``[B, 80]``; streaming ``[B]`` bool
+        -> velocity ``[B, 80, T]``. With a replaying ``tape`` the frames continue its prefix."""
+        time = self.time_mlp(_sinusoidal_time(t, self.in_channels).to(t.dtype))
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
+        prefix = None if tape is None else tape.visible
+
+        skips: list[Tensor] = []
+        masks = [mask]
+        for level in cast(Iterable[UNetLevel], self.down_blocks):
+            level_mask = masks[-1]
+            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), tape)
+            skips.append(h)
+            h = level.resample(h * level_mask, tape)
+            masks.append(level_mask[:, :, ::2])
+        masks.pop()
+        mid_mask = masks[-1]
+        mid_bias = self._attention_bias(mid_mask, streaming, h.dtype, prefix)
+        for level in cast(Iterable[UNetLevel], self.mid_blocks):
+            h = level(h, mid_mask, time, mid_bias, tape)
+        for level in cast(Iterable[UNetLevel], self.up_blocks):
+            level_mask = masks.pop()
+            skip = skips.pop()
+            h = torch.cat([h[:, :, : skip.size(-1)], skip], dim=1)
+            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), tape)
+            h = level.resample(h * level_mask, tape)
+        h = self.final_block(h, mask, tape)
+        return self.final_proj(h * mask) * mask
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """The estimator's conditioning for a solve, doubled into the classifier-free-guidance pair (``[2B, ...]``)."""
+
+    mask: Tensor
+    mu: Tensor
+    spks: Tensor
+    cond: Tensor
+    streaming: Tensor
+
+
+class CausalConditionalCFM(nn.Module):
+    """Euler integration of the estimator's velocity from fixed noise (t=0) to mel (t=1), with CFG."""
+
+    rand_noise: Tensor
+
+    def __init__(self, cfg: DecoderConfig, mel_bins: int) -> None:
+        super().__init__()
+        self.cfg_rate = cfg.inference_cfg_rate
+        self.cosine_schedule = cfg.t_scheduler == "cosine"
+        self.estimator = CausalConditionalDecoder(cfg.estimator)
+        noise = torch.randn(
+            [1, mel_bins, NOISE_FRAMES], generator=torch.Generator().manual_seed(NOISE_SEED), dtype=torch.float32
+        )
+        # Not persistent: flow.pt has no such entry; it is recreated identically on construction.
+        self.register_buffer("rand_noise", noise, persistent=False)
+
+    def time_steps(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        t = torch.linspace(0, 1, n_timesteps + 1, device=device, dtype=dtype)
+        return 1 - torch.cos(t * 0.5 * torch.pi) if self.cosine_schedule else t
+
+    def noise(self, start: int, frames: int) -> Tensor:
+        """``[1, 80, frames]``: the pre-drawn noise of frames ``start`` to ``start + frames``."""
+        if start + frames > self.rand_noise.size(2):
+            raise ValueError(
+                f"{start + frames} mel frames exceed the {self.rand_noise.size(2)} frames of pre-drawn noise"
+            )
+        return self.rand_noise[:, :, start : start + frames]
+
+    def forward(
+        self,
+        mu: Tensor,
+        mask: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        n_timesteps: int,
+        streaming: Tensor,
+        *,
+        noise: Tensor | None = None,
+        tape: EstimatorTape | None = None,
+    ) -> Tensor:
+        """mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; spks ``[B, 80]``; streaming ``[B]`` bool
+        -> mel ``[B, 80, T]`` (float32).
+
+        ``noise`` (``[1 or B, 80, T]``) is where the solve starts, by default the pre-drawn noise of
+        frames ``0..T``; a solve that continues a ``tape``'s prefix starts from the noise after it.
+        Pure tensor code on the inputs' device, so a solve or one :meth:`step` of it can be recorded
+        as a CUDA graph.
+        """
+        rows, _, frames = mu.shape
+        if noise is None:
+            noise = self.noise(0, frames)
+        x = noise.to(mu.device, mu.dtype).expand(rows, -1, -1)
+        guide = self.guidance(mu, mask, spks, cond, streaming)
+        for t, dt in self.solver_steps(n_timesteps, mu.device, mu.dtype):
+            x = self.step(x, guide, t, dt, tape)
+        return x.float()
+
+    def solver_steps(self, n_timesteps: int, device: torch.device, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+        """``(t, dt)`` of each Euler step, each ``[1]``. t accumulates dt in ``dtype``, as upstream's loop does,
+        so every caller that steps with these gets the same mel."""
+        t_span = self.time_steps(n_timesteps, device, dtype)
+        t, dt = t_span[0:1], t_span[1] - t_span[0]
+        steps = []
+        for step in range(1, len(t_span)):
+            steps.append((t, dt.reshape(1)))
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return steps
+
+    @staticmethod
+    def guidance(mu: Tensor, mask: Tensor, spks: Tensor, cond: Tensor, streaming: Tensor) -> Guidance:
+        """The estimator's inputs for the CFG pair: rows 0..B-1 conditioned, rows B..2B-1 unconditioned (zeros)."""
+        return Guidance(
+            mask=torch.cat([mask, mask]),
+            mu=torch.cat([mu, torch.zeros_like(mu)]),
+            spks=torch.cat([spks, torch.zeros_like(spks)]),
+            cond=torch.cat([cond, torch.zeros_like(cond)]),
+            streaming=torch.cat([streaming, streaming]),
+        )
+
+    def step(self, x: Tensor, guide: Guidance, t: Tensor, dt: Tensor, tape: EstimatorTape | None = None) -> Tensor:
+        """One Euler step from ``x`` ``[B, 80, T]`` at time ``t``: both rows of the CFG pair in one batch."""
+        rows = x.size(0)
+        velocity = self.estimator(
+            torch.cat([x, x]), guide.mask, guide.mu, t.expand(2 * rows), guide.spks, guide.cond, guide.streaming, tape
+        )
+        guided, unconditioned = velocity[:rows], velocity[rows:]
+        return x + dt * ((1.0 + self.cfg_rate) * guided - self.cfg_rate * unconditioned)

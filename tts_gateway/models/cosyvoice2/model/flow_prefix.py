@@ -1,0 +1,210 @@
+"""The flow's work on a voice prompt, done once per voice and reused by every streaming chunk.
+
+A streaming chunk runs the flow over the voice prompt and every target token so far. In
+streaming mode everything in the flow is causal at chunk granularity: the encoder and the
+estimator attend within their own and earlier chunks, the estimator's convolutions are causal,
+and the solve starts from pre-drawn noise sliced by frame. So the first frames of the prompt,
+up to a chunk boundary the encoder's look-ahead does not cross, come out the same in every
+chunk of every request with that voice, and so does everything the estimator computes for them
+at each step: the keys and values of every attention and the last frames entering every
+causal convolution. :class:`VoicePrefix` holds those (recorded once by solving the prefix
+alone); a later solve replays them and runs only over the frames after the prefix.
+
+Only the prompt is cached, not a request's own earlier frames: those would cost about 2.2 MiB per
+frame in fp16 (56 attention layers x keys and values x 10 steps x the CFG pair) per request, too
+much to keep for every stream in flight. A voice's prefix is shared by all its requests.
+
+Offline calls and final chunks attend to all frames at once (not chunked), so they run as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+from torch import Tensor, nn
+
+from tts_gateway.models.cosyvoice2.model.flow_decoder import Attention, CausalConv1d
+
+
+def prefix_frames(prompt_tokens: int, *, lookahead: int, ratio: int, align: int, limit: int) -> int:
+    """Mel frames of a prompt of ``prompt_tokens`` tokens that every streaming chunk computes alike.
+
+    The prefix ends on a multiple of ``align`` frames (a chunk boundary of both the encoder and
+    the estimator), its last token's look-ahead stays inside the prompt, and it is at most
+    ``limit`` frames. 0 when the prompt is too short.
+    """
+    voiced = max(0, prompt_tokens - lookahead) * ratio
+    return min(voiced, limit) // align * align
+
+
+def chunk_alignment(estimator_chunk: int, encoder_chunk: int, ratio: int) -> int:
+    """Frames a prefix is a multiple of: chunk boundaries of the estimator and of the encoder (at the mel rate)."""
+    chunks = [size for size in (estimator_chunk, encoder_chunk * ratio) if size > 0]
+    return math.lcm(*chunks) if chunks else 1
+
+
+def prefix_nbytes(estimator: nn.Module, n_timesteps: int, frames: int) -> int:
+    """What a recorded prefix of ``frames`` frames holds, in bytes: every attention's keys and values
+    per frame, and every causal convolution's left context, for the CFG pair at every step."""
+    element = next(estimator.parameters()).element_size()
+    per_frame = sum(2 * m.to_k.out_features for m in estimator.modules() if isinstance(m, Attention))
+    context = sum(m.in_channels * m.left_pad for m in estimator.modules() if isinstance(m, CausalConv1d))
+    return 2 * n_timesteps * element * (per_frame * frames + context)
+
+
+def frames_within(estimator: nn.Module, n_timesteps: int, budget: int) -> int:
+    """The most frames whose prefix fits ``budget`` bytes (0 when not even the context fits)."""
+    fixed = prefix_nbytes(estimator, n_timesteps, 0)
+    per_frame = prefix_nbytes(estimator, n_timesteps, 1) - fixed
+    return max(0, budget - fixed) // per_frame
+
+
+@dataclass(frozen=True, eq=False)
+class VoicePrefix:
+    """What the estimator computed for a voice's first ``frames`` mel frames over ``steps`` solver
+    steps, CFG pair as rows [2].
+
+    ``tensors`` are in the order the estimator hands them to a tape, over all solver steps:
+    a causal convolution's left context ``[2, C, k-1]``, an attention's keys and values
+    ``[2, heads, frames, d]``.
+    """
+
+    frames: int
+    steps: int
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class PrefixRecorder:
+    """A tape that keeps what a solve over the prefix alone computes (the rows are the CFG pair)."""
+
+    visible = None
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+
+    def context(self, x: Tensor, width: int) -> Tensor:
+        self.tensors.append(x[:, :, x.size(2) - width :].clone())
+        return torch.nn.functional.pad(x, (width, 0))
+
+    def keys_values(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        self.tensors += [keys.clone(), values.clone()]
+        return keys, values
+
+
+class PrefixReplay:
+    """A tape that puts a recorded prefix in front of every row of a solve, from the first step on.
+
+    ``tensors`` are laid out as :attr:`VoicePrefix.tensors`; ``visible`` (``[P]`` bool) says which
+    of the attention frames are real (the rest is padding of a fixed-size buffer, as the CUDA
+    graphs use).
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], visible: Tensor) -> None:
+        self.tensors = tensors
+        self.visible = visible
+        self._next = 0
+
+    def _take(self, rows: int) -> Tensor:
+        """The next recorded tensor, its CFG pair repeated for ``rows`` rows: [cond x rows, uncond x rows]."""
+        recorded = self.tensors[self._next]
+        self._next += 1
+        pair = recorded.unsqueeze(1).expand(2, rows // 2, *recorded.shape[1:])
+        return pair.reshape(rows, *recorded.shape[1:])
+
+    def context(self, x: Tensor, width: int) -> Tensor:
+        left = self._take(x.size(0))
+        if left.size(2) != width:
+            raise ValueError(f"the prefix holds {left.size(2)} frames of left context, the convolution needs {width}")
+        return torch.cat([left, x], dim=2)
+
+    def keys_values(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        rows = keys.size(0)
+        return torch.cat([self._take(rows), keys], dim=2), torch.cat([self._take(rows), values], dim=2)
+
+
+def voice_key(tokens: NDArray[np.integer], feats: NDArray[np.floating], embedding: NDArray[np.floating]) -> str:
+    """A digest of a voice prompt's contents: equal prompts share a prefix, whichever object holds them."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in (tokens, feats, embedding):
+        contiguous = np.ascontiguousarray(array)
+        digest.update(str((contiguous.dtype.str, contiguous.shape)).encode())
+        digest.update(contiguous.tobytes())
+    return digest.hexdigest()
+
+
+class VoicePrefixCache:
+    """Recorded prefixes by voice key within ``max_bytes``. Thread-safe.
+
+    A voice is admitted while there is room; to make room, only voices unused for ``idle_s``
+    seconds are dropped (least recently used first). A voice in use is never dropped for another,
+    so more voices than fit do not evict each other at every chunk (each eviction would cost the
+    next chunk a fresh recording): the voices that do not fit run without a prefix, as before.
+    """
+
+    def __init__(self, max_bytes: int, *, idle_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self.idle_s = idle_s
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[VoicePrefix, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._nbytes_locked()
+
+    def get(self, key: str) -> VoicePrefix | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries[key] = (entry[0], self._clock())
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def make_room(self, nbytes: int) -> bool:
+        """Whether a prefix of ``nbytes`` fits, after dropping idle voices if it does not yet."""
+        with self._lock:
+            return self._make_room_locked(nbytes)
+
+    def put(self, key: str, prefix: VoicePrefix) -> bool:
+        """Keep ``prefix`` if it fits (see :meth:`make_room`); returns whether it was kept."""
+        with self._lock:
+            self._entries.pop(key, None)
+            if not self._make_room_locked(prefix.nbytes):
+                return False
+            self._entries[key] = (prefix, self._clock())
+            return True
+
+    def _make_room_locked(self, nbytes: int) -> bool:
+        if nbytes > self.max_bytes:
+            return False
+        total = self._nbytes_locked()
+        now = self._clock()
+        for key, (entry, used) in list(self._entries.items()):
+            if total + nbytes <= self.max_bytes:
+                break
+            if now - used >= self.idle_s:
+                del self._entries[key]
+                total -= entry.nbytes
+        return total + nbytes <= self.max_bytes
+
+    def _nbytes_locked(self) -> int:
+        return sum(entry.nbytes for entry, _ in self._entries.values())

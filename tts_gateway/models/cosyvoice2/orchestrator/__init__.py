@@ -1,0 +1,1 @@
+"""One request through the stages: prompt, LLM tokens, streamed chunks of audio."""

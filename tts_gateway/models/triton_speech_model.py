@@ -1,0 +1,157 @@
+"""Base of the Triton Python models that serve the speech contract.
+
+Imported only inside Triton (it needs ``triton_python_backend_utils``). A subclass
+sets itself up from the config parameters and yields audio chunks for a parsed
+:class:`~tts_gateway.models.request_parsing.SpeechRequest`; this class does the rest the
+same way for every backend:
+
+- offline deployment: one response with the whole waveform;
+- decoupled deployment (``NAME_stream``): each request runs on a bounded worker pool
+  so that ``execute`` returns at once, one response per chunk, then the final flag (an
+  error is sent as the final response itself);
+- cancellation (client gone, or the model unloading) is checked between chunks;
+- :class:`ContractError` becomes ``INVALID_ARG``, :class:`BackendUnavailableError`
+  ``UNAVAILABLE`` (logged as a warning); anything else is logged and
+  returned as an internal error without details. The code also leads the message
+  (``[INVALID_ARG] ...``): a decoupled model's error reaches gRPC clients as a message only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from numpy.typing import NDArray
+
+from tts_gateway.models import contract
+from tts_gateway.models.request_parsing import (
+    BackendUnavailableError,
+    ContractError,
+    SpeechRequest,
+    parse_speech_request,
+)
+from tts_gateway.models.triton_logging import enable_stack_dumps
+
+Cancelled = Callable[[], bool]
+
+
+class SpeechContractModel:
+    """Subclasses implement :meth:`setup` and :meth:`synthesize`."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        enable_stack_dumps()
+        config = json.loads(args["model_config"])
+        # Triton's JSON leaves out empty string values, hence the default.
+        params = {key: value.get("string_value", "") for key, value in config["parameters"].items()}
+        self.name = args["model_name"]
+        self.decoupled = bool(pb_utils.using_decoupled_model_transaction_policy(config))
+        self._inputs = [spec["name"] for spec in config["input"]]
+        self._unloading = threading.Event()
+        self._pool: ThreadPoolExecutor | None = None
+        self.setup(params)
+        if self.decoupled:
+            workers = int(params["stream_workers"])
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.name)
+
+    def setup(self, params: dict[str, str]) -> None:
+        """Load the backend from the config's string parameters."""
+        raise NotImplementedError
+
+    def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+        """Audio chunks for ``speech``; stop early once ``cancelled()`` is true."""
+        raise NotImplementedError
+
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self._pool is None:
+            return [self._answer(request) for request in requests]
+        for request in requests:
+            self._pool.submit(self._stream, request, request.get_response_sender())
+        return None
+
+    def finalize(self) -> None:
+        if self._pool is not None:
+            # Running and queued streams stop at their next chunk, each with a final response.
+            self._unloading.set()
+            self._pool.shutdown(wait=True)
+
+    def _answer(self, request: Any) -> Any:
+        cancelled = self._watch(request)
+        try:
+            chunks = list(self._chunks(request, cancelled))
+        except Exception as exc:
+            return pb_utils.InferenceResponse(error=self._error(exc))
+        if cancelled():
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED))
+        waveform = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+        return pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, waveform)])
+
+    def _stream(self, request: Any, sender: Any) -> None:
+        """Send the chunks, then end the stream; an error is the final response itself.
+
+        An error followed by a separate final flag crashed Triton 2.51 now and then (SIGSEGV in the
+        server, every model's requests lost): a client that sees the error cancels the stream, and
+        the cancellation met the server completing it.
+        """
+        final = None
+        try:
+            for chunk in self._chunks(request, self._watch(request)):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, chunk)]))
+            if self._unloading.is_set():
+                error = pb_utils.TritonError(
+                    f"[UNAVAILABLE] model {self.name} is unloading", pb_utils.TritonError.UNAVAILABLE
+                )
+                final = pb_utils.InferenceResponse(error=error)
+        except Exception as exc:
+            final = pb_utils.InferenceResponse(error=self._error(exc))
+        finally:
+            # None sends the final flag alone.
+            sender.send(final, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _chunks(self, request: Any, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+        if cancelled():
+            return  # the client left while the request waited for a worker
+        tensors = {}
+        for name in self._inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                tensors[name] = tensor.as_numpy()
+        speech = dataclasses.replace(parse_speech_request(tensors), request_id=request.request_id())
+        for chunk in self.synthesize(speech, cancelled):
+            if cancelled():
+                return
+            yield chunk
+
+    def _watch(self, request: Any) -> Cancelled:
+        """A cancellation check for ``request`` that logs the first time it fires."""
+        logged = False
+
+        def cancelled() -> bool:
+            nonlocal logged
+            if self._unloading.is_set():
+                return True
+            if not request.is_cancelled():
+                return False
+            if not logged:
+                pb_utils.Logger.log_info(f"{self.name}: request {request.request_id()!r} cancelled")
+                logged = True
+            return True
+
+        return cancelled
+
+    def _error(self, exc: Exception) -> Any:
+        if isinstance(exc, ContractError):
+            return pb_utils.TritonError(f"{contract.INVALID_ARG_PREFIX} {exc}", pb_utils.TritonError.INVALID_ARG)
+        if isinstance(exc, BackendUnavailableError):
+            pb_utils.Logger.log_warn(f"{self.name}: {exc}")
+            # The details (addresses of internal servers) stay in the log.
+            message = f"[UNAVAILABLE] model {self.name}: a server it relies on is unavailable; see the server log"
+            return pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)
+        pb_utils.Logger.log_error(f"{self.name}: synthesis failed\n{traceback.format_exc()}")
+        return pb_utils.TritonError(f"model {self.name} failed; see the server log", pb_utils.TritonError.INTERNAL)

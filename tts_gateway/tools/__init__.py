@@ -1,0 +1,1 @@
+"""Operator tools: model download, checkpoints, TensorRT-LLM engines, repository rendering, voices."""

@@ -1,0 +1,29 @@
+"""Triton adapter for Piper: the contract handling is shared, the voice is tts_gateway.models.piper."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from tts_gateway.models import contract
+from tts_gateway.models.piper import PiperEngine
+from tts_gateway.models.request_parsing import SpeechRequest
+from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
+
+
+class TritonPythonModel(SpeechContractModel):
+    def setup(self, params: dict[str, str]) -> None:
+        self._engine = PiperEngine(
+            Path(params["voice_model"]) if params.get("voice_model") else None,
+            Path(params["voice_config"]) if params.get("voice_config") else None,
+        )
+        declared = int(params[contract.PARAM_SAMPLE_RATE])
+        if self._engine.sample_rate != declared:
+            raise ValueError(f"the voice runs at {self._engine.sample_rate} Hz, config says {declared}")
+
+    def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+        # Piper synthesises a sentence when asked for its chunk: a cancelled request stops there.
+        yield from self._engine.synthesize(speech.target_text, speed=speech.speed)
