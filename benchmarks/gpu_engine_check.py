@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
+from tts_gateway.models.cosyvoice2.checkpoints import config_writer
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
     CONFIG_FILENAME,
     COSYVOICE_DIRNAME,
@@ -49,7 +50,7 @@ from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
 from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
-from tts_gateway.models.cosyvoice2.model import config, vocab
+from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 from tts_gateway.models.cosyvoice2.model.hift_stream import DEFAULT_MEL_CACHE_FRAMES
 
@@ -286,7 +287,7 @@ def _flow_and_hift(root: Path) -> Path:
     model_dir = root / COSYVOICE_DIRNAME
     model_dir.mkdir(parents=True, exist_ok=True)
     size = full_size()
-    config.write_config(size.model, model_dir / CONFIG_FILENAME)
+    config_writer.write_config(size.model, model_dir / CONFIG_FILENAME)
     for filename, state in module_states(size.model).items():
         torch.save(state, model_dir / filename)
     return model_dir

@@ -40,7 +40,7 @@ def token2wav_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny config's ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt``, laid out as the official model dir."""
     import torch
 
-    from tts_gateway.models.cosyvoice2.model.config import tiny_config, write_config
+    from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config, write_config
     from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
     from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
 

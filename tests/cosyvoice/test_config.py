@@ -7,17 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config, write_config
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import OFFICIAL_CONFIG_FILE
-from tts_gateway.models.cosyvoice2.model.config import (
-    ConfigError,
-    CosyVoice2Config,
-    Ref,
-    Tagged,
-    load_config,
-    parse_hyperpyyaml,
-    tiny_config,
-    write_config,
-)
+from tts_gateway.models.cosyvoice2.model.config import ConfigError, CosyVoice2Config, load_config
+from tts_gateway.models.cosyvoice2.model.hyperpyyaml import Ref, Tagged, parse_hyperpyyaml
 
 pytestmark = pytest.mark.cosyvoice
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs, row_buckets, segment_steps
-from tts_gateway.models.cosyvoice2.model.config import tiny_config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 
 pytestmark = pytest.mark.cosyvoice

@@ -39,7 +39,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from tts_gateway.models.cosyvoice2.model.config import FlowConfig, tiny_config
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
+from tts_gateway.models.cosyvoice2.model.config import FlowConfig
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
 
 pytestmark = pytest.mark.cosyvoice

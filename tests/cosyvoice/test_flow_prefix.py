@@ -9,9 +9,9 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
-from tts_gateway.models.cosyvoice2.model.config import tiny_config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     PrefixReplay,

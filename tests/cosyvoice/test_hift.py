@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tts_gateway.models.cosyvoice2.model.config import HiftConfig, tiny_config
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
+from tts_gateway.models.cosyvoice2.model.config import HiftConfig
 from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator, _fourier_bases
 
 pytestmark = pytest.mark.cosyvoice

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tests.cosyvoice.test_token2wav_batching import voice
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
-from tts_gateway.models.cosyvoice2.model.config import tiny_config
 from tts_gateway.models.cosyvoice2.model.hift import ExcitationNoise, HiFTGenerator
 
 pytestmark = pytest.mark.cosyvoice

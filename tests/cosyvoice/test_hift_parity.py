@@ -36,7 +36,8 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from tts_gateway.models.cosyvoice2.model.config import HiftConfig, tiny_config
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
+from tts_gateway.models.cosyvoice2.model.config import HiftConfig
 from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
 from tts_gateway.models.cosyvoice2.model.hift_stream import HiftStreamState
 

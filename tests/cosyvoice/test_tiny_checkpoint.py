@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import TinyCheckpoint, write_tiny_checkpoint
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
 from tts_gateway.models.cosyvoice2.model import vocab
-from tts_gateway.models.cosyvoice2.model.config import load_config, tiny_config
+from tts_gateway.models.cosyvoice2.model.config import load_config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
 from tts_gateway.models.cosyvoice2.model.frontend import AudioTokenizer, SpeakerEmbedder, build_voice_prompt
 from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator

@@ -36,7 +36,7 @@ from typing import Final
 import torch
 from transformers import Qwen2Config
 
-from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.checkpoints import config_writer, tiny_frontend
 from tts_gateway.models.cosyvoice2.model import config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
 from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
@@ -106,7 +106,7 @@ def write_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> Rand
     """Write (or overwrite) a checkpoint under ``root``; the same seed gives the same weights."""
     model_dir = root / COSYVOICE_DIRNAME
     model_dir.mkdir(parents=True, exist_ok=True)
-    config.write_config(size.model, model_dir / CONFIG_FILENAME)
+    config_writer.write_config(size.model, model_dir / CONFIG_FILENAME)
     for filename, state in module_states(size.model, seed=seed).items():
         torch.save(state, model_dir / filename)
     tiny_frontend.write_tiny_tokenizer_onnx(model_dir / tiny_frontend.TOKENIZER_FILENAME, seed=seed)

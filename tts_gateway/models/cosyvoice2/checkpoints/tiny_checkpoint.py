@@ -11,20 +11,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.checkpoints import config_writer, tiny_frontend
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
     CheckpointSize,
     RandomCheckpoint,
     write_checkpoint,
 )
-from tts_gateway.models.cosyvoice2.model import config
 
 TinyCheckpoint = RandomCheckpoint
 
 
 def tiny_size() -> CheckpointSize:
     """Small dimensions, the real interfaces; the LLM stops where its random head says."""
-    return CheckpointSize("tiny", config.tiny_config(), tiny_frontend.tiny_llm_config())
+    return CheckpointSize("tiny", config_writer.tiny_config(), tiny_frontend.tiny_llm_config())
 
 
 def write_tiny_checkpoint(root: Path, *, seed: int = 0) -> TinyCheckpoint:
