@@ -18,17 +18,14 @@ pytestmark = pytest.mark.triton
 REQUEST = {contract.TARGET_TEXT: "Hello there.", contract.VOICE: "tone"}
 
 
-async def test_offline_answers_the_configured_duration_at_once(bench_triton: EmbeddedTriton) -> None:
+async def test_offline_answers_the_configured_duration(bench_triton: EmbeddedTriton) -> None:
     client = TritonClient(bench_triton.grpc_url, timeout=30)
     try:
-        started = time.monotonic()
         audio = await client.infer("bench_fixture", REQUEST, request_id="offline")
-        elapsed = time.monotonic() - started
     finally:
         await client.close()
     assert audio.size == 24_000
     assert np.sqrt(np.mean(audio**2)) > 0.1
-    assert elapsed < STREAM_FIRST_CHUNK_DELAY_MS / 1000, "the offline twin has no delay"
 
 
 async def test_stream_sends_the_configured_chunks_after_the_delay(bench_triton: EmbeddedTriton) -> None:
