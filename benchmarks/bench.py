@@ -6,7 +6,7 @@ to the gateway (``POST /v1/audio/speech``): time to first audio byte and total l
 (p50/p90/p99), aggregate RTF, requests/s, errors, the gateway's peak RSS, and the ratios.
 The benchmark fixture model (``bench_fixture``: a tone, no compute) shows the gateway's own
 overhead; Piper gives real-compute figures. Also measured: the streaming encoders' CPU cost
-(``encoding_cost.py``) and the embedded CPU default (``cpu_default.py``). The issue's targets
+(``encoding_cost.py``) and the embedded CPU default (``cpu_default.py``). The project's targets
 are checked against the figures. Writes NAME.json, NAME.md and NAME.png into ``--out`` (``--name``,
 default ``bench``; ``--out docs/benchmarks --name cpu-2core`` updates the published report in place).
 
