@@ -6,8 +6,9 @@ to the gateway (``POST /v1/audio/speech``): time to first audio byte and total l
 (p50/p90/p99), aggregate RTF, requests/s, errors, the gateway's peak RSS, and the ratios.
 The benchmark fixture model (``bench_fixture``: a tone, no compute) shows the gateway's own
 overhead; Piper gives real-compute figures. Also measured: the streaming encoders' CPU cost
-(``encoding_cost.py``) and the embedded CPU default (``cpu_default.py``). The issue's targets
-are checked against the figures. Writes bench.json, bench.md and bench.png into ``--out``.
+(``encoding_cost.py``) and the embedded CPU default (``cpu_default.py``). The project's targets
+are checked against the figures. Writes NAME.json, NAME.md and NAME.png into ``--out`` (``--name``,
+default ``bench``; ``--out docs/benchmarks --name cpu-2core`` updates the published report in place).
 
 By default it starts its own stack: the embedded Triton on the ``bench`` profile and, per mode,
 a gateway process pointed at it (``TTS_BACKEND_MODE``), with access logging off.
@@ -101,7 +102,10 @@ def _cpus(value: str) -> set[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("var/bench"), help="where bench.json/.md/.png go")
+    parser.add_argument("--out", type=Path, default=Path("var/bench"), help="where NAME.json/.md/.png go")
+    parser.add_argument(
+        "--name", default="bench", help="file stem of the report, e.g. cpu-2core to update docs/benchmarks/ in place"
+    )
     parser.add_argument("--parts", type=_csv, default=list(PARTS), help=f"of {','.join(PARTS)} (default: all)")
     what = parser.add_argument_group("sweep")
     what.add_argument("--models", type=_csv, default=[FIXTURE, "piper"], help="speech models (default: %(default)s)")
@@ -334,12 +338,12 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     return report
 
 
-def write(report: dict[str, Any], out: Path) -> None:
+def write(report: dict[str, Any], out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
-    (out / "bench.md").write_text(bench_report.markdown(report), encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    (out / f"{name}.md").write_text(bench_report.markdown(report), encoding="utf-8")
     if report.get("sweeps"):
-        bench_report.plot(report, out / "bench.png")
+        bench_report.plot(report, out / f"{name}.png")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,8 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # A terminated run still stops its servers and removes its temporary files.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    report = run(args, shlex.join(["python", "benchmarks/bench.py", *argv]))
-    write(report, args.out)
+    report = run(args, shlex.join(["python", "-m", "benchmarks.bench", *argv]))
+    write(report, args.out, args.name)
     print(bench_report.markdown(report))
     return 0
 

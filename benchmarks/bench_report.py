@@ -1,4 +1,4 @@
-"""The benchmark report: the issue's targets checked against it, Markdown tables and a plot.
+"""The benchmark report: the project's targets checked against it, Markdown tables and a plot.
 
 Everything here reads the JSON-ready report dict that ``bench.py`` writes, so a saved
 ``bench.json`` can be rendered again.
@@ -43,7 +43,7 @@ def _check(name: str, goal: str, measure: Callable[[], tuple[str, bool] | None])
 
 
 def check_targets(report: dict[str, Any], overhead_model: str) -> list[TargetCheck]:
-    """The issue's targets; the gateway-overhead ones on ``overhead_model`` (the benchmark fixture)."""
+    """The project's targets; the gateway-overhead ones on ``overhead_model`` (the benchmark fixture)."""
     offline = _levels(report, overhead_model, "offline")
     stream = _levels(report, overhead_model, "stream")
 

@@ -12,15 +12,16 @@ audio byte at the client; one gateway per mode). It reports first-chunk latency 
 latency, RTF (wall time of the level / seconds of audio produced: upstream's definition, a
 throughput figure) and GPU memory, next to upstream's L20 figures, and for direct streaming where
 each first chunk's time went (queueing, voice prompt, LLM prefill, LLM tokens up to the first hop,
-flow, HiFT, transport; ``gpu_stages.py``), in ``gpu_cosyvoice2.json`` and ``gpu_cosyvoice2.md``
-under ``--out`` (rewritten after every pass, so an interrupted run keeps what it measured), with the
-server's log.
+flow, HiFT, transport; ``gpu_stages.py``), in ``NAME.json`` and ``NAME.md`` under ``--out`` (``--name``,
+default ``gpu_cosyvoice2``; rewritten after every pass, so an interrupted run keeps what it measured); the
+server's and the gateways' logs go to ``WORKDIR/logs``. ``--out docs/benchmarks --name gpu-h100`` updates
+the published report in place.
 
 Random weights cost what real ones cost per token; only the output length has to be imposed: the
 checkpoint's LLM stops as soon as the profile's ``min_token_text_ratio`` allows, so every request
 yields a known number of speech tokens (checked) and the audio seconds are the same in every pass.
 
-    python -m benchmarks.gpu_cosyvoice2 --out /tmp/report          # GPU: about 8 minutes
+    python -m benchmarks.gpu_cosyvoice2 --out docs/benchmarks --name gpu-h100  # GPU: about 8 minutes
     python -m benchmarks.gpu_cosyvoice2 --cpu --levels 1,2 --prompts 2  # rehearsal without a GPU
 
 Passes that would overrun ``--budget-s`` (counted from the start) are skipped and reported as such;
@@ -36,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -523,6 +525,8 @@ def markdown(report: dict[str, Any]) -> str:
     if setup.get("load_timeline"):
         lines += ["", "The server's start, from its log (seconds after its first line):", ""]
         lines += [f"- {event}" for event in setup["load_timeline"]]
+    if setup.get("command"):
+        lines += ["", f"Command: `{setup['command']}`."]
     return "\n".join(lines) + "\n"
 
 
@@ -532,9 +536,10 @@ def _triple(stats: dict[str, float] | None) -> str:
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    stem = report["setup"]["report_name"]
     for name, text in (
-        ("gpu_cosyvoice2.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n"),
-        ("gpu_cosyvoice2.md", markdown(report)),
+        (f"{stem}.json", json.dumps(report, indent=2, ensure_ascii=False) + "\n"),
+        (f"{stem}.md", markdown(report)),
     ):
         partial = out / f".{name}.partial"
         partial.write_text(text, encoding="utf-8")
@@ -692,6 +697,8 @@ def run(args: argparse.Namespace) -> bool:
         audio = [job.expected_tokens / 25 for job in jobs]
         report: dict[str, Any] = {
             "setup": {
+                "command": shlex.join(["python", "-m", "benchmarks.gpu_cosyvoice2", *sys.argv[1:]]),
+                "report_name": args.name,
                 "profile": profile,
                 "llm": "transformers serve (continuous batching, CUDA graphs)"
                 if args.llm_server
@@ -766,16 +773,18 @@ def run(args: argparse.Namespace) -> bool:
         triton.stop()
         if llm_server is not None:
             llm_server.stop()
-        args.out.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(triton.log_path, args.out / "tritonserver.log")
-        # Beside the report: a request that failed through the gateway may be explained there.
+        logs = workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(triton.log_path, logs / "tritonserver.log")
+        # Kept after the run: a request that failed through the gateway may be explained there.
         for gateway in gateways:
             if gateway.log_path.exists():
-                shutil.copyfile(gateway.log_path, args.out / f"{gateway.workdir.name}.log")
+                shutil.copyfile(gateway.log_path, logs / f"{gateway.workdir.name}.log")
     if not ok:
         gpu_sanity.print_server_errors(triton.log_path)
     log(markdown(report))
-    log(f"report: {args.out / 'gpu_cosyvoice2.md'} and .json; {time.perf_counter() - started:.0f} s in all")
+    elapsed = time.perf_counter() - started
+    log(f"report: {args.out / args.name}.md and .json, logs in {workdir / 'logs'}; {elapsed:.0f} s in all")
     return ok
 
 
@@ -896,6 +905,7 @@ def main() -> int:
     )
     parser.add_argument("--prompts", type=int, default=16, help=f"the first N of {len(PROMPTS)} prompts")
     parser.add_argument("--out", type=Path, default=None, help="report folder; default WORKDIR/report")
+    parser.add_argument("--name", default="gpu_cosyvoice2", help="file stem of the report, e.g. gpu-h100")
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2", help="checkpoint, repo, logs")
     parser.add_argument(
         "--cuda-mps",

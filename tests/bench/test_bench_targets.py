@@ -1,4 +1,4 @@
-"""The issue's targets read off a report: pass, fail, and not measured."""
+"""The project's targets read off a report: pass, fail, and not measured."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from tests.e2e.gateway_process import GatewayProcess, processes_under, tritonser
 pytestmark = pytest.mark.triton
 
 SPEECH = {"model": "tts-1", "voice": "alloy", "input": "Back on my feet.", "response_format": "wav"}
-# The bound: healthy and speaking again within 30 s of the kill.
+# The required bound: healthy and speaking again within 30 s of the kill.
 RECOVERY_LIMIT = 30.0
 
 

@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     )
     embedded_startup_timeout: float = Field(180.0, gt=0)
     # auto: on the H100 MPS took gpu-torch's 64 streams' first audio from 771 to 632 ms p50 and halved their
-    # total stall time, for 12-16 ms more at one stream (docs/benchmarks/gpu-h100-2026-11-26-experiments.md).
+    # total stall time, for 12-16 ms more at one stream (docs/TUNING.md).
     embedded_cuda_mps: MpsMode = Field(
         "auto",
         description="run the embedded server's model processes under a CUDA MPS daemon of its own, so that"

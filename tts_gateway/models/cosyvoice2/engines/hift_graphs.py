@@ -1,7 +1,7 @@
 """HiFT's vocoding of streamed chunks as CUDA graphs.
 
-Eager, HiFT took 24 ms of a stream's first chunk (30 mel frames) on an H100 (2026-11-24 benchmark),
-in a few hundred small kernels; replayed from a graph they launch at once, as the flow's do.
+Eager, HiFT took 24 ms of a stream's first chunk (30 mel frames) on an H100, in a few hundred
+small kernels; replayed from a graph they launch at once, as the flow's do.
 A graph is recorded per exact chunk shape (HiFT vocodes padded rows exactly only when told each
 row's frames, which these graphs do not record). Streaming makes few shapes, since every
 non-final chunk converts one of the hop schedule's hops (``hops``, in tokens): its mel is

@@ -17,13 +17,12 @@ and grows with the groups under a heavy one. The window counts groups, not secon
 quiet spell meets the horizon its predecessors left, not none, and a heavy load's horizon stays
 until a few lighter groups of each kind have replaced it.
 
-The horizon, as measured on the H100, leaves out two waits a review pointed out: offline calls that
-waited longer than a later chunk go before it, and their groups are not counted; and a later chunk
-waiting while another later group lends the GPU also waits for the rest of that group. Counting
-them would make the horizon longer. One run with both counted (EF of the experiments of
-2026-11-26) had a 64-stream pass where the first hop fell back to 25 tokens and new streams waited
-seconds; shorter gaps to the second chunk tip the first hop that way (``first_hop.py``), so they
-stay out until measured more.
+The horizon leaves out two waits: offline calls that waited longer than a later chunk go before
+it, and their groups are not counted; and a later chunk waiting while another later group lends
+the GPU also waits for the rest of that group. Counting them makes the horizon longer, and with
+both counted a 64-stream pass on the H100 had its first hop fall back to 25 tokens and new streams
+wait seconds: shorter gaps to the second chunk tip the first hop that way (``first_hop.py``). So
+they stay out (docs/TUNING.md, token2wav).
 """
 
 from __future__ import annotations

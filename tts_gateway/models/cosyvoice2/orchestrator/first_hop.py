@@ -29,9 +29,9 @@ streams, without any state shared between processes.
 
 A known weakness: token2wav takes later chunks in the order their streams run out of audio, so the
 gap also depends on the hop itself (on the H100, p75 0.56-0.73 s after 25 tokens and 0.99-1.51 s
-after 50, rising only mildly with the load). Gaps measured on one hop tend to keep it there; once,
-the staggered tail of a 64-stream pass left short gaps and the next burst of 64 began on 25 tokens
-(run EF of the experiments of 2026-11-26).
+after 50, rising only mildly with the load). Gaps measured on one hop tend to keep it there: the
+staggered tail of a 64-stream pass can leave short gaps, and the next burst of 64 then begins on 25
+tokens. A measure of load that the hop does not itself change would avoid that.
 
 Plain Python, free of torch (as :mod:`.streaming`).
 """

@@ -5,10 +5,9 @@ threads of one model read decoupled BLS streams (found with ``benchmarks/llm_str
 confirmed by the stub's native stacks). A thread waking in the response iterator holds the
 iterator's lock while it waits for the GIL; the stub's response thread holds the iterator map's
 lock while it waits for that iterator's lock; and a thread opening a new stream holds the GIL
-while it waits for the map's lock. Every stream of the process then stops for good, which is how
-one GPU benchmark run hung. The gRPC client takes none of those locks, and a stream left early
-is cancelled in the server, so the LLM drops the request at its next step (2.51's BLS stream has no
-cancel).
+while it waits for the map's lock. Every stream of the process then stops for good. The gRPC
+client takes none of those locks, and a stream left early is cancelled in the server, so the LLM
+drops the request at its next step (2.51's BLS stream has no cancel).
 
 One streaming call per generation on one shared channel, made with the service stubs tritonclient
 ships: the call carries its single request (the request side closes at once, so no thread waits on
@@ -76,7 +75,7 @@ class TritonLLMStreams:
         finally:
             if ended:
                 # The server closes the call once its one request is answered; a cancel meeting that
-                # completion is what crashed Triton 2.51 before (README), so it is only read to its end.
+                # completion can crash Triton 2.51's server, so it is only read to its end.
                 _read_to_end(call)
             else:
                 call.cancel()
