@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-# benchmarks/ is on sys.path (conftest.py), as when bench.py runs.
 from benchmarks.bench_report import check_targets, markdown, targets_json
 from benchmarks.bench_stats import ratios
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# benchmarks/ is on sys.path (conftest.py), as when the benchmarks run.
 from benchmarks.gpu_cosyvoice2 import _first_hop_cell
 from benchmarks.gpu_stages import first_hops
 from tts_gateway.models.stage_trace import StageTrace

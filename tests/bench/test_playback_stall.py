@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-# benchmarks/ is on sys.path (conftest.py), as when the benchmarks run.
 from benchmarks.gpu_cosyvoice2 import PassResult, RequestResult, _stalls, playback_stall_s
 
 

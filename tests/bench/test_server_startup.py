@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-# benchmarks/ is on sys.path (conftest.py), as when the benchmarks run.
 from benchmarks.server_startup import load_timeline
 
 LOG = (
     """I1125 23:59:58.354058 668 model_lifecycle.cc:472] "loading: token2wav:1"
-I1125 23:59:59.100000 668 pb_stub.cc:300] "token2wav: cosyvoice2.token2wav: weights loaded in 2.5 s"
+I1125 23:59:59.100000 668 pb_stub.cc:300] "token2wav: tts_gateway.models.cosyvoice2.engine: weights loaded in 2.5 s"
 W1125 23:59:59.200000 668 pb_stub.cc:300] "llm: tts_gateway.models.cosyvoice2.engines.llm_engine: a warning"
 I1126 00:00:01.000000 668 pb_stub.cc:300] "token2wav: something else: not ours"
 """
