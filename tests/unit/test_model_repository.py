@@ -10,14 +10,17 @@ import pytest
 from tests.fixtures.scripted_triton import REPOSITORY as SCRIPTED_REPOSITORY
 from tts_gateway.models.contract import STREAM_SUFFIX, stream_model_name
 from tts_gateway.models.model_repository import (
+    PROFILE_ROOT,
+    ROOTED_KEYS,
     TemplateError,
+    deployment_overrides,
     fill_template,
+    load_profile,
     load_profiles,
     parse_overrides,
     render_repository,
 )
 from tts_gateway.paths import TRITON_REPOSITORY
-from tts_gateway.tools.model_prep import PROFILE_ROOT, ROOTED_KEYS
 
 REPO = TRITON_REPOSITORY
 
@@ -222,3 +225,23 @@ def test_every_shipped_profile_renders_with_its_twins_derived(tmp_path: Path, so
                 "true",
             ), (name, model.name)
             assert set(offline.values) == set(model.values), (name, model.name)
+
+
+def test_deployment_overrides_move_model_paths_and_point_orchestrators_at_llm_servers(tmp_path: Path) -> None:
+    profile = load_profile(REPO, "cosyvoice2-cpu-llm-server")
+    models = tmp_path / "models"
+    overrides = deployment_overrides(
+        profile, models_root=models, llm_urls="http://a:1/v1", explicit={"cosyvoice2": {"llm_urls": "http://b:2/v1"}}
+    )
+    assert overrides["token2wav"]["model_dir"] == str(models.resolve() / "CosyVoice2-0.5B")
+    assert overrides["cosyvoice2_stream"]["llm_dir"] == str(models.resolve() / "cosyvoice2_llm")
+    # Both orchestrators take the LLM servers; an explicit MODEL.KEY=VALUE wins.
+    assert overrides["cosyvoice2_stream"]["llm_urls"] == "http://a:1/v1"
+    assert overrides["cosyvoice2"]["llm_urls"] == "http://b:2/v1"
+    render_repository(REPO, profile.name, tmp_path / "repo", overrides)
+    assert 'string_value: "http://a:1/v1"' in (tmp_path / "repo" / "cosyvoice2_stream" / "config.pbtxt").read_text()
+    assert deployment_overrides(profile) == {}
+    with pytest.raises(TemplateError, match="'cpu' has no model that talks to an LLM server"):
+        deployment_overrides(load_profile(REPO, "cpu"), llm_urls="http://a:1/v1")
+    with pytest.raises(TemplateError, match="unknown profile 'nope'"):
+        load_profile(REPO, "nope")

@@ -37,13 +37,18 @@ import string
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tts_gateway.models.contract import stream_model_name
 
 TEMPLATE_NAME = "config.pbtxt.tmpl"
 PROFILES_DIR = "profiles"
+# Profiles name model paths under this root; a models root given at render time replaces it.
+PROFILE_ROOT = PurePosixPath("/models")
+ROOTED_KEYS = ("model_dir", "llm_dir", "engine_dir")
+# Where an orchestrator finds its LLM servers (empty: the LLM is a model of the same Triton server).
+LLM_URLS_KEY = "llm_urls"
 
 _FILE_KEYS = frozenset({"defaults", "profiles"})
 _DEFAULTS_KEYS = frozenset({"values", "stream"})
@@ -114,6 +119,14 @@ def load_profiles(source_root: Path) -> dict[str, Profile]:
     for name in declared:
         _resolve(name, declared, resolved, ())
     return {name: _deploy(name, resolved[name], defaults) for name in declared}
+
+
+def load_profile(source_root: Path, name: str) -> Profile:
+    """One profile of the source repository, resolved; an unknown name is an error listing the known ones."""
+    profiles = load_profiles(source_root)
+    if name not in profiles:
+        raise TemplateError(f"unknown profile {name!r}; known: {sorted(profiles)}")
+    return profiles[name]
 
 
 @dataclass(frozen=True)
@@ -306,6 +319,38 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
     return overrides
 
 
+def deployment_overrides(
+    profile: Profile,
+    *,
+    models_root: Path | None = None,
+    llm_urls: str | None = None,
+    explicit: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, dict[str, str]]:
+    """Overrides that fit ``profile`` to this machine, for :func:`render_repository`.
+
+    ``models_root`` moves every ``/models/...`` path value under it; ``llm_urls`` replaces the
+    LLM servers of every model that has some (both orchestrators); ``explicit`` overrides
+    (``MODEL.KEY=VALUE``) win over both.
+    """
+    result: dict[str, dict[str, str]] = {}
+    if models_root is not None:
+        for model in profile.models:
+            for key in ROOTED_KEYS:
+                value = model.values.get(key)
+                if value is not None and PurePosixPath(value).is_relative_to(PROFILE_ROOT):
+                    relative = PurePosixPath(value).relative_to(PROFILE_ROOT)
+                    result.setdefault(model.name, {})[key] = str(models_root.resolve() / relative)
+    if llm_urls is not None:
+        takers = [model.name for model in profile.models if LLM_URLS_KEY in model.values]
+        if not takers:
+            raise TemplateError(f"profile {profile.name!r} has no model that talks to an LLM server ({LLM_URLS_KEY})")
+        for name in takers:
+            result.setdefault(name, {})[LLM_URLS_KEY] = llm_urls
+    for model_name, values in (explicit or {}).items():
+        result.setdefault(model_name, {}).update(values)
+    return result
+
+
 def render_repository(
     source_root: Path,
     profile_name: str,
@@ -319,10 +364,7 @@ def render_repository(
     ``overrides`` maps a deployed model name to values that replace the profile's.
     ``only`` deploys just those of the profile's models (all when ``None``).
     """
-    profiles = load_profiles(source_root)
-    if profile_name not in profiles:
-        raise TemplateError(f"unknown profile {profile_name!r}; known: {sorted(profiles)}")
-    profile = profiles[profile_name]
+    profile = load_profile(source_root, profile_name)
     overrides = dict(overrides or {})
     names = {m.name for m in profile.models}
     for what, given in (("overrides", overrides), ("only", only or ())):
