@@ -30,11 +30,20 @@ def test_voice_aliases_from_the_environment_merge_over_the_defaults(monkeypatch:
         ("max_queued_speech", -1),
         ("backend_chunk_timeout", 0),
         ("queue_timeout", 300.0),
+        ("llm_urls", "localhost:8000/v1"),
+        ("llm_urls", "http://llm:8000/v1, grpc://llm:8001"),
     ],
 )
 def test_bad_values_are_rejected(field: str, value: object) -> None:
     with pytest.raises(ValidationError):
         Settings(**{field: value})
+
+
+def test_llm_urls_are_read_comma_or_space_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_LLM_URLS", " http://a:8000/v1, http://b:8000/v1 ")
+    assert Settings().llm_urls == "http://a:8000/v1,http://b:8000/v1"
+    monkeypatch.setenv("TTS_LLM_URLS", "")
+    assert Settings().llm_urls is None
 
 
 def test_triton_url_accepts_grpc_scheme() -> None:

@@ -32,7 +32,12 @@ from tts_gateway.gateway.triton_client import TritonClient
 from tts_gateway.gateway.triton_pool import TritonPool
 from tts_gateway.gateway.triton_supervisor import TritonSupervisor
 from tts_gateway.gateway.voice_registry import VoiceRegistry
-from tts_gateway.models.model_repository import load_profiles, parse_overrides, render_repository
+from tts_gateway.models.model_repository import (
+    deployment_overrides,
+    load_profile,
+    parse_overrides,
+    render_repository,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +63,14 @@ def start_embedded_triton(
         workdir = Path(tempfile.mkdtemp(prefix="tts-gateway-"))
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
     repository = workdir / "model_repository"
-    overrides = parse_overrides(settings.embedded_overrides)
+    profile = load_profile(settings.triton_repository, settings.embedded_profile)
+    overrides = deployment_overrides(
+        profile,
+        models_root=settings.models_root,
+        llm_urls=settings.llm_urls,
+        explicit=parse_overrides(settings.embedded_overrides),
+    )
     names = render_repository(settings.triton_repository, settings.embedded_profile, repository, overrides)
-    profile = load_profiles(settings.triton_repository)[settings.embedded_profile]
     logger.info("starting embedded Triton (profile %s: %s)", settings.embedded_profile, ", ".join(names))
     server = EmbeddedTriton(
         repository,

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -73,6 +74,16 @@ class Settings(BaseSettings):
     embedded_profile: str = Field("cpu", description="profile rendered for the embedded server")
     embedded_overrides: list[str] = Field(
         default_factory=list, description="MODEL.KEY=VALUE template values replacing the profile's"
+    )
+    models_root: Path | None = Field(
+        None,
+        description="directory that replaces /models in the embedded profile's model paths (model_dir, llm_dir,"
+        " engine_dir), as tts-models --models-root does; unset: the profile's paths as written",
+    )
+    llm_urls: str | None = Field(
+        None,
+        description="OpenAI-compatible LLM servers (comma-separated base URLs, http://host:port/v1) for an embedded"
+        " profile whose orchestrators use one, such as cosyvoice2-cpu-llm-server; unset: the profile's",
     )
     embedded_workdir: Path | None = Field(
         None, description="where the embedded server's repository and logs go (default: a temp dir)"
@@ -179,6 +190,18 @@ class Settings(BaseSettings):
             if not path.startswith("/"):
                 raise ValueError(f"public endpoints are paths such as /health, got {path!r}")
         return value
+
+    @field_validator("llm_urls")
+    @classmethod
+    def _check_llm_urls(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        urls = [url for url in re.split(r"[\s,]+", value) if url]
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"TTS_LLM_URLS must list http(s) base URLs such as http://host:8000/v1, got {url!r}")
+        return ",".join(urls)
 
     @field_validator("embedded_overrides")
     @classmethod

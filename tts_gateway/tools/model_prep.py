@@ -10,34 +10,41 @@
 Every model directory lives under one root (``--models-root``): ``CosyVoice2-0.5B/`` (ModelScope
 ``iic/CosyVoice2-0.5B``), ``cosyvoice2_llm/`` (Hugging Face ``yuekai/cosyvoice2_llm``) and
 ``engines/``. Profiles name paths under ``/models``; ``--models-root`` moves them elsewhere.
-Every step is idempotent, so a container runs ``launch --prepare`` at each start.
+Every step is idempotent, so a container runs ``launch --prepare`` at each start. ``launch``
+execs the ``tritonserver`` on ``PATH`` (the NGC Triton image's); where there is none, it runs
+the nvidia-pytriton wheel's server, which has the Python backend only (not TensorRT-LLM).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import httpx
 
 from tts_gateway.gateway.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.model_repository import (
+    PROFILE_ROOT,
+    TEMPLATE_NAME,
+    Profile,
     TemplateError,
-    load_profiles,
+    deployment_overrides,
+    load_profile,
     parse_overrides,
     render_repository,
 )
 from tts_gateway.paths import TRITON_REPOSITORY
 from tts_gateway.tools import hub_download, trtllm_engine
-
-PROFILE_ROOT = PurePosixPath("/models")
-ROOTED_KEYS = ("model_dir", "llm_dir", "engine_dir")
 
 COSYVOICE_DIR = "CosyVoice2-0.5B"
 LLM_DIR = "cosyvoice2_llm"
@@ -50,26 +57,18 @@ COSYVOICE_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "campplus.onnx", "sp
 TRT_LLM_SOURCE = "tensorrt_llm"
 # The launched server's own MPS daemon (pipes and log), private to the container.
 MPS_DIR = Path(tempfile.gettempdir()) / "tts-cuda-mps"
+# The backends the nvidia-pytriton wheel's tritonserver ships.
+WHEEL_BACKENDS = frozenset({"python"})
+_BACKEND = re.compile(r'^backend:\s*"([^"]+)"', re.MULTILINE)
+_WATCH_INTERVAL_S = 1.0
 
 
-def rooted_overrides(
-    source: Path, profile: str, models_root: Path | None, overrides: dict[str, dict[str, str]]
-) -> dict[str, dict[str, str]]:
-    """Move every ``/models/...`` path value of ``profile`` under ``models_root``.
-
-    Explicit ``overrides`` win over the re-rooted values.
-    """
-    result: dict[str, dict[str, str]] = {}
-    if models_root is not None:
-        for model in load_profiles(source)[profile].models:
-            for key in ROOTED_KEYS:
-                value = model.values.get(key)
-                if value is not None and PurePosixPath(value).is_relative_to(PROFILE_ROOT):
-                    relative = PurePosixPath(value).relative_to(PROFILE_ROOT)
-                    result.setdefault(model.name, {})[key] = str(models_root.resolve() / relative)
-    for model_name, values in overrides.items():
-        result.setdefault(model_name, {}).update(values)
-    return result
+def fitted_overrides(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The profile's overrides for this machine: ``--models-root``, ``--llm-urls`` and ``--set``."""
+    profile = load_profile(args.source, args.profile)
+    return deployment_overrides(
+        profile, models_root=args.models_root, llm_urls=args.llm_urls, explicit=parse_overrides(args.set)
+    )
 
 
 def _progress(path: str, done: int, total: int) -> None:
@@ -135,14 +134,14 @@ def cmd_build_engine(args: argparse.Namespace) -> None:
 
 
 def cmd_render(args: argparse.Namespace) -> None:
-    overrides = rooted_overrides(args.source, args.profile, args.models_root, parse_overrides(args.set))
+    overrides = fitted_overrides(args)
     names = render_repository(args.source, args.profile, args.dest, overrides)
     sys.stderr.write(f"rendered {args.profile} into {args.dest}: {', '.join(names)}\n")
 
 
-def tritonserver_command(args: argparse.Namespace) -> list[str]:
+def tritonserver_command(args: argparse.Namespace, server: str) -> list[str]:
     return [
-        args.tritonserver,
+        server,
         f"--model-repository={args.repo}",
         f"--http-port={args.http_port}",
         f"--grpc-port={args.grpc_port}",
@@ -156,33 +155,93 @@ def prepare(args: argparse.Namespace, overrides: dict[str, dict[str, str]]) -> N
     root = args.models_root or Path(PROFILE_ROOT)
     if args.verify or not (root / COSYVOICE_DIR).is_dir() or not (root / LLM_DIR).is_dir():
         download_models(root, args)
-    for model in load_profiles(args.source)[args.profile].models:
+    for model in load_profile(args.source, args.profile).models:
         if model.source == TRT_LLM_SOURCE:
             engine_dir = overrides.get(model.name, {}).get("engine_dir", model.values["engine_dir"])
             build_engine(root / LLM_DIR, Path(engine_dir), _settings(args))
 
 
 def cmd_launch(args: argparse.Namespace) -> None:
-    overrides = rooted_overrides(args.source, args.profile, args.models_root, parse_overrides(args.set))
+    profile = load_profile(args.source, args.profile)
+    server = args.tritonserver or shutil.which("tritonserver")
+    # Without a tritonserver of its own (the NGC image has one on PATH) the wheel's server runs it.
+    wheel = server is None or _is_wheel_server(server)
+    if wheel and not args.dry_run:
+        _check_wheel_backends(args.source, profile)
+    overrides = fitted_overrides(args)
     if args.prepare and not args.dry_run:
         prepare(args, overrides)
     names = render_repository(args.source, args.profile, args.repo, overrides)
     sys.stderr.write(f"rendered {args.profile} into {args.repo}: {', '.join(names)}\n")
-    command = tritonserver_command(args)
+    command = tritonserver_command(args, server or "tritonserver")
     # The orchestrator streams the LLM's tokens over this server's gRPC endpoint (llm_grpc.py); a value
     # already set (a proxy in front, another address) is kept.
     own_url = os.environ.setdefault(contract.OWN_GRPC_URL_ENV, f"127.0.0.1:{args.grpc_port}")
     if args.dry_run:
         sys.stdout.write(f"{contract.OWN_GRPC_URL_ENV}={own_url} " + " ".join(command) + "\n")
         return
+    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR, profile_asks=profile.cuda_mps)
+    if wheel:
+        serve_with_wheel(args, mps)
+        return
     if shutil.which(command[0]) is None:
         raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
     # The daemon forks and outlives this exec; the container's end takes it down with the server.
-    mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR, profile_asks=load_profiles(args.source)[args.profile].cuda_mps)
     if mps is not None:
         mps.start()
         os.environ.update(mps.env())
     os.execvp(command[0], command)
+
+
+def _is_wheel_server(server: str) -> bool:
+    """Whether ``server`` is the ``tritonserver`` inside the nvidia-pytriton package, which cannot run alone."""
+    return "pytriton" in Path(server).resolve().parts
+
+
+def _check_wheel_backends(source: Path, profile: Profile) -> None:
+    """Refuse, before anything starts, a profile with a backend that the wheel's server lacks."""
+    for model in profile.models:
+        template = (source / model.source / TEMPLATE_NAME).read_text(encoding="utf-8")
+        backend = _BACKEND.search(template)
+        if backend is not None and backend.group(1) not in WHEEL_BACKENDS:
+            raise SystemExit(
+                f"profile {profile.name!r} deploys {model.name!r} on Triton's {backend.group(1)!r} backend, which"
+                " the nvidia-pytriton wheel's tritonserver lacks: run it in the NGC Triton image"
+                " (nvcr.io/nvidia/tritonserver:<version>-trtllm-python-py3) or pass --tritonserver PATH"
+            )
+
+
+def serve_with_wheel(args: argparse.Namespace, mps: CudaMps | None) -> None:
+    """Run the nvidia-pytriton wheel's ``tritonserver`` on the rendered repository until it exits or is stopped.
+
+    The wheel's server needs a backend directory assembled around it (as the embedded gateway does),
+    so this process stays as its parent instead of exec-ing it; SIGTERM or SIGINT stops it.
+    """
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    workdir = args.repo.with_name(f"{args.repo.name}.server")
+    server = EmbeddedTriton(
+        args.repo,
+        workdir=workdir,
+        host="0.0.0.0",
+        startup_timeout=args.startup_timeout,
+        ports=(args.grpc_port, args.http_port, args.metrics_port),
+        cuda_mps=mps,
+    )
+    try:
+        server.start()
+    except EmbeddedTritonError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    sys.stderr.write(
+        f"tritonserver (nvidia-pytriton) ready: gRPC {args.grpc_port}, HTTP {args.http_port}; log {server.log_path}\n"
+    )
+    while server.is_running() and not stopping.wait(_WATCH_INTERVAL_S):
+        pass
+    returncode = server.returncode
+    server.stop()
+    if not stopping.is_set():
+        raise SystemExit(f"tritonserver exited with status {returncode}:\n{server.log_tail()}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -224,7 +283,12 @@ def parser() -> argparse.ArgumentParser:
     launch.add_argument("--repo", type=Path, required=True, help="where to render the repository")
     launch.add_argument("--prepare", action="store_true", help="download and build what is missing first")
     launch.add_argument("--verify", action="store_true", help="with --prepare: re-verify every file")
-    launch.add_argument("--tritonserver", default="tritonserver")
+    launch.add_argument(
+        "--tritonserver",
+        default=None,
+        help="server binary (default: tritonserver on PATH, as in the NGC image, else the nvidia-pytriton wheel's)",
+    )
+    launch.add_argument("--startup-timeout", type=float, default=600.0, help="with the wheel's server: seconds")
     launch.add_argument("--http-port", type=int, default=8000)
     launch.add_argument("--grpc-port", type=int, default=8001)
     launch.add_argument("--metrics-port", type=int, default=8002)
@@ -245,6 +309,7 @@ def parser() -> argparse.ArgumentParser:
 def _render_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True)
     p.add_argument("--models-root", type=Path, default=None, help="replaces /models in profile paths")
+    p.add_argument("--llm-urls", default=None, help="the LLM servers (comma-separated) of every model that has some")
     p.add_argument("--source", type=Path, default=TRITON_REPOSITORY, help="template repository")
     p.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE")
 
