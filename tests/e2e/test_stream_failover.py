@@ -88,7 +88,7 @@ def test_a_reproducible_stream_resumes_elsewhere_where_it_broke(pair: ScriptedPa
     assert resumed == unbroken.content
     assert speech_outcomes(pair.gateway) == {"pcm/ok": 1.0, "pcm/resumed": 1.0}
     log = pair.gateway.log_tail(400)
-    assert re.search(r"sentence 1 broke mid-stream .*skipping the audio already sent", log), log
+    assert re.search(r"sentence 1 broke .*skipping the audio already sent", log), log
 
 
 def test_a_stream_resumes_elsewhere_repeating_its_sentence(pair: ScriptedPair) -> None:
@@ -99,7 +99,7 @@ def test_a_stream_resumes_elsewhere_repeating_its_sentence(pair: ScriptedPair) -
     assert 2 * TONE_BYTES <= repeated < 16 * TONE_BYTES
     assert repeated % TONE_BYTES == 0
     assert speech_outcomes(pair.gateway) == {"pcm/resumed": 1.0}
-    assert re.search(r"sentence 1 broke mid-stream .*repeating it from its start", pair.gateway.log_tail(400))
+    assert re.search(r"sentence 1 broke .*repeating it from its start", pair.gateway.log_tail(400))
 
 
 def test_an_aborted_audio_stream_is_an_error_for_httpx(pair: ScriptedPair) -> None:

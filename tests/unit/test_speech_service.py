@@ -7,7 +7,8 @@ Each sentence's text is its script, steps separated by spaces:
 - ``hang``: wait until cancelled;
 - ``fail``, ``down``, ``stall``: raise BackendError (502), BackendUnavailableError (503), BackendTimeoutError (504,
   what a chunk timeout raises);
-- ``resume``: report a resumption, as the pool does when it restarts a sentence on another server.
+- ``resume``: report a failover mid-stream, as the pool does when it restarts a sentence on another server;
+- ``retried``: report a failover before the call's first audio (the pool sent the call to another server).
 
 These test ordering, parallelism, deadlines and cancellation; the real failover (which server, what
 the listener hears) is tested end to end against real Triton servers.
@@ -38,7 +39,7 @@ from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.model_catalog import SpeechModel
 from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.speech_service import Audio, SpeechService, SpeechStream, StreamAborted
-from tts_gateway.gateway.triton_pool import Resumption
+from tts_gateway.gateway.triton_pool import Failover
 from tts_gateway.gateway.voice_registry import ResolvedVoice
 from tts_gateway.models import contract
 
@@ -67,8 +68,16 @@ class FakeSynthesizer:
     patient: dict[str, bool] = field(default_factory=dict)
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
 
-    async def infer(self, model: str, values: Mapping[str, Any], request_id: str, *, patient: bool = False) -> Audio:
-        chunks = [c async for c in self.stream(model, values, request_id, patient=patient)]
+    async def infer(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
+    ) -> Audio:
+        chunks = [c async for c in self.stream(model, values, request_id, patient=patient, failover=failover)]
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
     async def stream(
@@ -78,7 +87,7 @@ class FakeSynthesizer:
         request_id: str,
         *,
         patient: bool = False,
-        resumption: Resumption | None = None,
+        failover: Failover | None = None,
     ) -> AsyncGenerator[Audio, None]:
         name = request_id.rpartition("-")[2]
         self.started.append(name)
@@ -95,8 +104,11 @@ class FakeSynthesizer:
                 elif step == "hang":
                     await asyncio.Event().wait()
                 elif step == "resume":
-                    assert resumption is not None
-                    resumption.notify(BackendUnavailableError("speech backend is unavailable"))
+                    assert failover is not None
+                    failover.notify(BackendUnavailableError("speech backend is unavailable"), True)
+                elif step == "retried":
+                    assert failover is not None
+                    failover.notify(BackendUnavailableError("speech backend is unavailable"), False)
                 else:
                     error: type[GatewayError] = {
                         "fail": BackendError,
@@ -297,3 +309,13 @@ async def test_a_resumed_sentence_counts_the_response_as_resumed() -> None:
     assert chunk_values(await read_all(stream)) == [1, 2, 2, 3]
     assert s.outcome("resumed") == 1
     assert s.outcome("ok") == 0
+
+
+async def test_a_call_retried_elsewhere_counts_as_resumed_only_once_the_response_has_started() -> None:
+    s = setup()
+    stream = await s.service.open_stream(plan("retried a1", "a2"))
+    assert chunk_values(await read_all(stream)) == [1, 2]
+    assert s.outcome("ok") == 1
+    stream = await s.service.open_stream(plan("a1", "retried a2"))
+    assert chunk_values(await read_all(stream)) == [1, 2]
+    assert s.outcome("resumed") == 1

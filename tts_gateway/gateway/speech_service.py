@@ -45,7 +45,7 @@ from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.request_ids import current_request_id
 from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.time_stretch import TimeStretcher
-from tts_gateway.gateway.triton_pool import Resumption
+from tts_gateway.gateway.triton_pool import Failover
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,13 @@ class Synthesizer(Protocol):
     """Where sentences are synthesised (the Triton pool): it picks the server and fails over."""
 
     async def infer(
-        self, model: str, values: Mapping[str, Any], request_id: str, *, patient: bool = False
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
     ) -> Audio: ...
 
     def stream(
@@ -66,7 +72,7 @@ class Synthesizer(Protocol):
         request_id: str,
         *,
         patient: bool = False,
-        resumption: Resumption | None = None,
+        failover: Failover | None = None,
     ) -> AsyncGenerator[Audio, None]: ...
 
 
@@ -98,7 +104,7 @@ class _Progress:
     sentence: int = 0
     """The sentence whose audio is being passed on."""
     resumed: list[int] = field(default_factory=list)
-    """Sentences restarted after a failure mid-stream."""
+    """Sentences that a server failed after the response had started, taken over by another."""
 
 
 class SpeechStream:
@@ -330,28 +336,32 @@ class SpeechService:
         # Every sentence but the first starts once the response has: waiting for a server beats failing.
         patient = index > 0
 
-        def resumed(exc: GatewayError) -> None:
+        def failed_over(exc: GatewayError, mid_stream: bool) -> None:
+            if not (patient or mid_stream):
+                return  # the response has not started: nothing to resume, the call was merely retried
             progress.resumed.append(index)
-            logger.warning(
-                "sentence %d broke mid-stream (%s); resumed on another server, %s",
-                index,
-                exc.message,
-                "skipping the audio already sent" if plan.reproducible else "repeating it from its start",
-            )
+            if not mid_stream:
+                how = "before any of its audio"
+            elif plan.reproducible:
+                how = "skipping the audio already sent"
+            else:
+                how = "repeating it from its start"
+            logger.warning("sentence %d broke (%s); resumed on another server, %s", index, exc.message, how)
 
+        failover = Failover(skip_sent=plan.reproducible, notify=failed_over)
         synthesizer = self._synthesizer
         try:
             if plan.streaming_backend:
-                resumption = Resumption(skip_sent=plan.reproducible, notify=resumed)
-                stream = synthesizer.stream(
-                    plan.triton_model, values, request_id, patient=patient, resumption=resumption
-                )
+                stream = synthesizer.stream(plan.triton_model, values, request_id, patient=patient, failover=failover)
                 # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
                 async with contextlib.aclosing(stream) as chunks:
                     async for chunk in chunks:
                         await queue.put(chunk)
             else:
-                await queue.put(await synthesizer.infer(plan.triton_model, values, request_id, patient=patient))
+                audio = await synthesizer.infer(
+                    plan.triton_model, values, request_id, patient=patient, failover=failover
+                )
+                await queue.put(audio)
         except GatewayError as exc:
             await queue.put(exc)
         except Exception as exc:

@@ -15,7 +15,7 @@ which the failover and the per-server metrics need.
 The pool is also the one place where a call meets a server and fails over. A call that a server
 fails (it is down, or the model broke; not a rejected request or a slow model) is sent once more
 to another ready server: before its first audio nothing was lost; after it, a stream is restarted
-only when its caller asks for it (:class:`Resumption`), since the audio already sent cannot be
+only when its caller asks for it (:class:`Failover`), since the audio already sent cannot be
 taken back. A server that is down is taken out of rotation at once; the listeners given to
 :meth:`TritonPool.on_change` hear of it (the model catalog follows the ready set).
 """
@@ -69,17 +69,19 @@ class TritonServer:
 
 
 @dataclass(frozen=True)
-class Resumption:
-    """A caller's consent to restart a stream that broke after its first audio, on another server.
+class Failover:
+    """What a caller wants of a call that a server fails: to hear of it, and a stream restarted.
 
-    ``skip_sent``: the model produces the same samples again (a seeded, deterministic request), so
-    the restarted stream skips as many samples as the broken one had sent and the listener hears no
-    seam; otherwise the restarted stream is passed on from its start and the part already heard is
-    heard again. ``notify`` learns of each restart, with the failure that caused it.
+    ``notify`` learns of each failover, with the failure and whether it came after the call's first
+    audio. A stream that broke after its first audio is restarted on another server; ``skip_sent``:
+    the model produces the same samples again (a seeded, deterministic request), so the restarted
+    stream skips as many samples as the broken one had passed on and the listener hears no seam;
+    otherwise the restarted stream is passed on from its start and the part already heard is heard
+    again.
     """
 
     skip_sent: bool
-    notify: Callable[[GatewayError], None]
+    notify: Callable[[GatewayError, bool], None]
 
 
 def split_target(target: str) -> tuple[str, int]:
@@ -227,7 +229,15 @@ class TritonPool:
 
     # -- calls -----------------------------------------------------------------------------------
 
-    async def infer(self, model: str, values: Mapping[str, Any], request_id: str, *, patient: bool = False) -> Audio:
+    async def infer(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
+    ) -> Audio:
         """One offline call on the least busy server, sent once more to another if that one fails it.
 
         ``patient``: the caller's response has started, so waiting up to ``failover_wait`` for a ready
@@ -246,6 +256,8 @@ class TritonPool:
                 self._failed(server, exc, request_id, before_audio=True)
                 tried.append(server)
                 failure = exc
+                if failover is not None:
+                    failover.notify(exc, False)
 
     async def stream(
         self,
@@ -254,13 +266,13 @@ class TritonPool:
         request_id: str,
         *,
         patient: bool = False,
-        resumption: Resumption | None = None,
+        failover: Failover | None = None,
     ) -> AsyncGenerator[Audio, None]:
         """A decoupled model's chunks from the least busy server.
 
         A call that fails before its first chunk is sent once more to another server. One that fails
         after it is restarted on another server (waiting for one as a patient call does) if
-        ``resumption`` is given, and is the caller's failure otherwise.
+        ``failover`` is given, and is the caller's failure otherwise.
         """
         tried: list[TritonServer] = []
         failure: GatewayError | None = None
@@ -268,7 +280,7 @@ class TritonPool:
         while True:
             server = await self._choose(model, tried, failure, patient=patient or sent > 0)
             # What a restarted deterministic stream repeats of what was already passed on.
-            skip = sent if resumption is not None and resumption.skip_sent else 0
+            skip = sent if failover is not None and failover.skip_sent else 0
             received = 0
             try:
                 with self.call(server):
@@ -282,13 +294,13 @@ class TritonPool:
                             yield fresh
                 return
             except _FAILOVER as exc:
-                if tried or (sent > 0 and resumption is None):
+                if tried or (sent > 0 and failover is None):
                     raise
                 self._failed(server, exc, request_id, before_audio=sent == 0)
                 tried.append(server)
                 failure = exc
-                if sent > 0 and resumption is not None:
-                    resumption.notify(exc)
+                if failover is not None:
+                    failover.notify(exc, sent > 0)
 
     async def _choose(
         self, model: str, tried: list[TritonServer], failure: GatewayError | None, *, patient: bool
