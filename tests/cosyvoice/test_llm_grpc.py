@@ -23,7 +23,7 @@ from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
-from tts_gateway.models.request_parsing import BackendUnavailableError
+from tts_gateway.models.request_parsing import DependencyUnavailableError
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.triton]
 
@@ -238,7 +238,7 @@ def test_an_unreachable_server_is_unavailable() -> None:
         streaming=True,
     )
     try:
-        with pytest.raises(BackendUnavailableError, match="UNAVAILABLE"):
+        with pytest.raises(DependencyUnavailableError, match="UNAVAILABLE"):
             list(streams.generate(request, lambda: False))
     finally:
         streams.close()

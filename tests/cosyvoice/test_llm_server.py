@@ -293,11 +293,11 @@ def test_a_server_that_is_down_is_skipped_for_one_that_is_up(
 
 
 def test_no_server_up_is_unavailable_after_the_retries(tokenizer: Any) -> None:
-    from tts_gateway.models.request_parsing import BackendUnavailableError
+    from tts_gateway.models.request_parsing import DependencyUnavailableError
 
     client = _client(tokenizer, [f"http://127.0.0.1:{free_port()}/v1"], "transformers", retries=2, timeout_s=2.0)
     try:
-        with pytest.raises(BackendUnavailableError, match="3 attempts"):
+        with pytest.raises(DependencyUnavailableError, match="3 attempts"):
             _ids(client, _request(tokenizer))
     finally:
         client.close()
@@ -383,7 +383,7 @@ def test_a_429_is_retried_after_the_servers_retry_after(tokenizer: Any) -> None:
 
 def test_an_error_in_the_stream_after_tokens_is_unavailable_and_not_retried(tokenizer: Any) -> None:
     from tts_gateway.models.cosyvoice2.model import vocab
-    from tts_gateway.models.request_parsing import BackendUnavailableError
+    from tts_gateway.models.request_parsing import DependencyUnavailableError
 
     token = vocab.speech_token_to_id(5)
     server = _ScriptedCompletions([(200, {}, [_token_chunk(token), {"error": {"message": "engine died"}}])])
@@ -391,7 +391,7 @@ def test_an_error_in_the_stream_after_tokens_is_unavailable_and_not_retried(toke
     pieces = client.generate(_request(tokenizer), lambda: False)
     try:
         assert next(pieces) == [token]
-        with pytest.raises(BackendUnavailableError, match="failed mid-stream: engine died"):
+        with pytest.raises(DependencyUnavailableError, match="failed mid-stream: engine died"):
             next(pieces)
     finally:
         client.close()

@@ -30,7 +30,7 @@ from tts_gateway.models.cosyvoice2.orchestrator.pipeline import (
     Token2WavRequest,
 )
 from tts_gateway.models.cosyvoice2.orchestrator.streaming import HopPolicy, HopSchedule
-from tts_gateway.models.request_parsing import BackendUnavailableError, ContractError, SpeechRequest
+from tts_gateway.models.request_parsing import ContractError, DependencyUnavailableError, SynthesisRequest
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -153,14 +153,14 @@ def settings(**overrides: object) -> PipelineSettings:
     return PipelineSettings(**values)  # type: ignore[arg-type]
 
 
-def request(**overrides: object) -> SpeechRequest:
+def request(**overrides: object) -> SynthesisRequest:
     values: dict[str, object] = {
         "target_text": "hello there",
         "reference_wav": np.linspace(-0.5, 0.5, 16_000, dtype=np.float32),
         "reference_text": "ref",
     }
     values.update(overrides)
-    return SpeechRequest(**values)  # type: ignore[arg-type]
+    return SynthesisRequest(**values)  # type: ignore[arg-type]
 
 
 def pipeline(stages: ScriptedStages, **setting_overrides: object) -> CosyVoice2Pipeline:
@@ -394,7 +394,7 @@ def test_an_llm_that_goes_silent_fails_the_stream_as_unavailable_after_the_stall
     stages = ScriptedStages(speech_ids(200), first_ids=10)
     chunks = pipeline(stages, llm_stall_s=0.3).synthesize(request(), streaming=True)
     started = time.monotonic()
-    with pytest.raises(BackendUnavailableError, match=r"the LLM sent nothing for 0\.3 s"):
+    with pytest.raises(DependencyUnavailableError, match=r"the LLM sent nothing for 0\.3 s"):
         next(chunks)
     assert 0.25 <= time.monotonic() - started < 5.0
     assert stages.token2wav_calls == []

@@ -1,9 +1,14 @@
-"""Triton dies while responses stream: each ends cleanly, the gateway stays up and recovers when Triton is back."""
+"""Triton dies while responses stream and no other server can take over.
+
+Each response started is aborted, so its client sees an error rather than a short file that looks
+whole; the gateway stays up, and recovers when Triton is back.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +34,13 @@ def doomed(cpu_repository: Path, tmp_path: Path) -> Iterator[tuple[EmbeddedTrito
     triton = EmbeddedTriton(cpu_repository, workdir=tmp_path / "triton", ports=(ports[0], ports[1], ports[2]))
     triton.start()
     gateway = GatewayProcess(
-        tmp_path / "gateway.log", {"TTS_TRITON_URL": triton.grpc_url, "TTS_VOICES_DIR": str(tmp_path / "voices")}
+        tmp_path / "gateway.log",
+        {
+            "TTS_TRITON_URL": triton.grpc_url,
+            "TTS_VOICES_DIR": str(tmp_path / "voices"),
+            # How long a broken stream waits for its server to come back before it is aborted.
+            "TTS_BACKEND_CHUNK_TIMEOUT": "3",
+        },
     )
     gateway.start()
     try:
@@ -48,43 +59,51 @@ def _assert_no_model_process_left(triton: EmbeddedTriton) -> None:
     assert processes_under(triton.workdir) == []
 
 
-def test_sse_stream_ends_with_an_error_event(doomed: tuple[EmbeddedTriton, GatewayProcess]) -> None:
+def test_sse_stream_ends_with_an_error_event_and_a_dropped_connection(
+    doomed: tuple[EmbeddedTriton, GatewayProcess],
+) -> None:
     triton, gateway = doomed
     events = []
     body = {"model": "tts-1", "voice": "alloy", "input": LONG_TEXT, "response_format": "pcm", "stream_format": "sse"}
     with httpx.stream("POST", f"{gateway.url}/v1/audio/speech", json=body, timeout=60) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(json.loads(line.removeprefix("data: ")))
-            if len(events) == 1:
-                crash(triton)
+        with pytest.raises(httpx.RemoteProtocolError):
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 1:
+                    crash(triton)
     assert events[0]["type"] == "speech.audio.delta"
     assert events[-1]["type"] == "error"
     assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
     assert events[-1]["error"]["type"] == "server_error"
     assert not any(e["type"] == "speech.audio.done" for e in events)
-    assert "ended early" in gateway.log_tail(200)
+    assert "speech response aborted at sentence" in gateway.log_tail(200)
     # The gateway is up and says the backend is gone.
     assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 503
     _assert_no_model_process_left(triton)
 
 
-def test_audio_stream_ends_as_a_valid_shorter_file(doomed: tuple[EmbeddedTriton, GatewayProcess]) -> None:
+def test_audio_stream_is_aborted_not_ended(doomed: tuple[EmbeddedTriton, GatewayProcess]) -> None:
     triton, gateway = doomed
     received = bytearray()
     body = {"model": "tts-1", "voice": "alloy", "input": LONG_TEXT, "response_format": "wav"}
     with httpx.stream("POST", f"{gateway.url}/v1/audio/speech", json=body, timeout=60) as response:
         assert response.status_code == 200
-        for piece in response.iter_bytes():
-            if not received:
-                crash(triton)
-            received += piece
+        with pytest.raises(httpx.RemoteProtocolError):
+            for piece in response.iter_bytes():
+                if not received:
+                    crash(triton)
+                received += piece
+    # What arrived is the start of the speech, but the client knows it is not all of it.
     audio = decode(bytes(received), "wav")
     assert audio.sample_rate == 24_000
     assert 0.5 < audio.duration < 120.0
-    assert "ended early" in gateway.log_tail(200)
+    log = gateway.log_tail(200)
+    assert re.search(r"speech response aborted at sentence \d+ of 60: speech backend is unavailable", log), log
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=5).text
+    assert 'tts_speech_requests_total{format="wav",model="piper",outcome="aborted"} 1.0' in metrics
     speech = httpx.post(f"{gateway.url}/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": "Hi."})
     assert speech.status_code == 503
     assert speech.json()["error"]["code"] == "backend_unavailable"
@@ -116,8 +135,11 @@ async def short_requests(client: httpx.AsyncClient, stop: asyncio.Event) -> list
     """Short requests one after the other until ``stop``, through the crash."""
     outcomes = []
     while not stop.is_set():
-        response = await client.post("/v1/audio/speech", json={**SHORT, "response_format": "wav"})
-        outcomes.append(Outcome(response.status_code, response.content))
+        async with client.stream("POST", "/v1/audio/speech", json={**SHORT, "response_format": "wav"}) as response:
+            try:
+                outcomes.append(Outcome(response.status_code, await response.aread()))
+            except httpx.TransportError as exc:
+                outcomes.append(Outcome(response.status_code, b"", repr(exc)))
     return outcomes
 
 
@@ -138,31 +160,33 @@ async def requests_through_a_crash(gateway: GatewayProcess, triton: EmbeddedTrit
         crash(triton)
         await asyncio.sleep(1.0)
         stop.set()
-        # None may hang: every response ends within seconds of the crash.
+        # None may hang: every response ends within seconds of the crash (its wait for a server included).
         *ended, short_outcomes = await asyncio.wait_for(asyncio.gather(*longs, shorts), 15)
     return [*ended, *short_outcomes]
 
 
-def test_concurrent_requests_end_cleanly_and_the_gateway_recovers(
+def test_concurrent_requests_are_aborted_and_the_gateway_recovers(
     doomed: tuple[EmbeddedTriton, GatewayProcess],
 ) -> None:
     triton, gateway = doomed
     wav_a, wav_b, sse, *shorts = asyncio.run(requests_through_a_crash(gateway, triton))
     for stream in (wav_a, wav_b):
         assert stream.status == 200
-        assert stream.error is None, stream.error
+        assert stream.error is not None and "RemoteProtocolError" in stream.error
         audio = decode(stream.body, "wav")
         assert audio.sample_rate == 24_000
         assert 0.5 < audio.duration < 120.0
     assert sse.status == 200
-    assert sse.error is None, sse.error
+    assert sse.error is not None and "RemoteProtocolError" in sse.error
     events = [json.loads(line.removeprefix("data: ")) for line in sse.body.decode().splitlines() if line]
     assert events[0]["type"] == "speech.audio.delta"
     assert events[-1]["type"] == "error"
     assert shorts, "short requests ran through the crash"
     for short in shorts:
-        if short.status == 200:
+        if short.status == 200 and short.error is None:
             assert decode(short.body, "wav").duration > 0.5
+        elif short.status == 200:
+            assert short.error is not None and "RemoteProtocolError" in short.error, short.error
         else:
             assert short.status == 503, short.body
             assert json.loads(short.body)["error"]["code"] == "backend_unavailable"

@@ -9,7 +9,7 @@ import pytest
 from numpy.typing import NDArray
 
 from tts_gateway.models import contract
-from tts_gateway.models.request_parsing import ContractError, SpeechRequest, parse_speech_request
+from tts_gateway.models.request_parsing import ContractError, SynthesisRequest, parse_synthesis_request
 
 
 def text(value: str | bytes) -> NDArray[np.object_]:
@@ -21,8 +21,8 @@ def fp32(value: float) -> NDArray[np.float32]:
     return np.array([value], dtype=np.float32)
 
 
-def request(**tensors: NDArray[Any]) -> SpeechRequest:
-    return parse_speech_request({contract.TARGET_TEXT: text("Hello there."), **tensors})
+def request(**tensors: NDArray[Any]) -> SynthesisRequest:
+    return parse_synthesis_request({contract.TARGET_TEXT: text("Hello there."), **tensors})
 
 
 def test_minimal_request_gets_defaults() -> None:
@@ -66,34 +66,34 @@ def test_full_request_is_parsed() -> None:
 
 
 def test_text_may_arrive_as_str_or_fixed_width_bytes() -> None:
-    assert parse_speech_request({"target_text": np.array(["Hi."], dtype=np.object_)}).target_text == "Hi."
-    assert parse_speech_request({"target_text": np.array([b"Hi."])}).target_text == "Hi."
+    assert parse_synthesis_request({"target_text": np.array(["Hi."], dtype=np.object_)}).target_text == "Hi."
+    assert parse_synthesis_request({"target_text": np.array([b"Hi."])}).target_text == "Hi."
 
 
 def test_target_text_is_required() -> None:
     with pytest.raises(ContractError, match="'target_text' is required"):
-        parse_speech_request({contract.SPEED: fp32(1.0)})
+        parse_synthesis_request({contract.SPEED: fp32(1.0)})
 
 
 @pytest.mark.parametrize("value", ["", "   \n\t"])
 def test_target_text_must_not_be_blank(value: str) -> None:
     with pytest.raises(ContractError, match="empty"):
-        parse_speech_request({contract.TARGET_TEXT: text(value)})
+        parse_synthesis_request({contract.TARGET_TEXT: text(value)})
 
 
 def test_target_text_must_be_utf8() -> None:
     with pytest.raises(ContractError, match="not valid UTF-8"):
-        parse_speech_request({contract.TARGET_TEXT: text(b"caf\xe9")})
+        parse_synthesis_request({contract.TARGET_TEXT: text(b"caf\xe9")})
 
 
 def test_target_text_must_be_one_element() -> None:
     with pytest.raises(ContractError, match="exactly one element"):
-        parse_speech_request({contract.TARGET_TEXT: np.array([b"a", b"b"], dtype=np.object_)})
+        parse_synthesis_request({contract.TARGET_TEXT: np.array([b"a", b"b"], dtype=np.object_)})
 
 
 def test_target_text_must_be_bytes() -> None:
     with pytest.raises(ContractError, match="must be BYTES"):
-        parse_speech_request({contract.TARGET_TEXT: np.array([3], dtype=np.int32)})
+        parse_synthesis_request({contract.TARGET_TEXT: np.array([3], dtype=np.int32)})
 
 
 def test_reference_wav_without_length_is_used_whole() -> None:

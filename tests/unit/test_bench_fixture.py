@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from tts_gateway.models.bench_fixture import VOICE, FixtureConfig, ToneSource
-from tts_gateway.models.request_parsing import ContractError, SpeechRequest
+from tts_gateway.models.request_parsing import ContractError, SynthesisRequest
 
 PARAMS = {"sample_rate": "24000", "audio_seconds": "1.0", "chunk_seconds": "0.3", "first_chunk_delay_ms": "0"}
 
 
-def request(voice: str | None = VOICE) -> SpeechRequest:
-    return SpeechRequest(target_text="Hello.", reference_wav=None, reference_text=None, voice=voice)
+def request(voice: str | None = VOICE) -> SynthesisRequest:
+    return SynthesisRequest(target_text="Hello.", reference_wav=None, reference_text=None, voice=voice)
 
 
 def never() -> bool:

@@ -1,4 +1,4 @@
-"""Which backend takes a call, and what a Triton address names (no server: nothing is called)."""
+"""Which server takes a call, and what a Triton address names (no server: nothing is called)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ def _pool(*addresses: str) -> TritonPool:
 async def _ready_pool(*addresses: str, models: tuple[str, ...] = ("piper",)) -> TritonPool:
     pool = _pool(*addresses)
     await pool._resolve()
-    for backend in pool.backends:
-        backend.set_configs([TritonModelConfig(name, frozenset(), decoupled=False) for name in models])
-        backend.ready = True
+    for server in pool.servers:
+        server.set_configs([TritonModelConfig(name, frozenset(), decoupled=False) for name in models])
+        server.ready = True
     return pool
 
 
-async def test_the_least_busy_backend_takes_the_call_and_ties_take_turns() -> None:
+async def test_the_least_busy_server_takes_the_call_and_ties_take_turns() -> None:
     pool = await _ready_pool("127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:1")
-    a, b, c = pool.backends
+    a, b, c = pool.servers
     a.outstanding, b.outstanding, c.outstanding = 2, 0, 1
     assert pool.pick("piper") is b
     b.outstanding = 2
@@ -43,12 +43,12 @@ async def test_the_least_busy_backend_takes_the_call_and_ties_take_turns() -> No
 
 async def test_a_call_is_counted_while_it_runs() -> None:
     pool = await _ready_pool("127.0.0.1:1")
-    (backend,) = pool.backends
-    with pool.call(backend):
-        assert backend.outstanding == 1
-    with pytest.raises(RuntimeError), pool.call(backend):
+    (server,) = pool.servers
+    with pool.call(server):
+        assert server.outstanding == 1
+    with pytest.raises(RuntimeError), pool.call(server):
         raise RuntimeError("failed")
-    assert backend.outstanding == 0
+    assert server.outstanding == 0
     await pool.close()
 
 
@@ -63,11 +63,11 @@ async def test_addresses_of_a_name_prefer_ipv4() -> None:
 async def test_a_name_that_does_not_resolve_leaves_the_others_serving() -> None:
     pool = _pool("localhost:8001", "no-such-host.invalid:8001")
     await pool._resolve()
-    assert [b.address for b in pool.backends] == ["127.0.0.1:8001"]
+    assert [b.address for b in pool.servers] == ["127.0.0.1:8001"]
     await pool.close()
 
 
-async def test_every_address_of_a_name_is_a_backend_and_one_that_leaves_finishes_its_calls(
+async def test_every_address_of_a_name_is_a_server_and_one_that_leaves_finishes_its_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A headless Service's name lists one address per ready pod; the list changes as pods come and go."""
@@ -79,16 +79,16 @@ async def test_every_address_of_a_name_is_a_backend_and_one_that_leaves_finishes
     monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
     pool = _pool("triton.tts.svc:8001")
     await pool._resolve()
-    assert [(b.address, b.entry) for b in pool.backends] == [
+    assert [(b.address, b.entry) for b in pool.servers] == [
         ("10.1.0.11:8001", "triton.tts.svc:8001"),
         ("10.1.0.12:8001", "triton.tts.svc:8001"),
     ]
-    leaving = pool.backends[1]
+    leaving = pool.servers[1]
     leaving.ready = True
     answers["triton.tts.svc"] = ["10.1.0.11", "10.1.0.13"]
     with pool.call(leaving):
         await pool._resolve()
-        assert [b.address for b in pool.backends] == ["10.1.0.11:8001", "10.1.0.13:8001"]
+        assert [b.address for b in pool.servers] == ["10.1.0.11:8001", "10.1.0.13:8001"]
         assert not leaving.ready, "no new call goes to a server that left"
         await pool._close_retired()
         assert pool._retired == [leaving], "kept while a call is in flight"

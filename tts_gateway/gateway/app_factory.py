@@ -16,16 +16,17 @@ from fastapi import FastAPI
 from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.allocator import keep_audio_buffers_in_heap
 from tts_gateway.gateway.auth import ApiKeyMiddleware
-from tts_gateway.gateway.backend import SpeechBackend
 from tts_gateway.gateway.cuda_mps import CudaMps
 from tts_gateway.gateway.dependencies import Services
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 from tts_gateway.gateway.errors import install_error_handlers
+from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from tts_gateway.gateway.request_ids import RequestIdMiddleware
 from tts_gateway.gateway.request_limits import RequestBodyLimitMiddleware
 from tts_gateway.gateway.routes import health, models, speech, voices
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
+from tts_gateway.gateway.speech_plan import SpeechPlanner
 from tts_gateway.gateway.speech_service import SpeechService
 from tts_gateway.gateway.text_normalization import TextNormalizer
 from tts_gateway.gateway.triton_client import TritonClient
@@ -116,15 +117,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     address, timeout=settings.backend_timeout, chunk_timeout=settings.backend_chunk_timeout
                 )
 
-            pool = TritonPool(urls, connect, metrics, resolve_interval=settings.triton_resolve_interval)
-            backend = SpeechBackend(
+            pool = TritonPool(
+                urls,
+                connect,
+                metrics,
+                resolve_interval=settings.triton_resolve_interval,
+                # A stream resumed after its server failed waits for another as long as for a chunk.
+                failover_wait=settings.backend_chunk_timeout,
+            )
+            stack.push_async_callback(pool.close)
+            catalog = LiveCatalog(
                 pool,
                 metrics,
                 default_model=settings.default_model,
                 model_aliases=settings.model_aliases,
                 openai_model_names=OPENAI_MODEL_NAMES,
             )
-            stack.push_async_callback(backend.close)
+            stack.push_async_callback(catalog.close)
             registry = VoiceRegistry(
                 settings.ref_audios_dir,
                 settings.voices_dir,
@@ -134,16 +143,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             await asyncio.to_thread(registry.load)
             wait = settings.embedded_startup_timeout if settings.triton_url is None else _REMOTE_STARTUP_WAIT
-            if not await backend.wait_ready(wait):
+            if not await catalog.wait_ready(wait):
                 logger.warning("Triton at %s is not ready; serving 503 until it is", ", ".join(urls))
-            backend.start_watching()
+            catalog.start_watching()
             normalizer = await loading
             stack.callback(normalizer.close)
             app.state.services = Services(
                 settings=settings,
-                backend=backend,
+                catalog=catalog,
+                pool=pool,
                 voices=registry,
-                speech=SpeechService(backend, registry, settings, metrics, admission, normalizer),
+                planner=SpeechPlanner(catalog, registry, settings, normalizer),
+                speech=SpeechService(
+                    pool,
+                    admission,
+                    metrics,
+                    request_timeout=settings.request_timeout,
+                    synthesis_parallelism=settings.synthesis_parallelism,
+                ),
                 metrics=metrics,
                 started_at=int(time.time()),
             )

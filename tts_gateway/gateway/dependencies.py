@@ -7,18 +7,22 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from tts_gateway.gateway.backend import SpeechBackend
+from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.settings import Settings
+from tts_gateway.gateway.speech_plan import SpeechPlanner
 from tts_gateway.gateway.speech_service import SpeechService
+from tts_gateway.gateway.triton_pool import TritonPool
 from tts_gateway.gateway.voice_registry import VoiceRegistry
 
 
 @dataclass(frozen=True)
 class Services:
     settings: Settings
-    backend: SpeechBackend
+    catalog: LiveCatalog
+    pool: TritonPool
     voices: VoiceRegistry
+    planner: SpeechPlanner
     speech: SpeechService
     metrics: GatewayMetrics
     started_at: int

@@ -1,16 +1,24 @@
-"""One speech request, from validated body to encoded bytes.
+"""One planned speech request, synthesised and encoded: ordering, parallel sentences, deadlines.
 
-:meth:`SpeechService.plan` does every check that can fail because of the request
-(model, voice, capabilities), so errors reach the client with a proper status
-before any byte is sent; it then normalises the input (numbers, money, dates... as
-words) and splits it into sentences. :meth:`SpeechService.open_stream` waits for a
-synthesis slot (admission control) and synthesises: up to ``synthesis_parallelism``
-sentences are in flight at the backend at once, and their
-audio is emitted strictly in order, chunk by chunk, as it arrives. The first chunk is
-awaited before the response starts, so a backend that is down still yields a 503
-rather than an empty 200. The whole request, queue included, runs against one
-deadline (``request_timeout``): before the first byte running out is a 504, after it
-the response ends cleanly like any other mid-stream failure.
+:meth:`SpeechService.open_stream` waits for a synthesis slot (admission control) and
+synthesises: up to ``synthesis_parallelism`` sentences are in flight at the synthesizer at
+once, and their audio is emitted strictly in order, chunk by chunk, as it arrives. The first
+chunk is awaited before the response starts, so a backend that is down still yields a 503
+rather than an empty 200. The whole request, queue included, runs against one deadline
+(``request_timeout``); before the first byte running out is a 504.
+
+Once the first byte is out, a response either ends complete or is aborted, never cut short
+as if it were whole:
+
+- a sentence whose server fails mid-stream is restarted on another server (or on the same one
+  once it is back, such as a restarted embedded Triton), from the start of that sentence. The
+  listener hears that sentence's beginning again, unless the request is reproducible (a seed,
+  on a model that takes one): then the samples already sent are skipped and the audio goes on
+  where it broke. No text goes unspoken, and the response counts as ``resumed``;
+- where that cannot be done (no server, a second failure, a deadline), the response is aborted:
+  :class:`StreamAborted` is raised out of the body, so the server drops the connection without
+  ending the chunked body and every HTTP client reports an error. An SSE response sends its
+  ``error`` event first.
 """
 
 from __future__ import annotations
@@ -23,87 +31,58 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from tts_gateway.gateway.admission import AdmissionControl, Slot
-from tts_gateway.gateway.audio_encoding import AudioFormat, create_encoder
-from tts_gateway.gateway.backend import SpeechBackend
+from tts_gateway.gateway.audio_encoding import create_encoder
 from tts_gateway.gateway.errors import BackendError, GatewayError, InvalidRequestError, RequestTimeoutError
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.model_catalog import SpeechModel
-from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.request_ids import current_request_id
-from tts_gateway.gateway.settings import Settings
-from tts_gateway.gateway.text_normalization import TextNormalizer
-from tts_gateway.gateway.text_splitting import split_sentences
+from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.time_stretch import TimeStretcher
-from tts_gateway.gateway.voice_registry import ResolvedVoice, VoiceRegistry
-from tts_gateway.models import contract
+from tts_gateway.gateway.triton_pool import Failover
 
 logger = logging.getLogger(__name__)
 
 Audio = NDArray[np.float32]
 
 
-def synthesis_pieces(text: str, settings: Settings) -> list[str]:
-    """The pieces of ``text`` the gateway synthesises one by one (the benchmarks send Triton the same)."""
-    return split_sentences(
-        text,
-        max_chars=settings.sentence_max_chars,
-        first_max_chars=settings.first_sentence_max_chars,
-        min_chars=settings.sentence_min_chars,
-    )
+class Synthesizer(Protocol):
+    """Where sentences are synthesised (the Triton pool): it picks the server and fails over."""
+
+    async def infer(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
+    ) -> Audio: ...
+
+    def stream(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
+    ) -> AsyncGenerator[Audio, None]: ...
 
 
-@dataclass(frozen=True)
-class SpeechPlan:
-    """Everything decided about a request before synthesis starts."""
+class StreamAborted(Exception):
+    """A started response cannot be completed; raised out of its body so the connection drops."""
 
-    model: SpeechModel
-    triton_model: str
-    voice: ResolvedVoice
-    sentences: tuple[str, ...]
-    speed: float
-    response_format: AudioFormat
-    sse: bool
-    input_chars: int
-    seed: int | None = None
-    instructions: str | None = None
-
-    @property
-    def streaming_backend(self) -> bool:
-        """The Triton model called is the decoupled twin: audio arrives in chunks."""
-        return self.triton_model == self.model.stream_model
-
-    @property
-    def backend_speed(self) -> bool:
-        """The Triton model called changes tempo itself; otherwise the gateway time-stretches."""
-        return self.triton_model in self.model.speed_variants
-
-    def backend_inputs(self, index: int, sentence: str) -> dict[str, Any]:
-        values: dict[str, Any] = {contract.TARGET_TEXT: sentence}
-        inputs = self.model.inputs
-        if self.seed is not None and contract.SEED in inputs:
-            # One seed per sentence, all derived from the request's: reproducible, not repetitive.
-            values[contract.SEED] = (self.seed + index) % 2**63
-        if self.instructions and contract.INSTRUCTIONS in inputs:
-            values[contract.INSTRUCTIONS] = self.instructions
-        if self.backend_speed and self.speed != 1.0:
-            values[contract.SPEED] = self.speed
-        reference = self.voice.reference
-        if reference is not None:
-            values[contract.REFERENCE_WAV] = reference.audio.samples
-            values[contract.REFERENCE_WAV_LEN] = reference.audio.samples.size
-            if reference.transcript and contract.REFERENCE_TEXT in inputs:
-                values[contract.REFERENCE_TEXT] = reference.transcript
-        elif contract.VOICE in inputs:
-            values[contract.VOICE] = self.voice.id
-        return values
+    def __init__(self, error: GatewayError, sentence: int) -> None:
+        super().__init__(f"sentence {sentence}: {error.message}")
+        self.error = error
+        self.sentence = sentence
 
 
 class _End:
@@ -119,10 +98,13 @@ _SENTENCE_QUEUE_CHUNKS = 32
 
 @dataclass
 class _Progress:
-    """What one response has produced so far."""
+    """What one response has produced so far, and where it broke."""
 
     samples: int = 0
-    error: GatewayError | None = None
+    sentence: int = 0
+    """The sentence whose audio is being passed on."""
+    resumed: list[int] = field(default_factory=list)
+    """Sentences that a server failed after the response had started, taken over by another."""
 
 
 class SpeechStream:
@@ -157,42 +139,18 @@ class SpeechStream:
 class SpeechService:
     def __init__(
         self,
-        backend: SpeechBackend,
-        voices: VoiceRegistry,
-        settings: Settings,
-        metrics: GatewayMetrics,
+        synthesizer: Synthesizer,
         admission: AdmissionControl,
-        normalizer: TextNormalizer,
+        metrics: GatewayMetrics,
+        *,
+        request_timeout: float,
+        synthesis_parallelism: int,
     ) -> None:
-        self._backend = backend
-        self._voices = voices
-        self._settings = settings
-        self._metrics = metrics
+        self._synthesizer = synthesizer
         self._admission = admission
-        self._normalizer = normalizer
-
-    async def plan(self, request: SpeechRequest) -> SpeechPlan:
-        catalog = self._backend.catalog
-        model = catalog.resolve(request.model)
-        voice = self._voices.resolve(request.voice_id, model, catalog)
-        triton_model = catalog.require_streaming_or_offline(model, self._settings.backend_mode)
-        normalize = request.text_normalization
-        if normalize is None:
-            normalize = self._settings.text_normalization
-        text = await self._normalizer.normalize_async(request.input) if normalize else request.input
-        sentences = synthesis_pieces(text, self._settings)
-        return SpeechPlan(
-            model=model,
-            triton_model=triton_model,
-            voice=voice,
-            sentences=tuple(sentences),
-            speed=request.speed,
-            response_format=request.response_format,
-            sse=request.stream_format == "sse",
-            input_chars=len(request.input),
-            seed=request.seed,
-            instructions=request.instructions,
-        )
+        self._metrics = metrics
+        self._request_timeout = request_timeout
+        self._parallelism = synthesis_parallelism
 
     async def open_stream(self, plan: SpeechPlan) -> SpeechStream:
         """Wait for a synthesis slot, start synthesis, wait for the first bytes.
@@ -201,10 +159,12 @@ class SpeechService:
         any byte exists. The returned stream holds the slot until it is closed.
         """
         started = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + self._settings.request_timeout
+        deadline = asyncio.get_running_loop().time() + self._request_timeout
         slot = await self._admission.acquire()
-        body = self._sse_body(plan, deadline) if plan.sse else self._encoded(plan, _Progress(), deadline)
-        measured = self._measured(plan, body, started)
+        progress = _Progress()
+        encoded = self._encoded(plan, progress, deadline)
+        body = self._sse_body(plan, progress, encoded) if plan.sse else encoded
+        measured = self._measured(plan, progress, body, started)
         try:
             first = await anext(measured)
         except BaseException:
@@ -213,8 +173,10 @@ class SpeechService:
         return SpeechStream(first, measured, slot)
 
     async def _measured(
-        self, plan: SpeechPlan, body: AsyncGenerator[bytes, None], started: float
+        self, plan: SpeechPlan, progress: _Progress, body: AsyncGenerator[bytes, None], started: float
     ) -> AsyncGenerator[bytes, None]:
+        """``body``, counted: its outcome (``ok``, ``resumed``, ``aborted``, ``cancelled`` when the
+        client left; ``failed`` before the first byte) in the metrics and in the log."""
         async with contextlib.aclosing(body):
             try:
                 first = await anext(body, b"")
@@ -228,39 +190,57 @@ class SpeechService:
                 yield first
                 async for piece in body:
                     yield piece
-                outcome = "ok"
+                outcome = "resumed" if progress.resumed else "ok"
+            except StreamAborted as exc:
+                outcome = "aborted"
+                logger.error(
+                    "speech response aborted at sentence %d of %d: %s (%s)",
+                    exc.sentence,
+                    len(plan.sentences),
+                    exc.error.message,
+                    exc.error.code,
+                )
+                raise
             finally:
                 self._metrics.in_flight.dec()
                 self._metrics.speech_requests.labels(plan.model.id, plan.response_format, outcome).inc()
                 self._metrics.duration.labels(plan.model.id).observe(time.perf_counter() - started)
+                logger.info(
+                    "speech response %s: %d sentences, %.2f s of audio%s",
+                    outcome,
+                    len(plan.sentences),
+                    progress.samples / plan.model.sample_rate,
+                    f", resumed sentences {progress.resumed}" if progress.resumed else "",
+                )
 
     # -- audio ---------------------------------------------------------------------------------------
 
     # Every generator below closes the one it reads from (``aclosing``), so closing the response's
     # stream stops the backend work at once rather than whenever the garbage collector gets to it.
 
-    async def _sse_body(self, plan: SpeechPlan, deadline: float) -> AsyncGenerator[bytes, None]:
-        progress = _Progress()
-        async with contextlib.aclosing(self._encoded(plan, progress, deadline)) as encoded:
-            async for data in encoded:
-                yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-        if progress.error is not None:
-            yield _sse_event({"type": "error", **progress.error.body()})
-            return
+    async def _sse_body(
+        self, plan: SpeechPlan, progress: _Progress, encoded: AsyncGenerator[bytes, None]
+    ) -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(encoded):
+            try:
+                async for data in encoded:
+                    yield _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            except StreamAborted as exc:
+                # The event tells SSE clients why; the dropped connection after it tells every client.
+                yield _sse_event({"type": "error", **exc.error.body()})
+                raise
         seconds = progress.samples / plan.model.sample_rate
         yield _sse_event({"type": "speech.audio.done", "usage": _usage(plan.input_chars, seconds)})
 
     async def _encoded(self, plan: SpeechPlan, progress: _Progress, deadline: float) -> AsyncGenerator[bytes, None]:
-        """Encoded audio as the backend produces it, then the encoder's tail.
+        """Encoded audio as the synthesizer produces it, then the encoder's tail.
 
-        A failure before any audio propagates (the response has not started). A failure
-        after it is logged and recorded in ``progress``, and the file ends cleanly where
-        the audio stops: the headers, and the status code with them, are already sent.
-        Running past ``deadline`` while waiting for audio is such a failure.
+        A failure before any audio propagates (the response has not started). One after it
+        (running past ``deadline`` included) aborts the response: :class:`StreamAborted`.
         """
         encoder = create_encoder(plan.response_format, plan.model.sample_rate)
         try:
-            async with contextlib.aclosing(self._audio(plan)) as audio:
+            async with contextlib.aclosing(self._audio(plan, progress)) as audio:
                 while (chunk := await self._next_chunk(audio, deadline)) is not None:
                     progress.samples += chunk.size
                     data = encoder.encode(chunk) if encoder.cheap else await asyncio.to_thread(encoder.encode, chunk)
@@ -269,8 +249,7 @@ class SpeechService:
         except GatewayError as exc:
             if progress.samples == 0:
                 raise
-            progress.error = exc
-            logger.error("speech stream for model %s ended early: %s", plan.model.id, exc.message)
+            raise StreamAborted(exc, progress.sentence) from exc
         if progress.samples == 0:
             raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
         tail = encoder.finish() if encoder.cheap else await asyncio.to_thread(encoder.finish)
@@ -284,12 +263,12 @@ class SpeechService:
             async with asyncio.timeout_at(deadline):
                 return await anext(audio, None)
         except TimeoutError:
-            limit = self._settings.request_timeout
+            limit = self._request_timeout
             raise RequestTimeoutError(f"the request did not finish within the gateway's limit of {limit:g} s") from None
 
-    async def _audio(self, plan: SpeechPlan) -> AsyncGenerator[Audio, None]:
+    async def _audio(self, plan: SpeechPlan, progress: _Progress) -> AsyncGenerator[Audio, None]:
         """Audio at the model's rate, tempo-adjusted here when the model cannot do it."""
-        async with contextlib.aclosing(self._synthesise(plan)) as synthesised:
+        async with contextlib.aclosing(self._synthesise(plan, progress)) as synthesised:
             if plan.backend_speed or plan.speed == 1.0:
                 async for chunk in synthesised:
                     yield chunk
@@ -303,8 +282,8 @@ class SpeechService:
         if rest.size:
             yield rest
 
-    async def _synthesise(self, plan: SpeechPlan) -> AsyncGenerator[Audio, None]:
-        """Sentences pipelined at the backend with bounded parallelism, audio in order.
+    async def _synthesise(self, plan: SpeechPlan, progress: _Progress) -> AsyncGenerator[Audio, None]:
+        """Sentences pipelined at the synthesizer with bounded parallelism, audio in order.
 
         The first sentence runs alone until its first audio arrives: it then has the backend to
         itself (no competition for the first byte), and the later sentences still start long
@@ -313,33 +292,34 @@ class SpeechService:
         # The response's x-request-id, so Triton's records of each sentence lead back to the request.
         request_id = current_request_id()
         sentences: Iterator[tuple[int, str]] = enumerate(plan.sentences)
-        in_flight: deque[tuple[asyncio.Task[None], asyncio.Queue[Audio | _End | GatewayError]]] = deque()
+        in_flight: deque[tuple[int, asyncio.Task[None], asyncio.Queue[Audio | _End | GatewayError]]] = deque()
         parallelism = 1
 
         def launch() -> None:
             while len(in_flight) < parallelism and (item := next(sentences, None)) is not None:
                 index, sentence = item
                 queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue(_SENTENCE_QUEUE_CHUNKS)
-                task = asyncio.create_task(self._sentence(plan, index, sentence, f"{request_id}-{index}", queue))
-                in_flight.append((task, queue))
+                sentence_id = f"{request_id}-{index}"
+                task = asyncio.create_task(self._sentence(plan, index, sentence, sentence_id, queue, progress))
+                in_flight.append((index, task, queue))
 
         launch()
         try:
             while in_flight:
-                _, queue = in_flight[0]
+                progress.sentence, _, queue = in_flight[0]
                 while not isinstance(item := await queue.get(), _End):
                     if isinstance(item, GatewayError):
                         raise item
                     if parallelism == 1:
-                        parallelism = self._settings.synthesis_parallelism
+                        parallelism = self._parallelism
                         launch()
                     yield item
                 in_flight.popleft()
                 launch()
         finally:
-            for task, _ in in_flight:
+            for _, task, _ in in_flight:
                 task.cancel()
-            for task, _ in in_flight:
+            for _, task, _ in in_flight:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
@@ -350,17 +330,38 @@ class SpeechService:
         sentence: str,
         request_id: str,
         queue: asyncio.Queue[Audio | _End | GatewayError],
+        progress: _Progress,
     ) -> None:
         values = plan.backend_inputs(index, sentence)
-        backend = self._backend
+        # Every sentence but the first starts once the response has: waiting for a server beats failing.
+        patient = index > 0
+
+        def failed_over(exc: GatewayError, mid_stream: bool) -> None:
+            if not (patient or mid_stream):
+                return  # the response has not started: nothing to resume, the call was merely retried
+            progress.resumed.append(index)
+            if not mid_stream:
+                how = "before any of its audio"
+            elif plan.reproducible:
+                how = "skipping the audio already sent"
+            else:
+                how = "repeating it from its start"
+            logger.warning("sentence %d broke (%s); resumed on another server, %s", index, exc.message, how)
+
+        failover = Failover(skip_sent=plan.reproducible, notify=failed_over)
+        synthesizer = self._synthesizer
         try:
             if plan.streaming_backend:
+                stream = synthesizer.stream(plan.triton_model, values, request_id, patient=patient, failover=failover)
                 # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
-                async with contextlib.aclosing(backend.stream(plan.triton_model, values, request_id)) as chunks:
+                async with contextlib.aclosing(stream) as chunks:
                     async for chunk in chunks:
                         await queue.put(chunk)
             else:
-                await queue.put(await backend.infer(plan.triton_model, values, request_id))
+                audio = await synthesizer.infer(
+                    plan.triton_model, values, request_id, patient=patient, failover=failover
+                )
+                await queue.put(audio)
         except GatewayError as exc:
             await queue.put(exc)
         except Exception as exc:

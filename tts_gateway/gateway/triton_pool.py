@@ -1,16 +1,23 @@
 """Several Triton servers behind one gateway: which exist, which are ready, which takes the next call.
 
 The configured targets are ``host:port`` entries. A name may resolve to several addresses (a
-Kubernetes headless Service lists one per ready pod); each address is a backend with a gRPC
+Kubernetes headless Service lists one per ready pod); each address is a server with a gRPC
 client of its own, and names are resolved again every ``resolve_interval`` seconds so that
-servers that come and go are picked up. A backend that leaves is retired: new calls avoid it at
+servers that come and go are picked up. A server that leaves is retired: new calls avoid it at
 once and its client is closed when its last call has ended.
 
-Calls go to the ready backend serving the model with the fewest calls in flight. gRPC's own
+Calls go to the ready server serving the model with the fewest calls in flight. gRPC's own
 client-side balancing (a ``dns:///`` target with ``round_robin``) was not used: it spreads calls
 evenly whatever their length (a 30 s stream counts as much as a 0.2 s call), knows nothing of
 Triton's readiness or of which models a server has loaded, and hides which server a call went to,
-which the retry before the first byte and the per-backend metrics need.
+which the failover and the per-server metrics need.
+
+The pool is also the one place where a call meets a server and fails over. A call that a server
+fails (it is down, or the model broke; not a rejected request or a slow model) is sent once more
+to another ready server: before its first audio nothing was lost; after it, a stream is restarted
+only when its caller asks for it (:class:`Failover`), since the audio already sent cannot be
+taken back. A server that is down is taken out of rotation at once; the listeners given to
+:meth:`TritonPool.on_change` hear of it (the model catalog follows the ready set).
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import ipaddress
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tts_gateway.gateway.errors import GatewayError
+import numpy as np
+from numpy.typing import NDArray
+
+from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError, ModelUnavailableError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.triton_client import TritonClient, TritonModelConfig
 from tts_gateway.models import contract
@@ -32,10 +43,16 @@ from tts_gateway.models import contract
 logger = logging.getLogger(__name__)
 
 _RESOLVE_TIMEOUT = 5.0
+# Failures worth another server: it is down or broke, not the request (a 400) or a slow model (a 504).
+_FAILOVER = (BackendUnavailableError, BackendError)
+# How often a call that waits for a ready server looks again (the watcher refreshes the ready set).
+_WAIT_STEP = 0.1
+
+Audio = NDArray[np.float32]
 
 
 @dataclass(eq=False)
-class TritonBackend:
+class TritonServer:
     """One Triton server: its client, whether it is ready, what it serves, the calls in flight."""
 
     address: str
@@ -49,6 +66,22 @@ class TritonBackend:
     def set_configs(self, configs: Sequence[TritonModelConfig]) -> None:
         self.configs = tuple(configs)
         self.models = frozenset(c.name for c in configs)
+
+
+@dataclass(frozen=True)
+class Failover:
+    """What a caller wants of a call that a server fails: to hear of it, and a stream restarted.
+
+    ``notify`` learns of each failover, with the failure and whether it came after the call's first
+    audio. A stream that broke after its first audio is restarted on another server; ``skip_sent``:
+    the model produces the same samples again (a seeded, deterministic request), so the restarted
+    stream skips as many samples as the broken one had passed on and the listener hears no seam;
+    otherwise the restarted stream is passed on from its start and the part already heard is heard
+    again.
+    """
+
+    skip_sent: bool
+    notify: Callable[[GatewayError, bool], None]
 
 
 def split_target(target: str) -> tuple[str, int]:
@@ -69,35 +102,40 @@ class TritonPool:
         metrics: GatewayMetrics,
         *,
         resolve_interval: float = 10.0,
+        failover_wait: float = 0.0,
     ) -> None:
+        """``failover_wait``: how long a patient call waits for a ready server when none is (one that
+        restarts comes back under the same address)."""
         self.entries = tuple(entries)
+        self._failover_wait = failover_wait
+        self._listeners: list[Callable[[], None]] = []
         self._client_factory = client_factory
         self._metrics = metrics
         self._resolve_interval = resolve_interval
         self._resolved: dict[str, tuple[str, ...]] = {}
-        self._backends: dict[str, TritonBackend] = {}
-        self._retired: list[TritonBackend] = []
+        self._servers: dict[str, TritonServer] = {}
+        self._retired: list[TritonServer] = []
         self._next_resolve = 0.0
-        # Breaks ties between equally loaded backends in turn rather than always to the first.
+        # Breaks ties between equally loaded servers in turn rather than always to the first.
         self._turn = itertools.count()
 
     @property
-    def backends(self) -> list[TritonBackend]:
-        return list(self._backends.values())
+    def servers(self) -> list[TritonServer]:
+        return list(self._servers.values())
 
-    def ready_backends(self) -> list[TritonBackend]:
-        return [b for b in self._backends.values() if b.ready]
+    def ready_servers(self) -> list[TritonServer]:
+        return [b for b in self._servers.values() if b.ready]
 
     async def refresh(self) -> bool:
-        """Resolve the names when due, check every backend once; returns whether the ready set changed."""
+        """Resolve the names when due, check every server once; returns whether the ready set changed."""
         loop = asyncio.get_running_loop()
         if loop.time() >= self._next_resolve:
             self._next_resolve = loop.time() + self._resolve_interval
             await self._resolve()
-        before = {b.address: b.models for b in self.ready_backends()}
-        await asyncio.gather(*(self._check(b) for b in self._backends.values()))
+        before = {b.address: b.models for b in self.ready_servers()}
+        await asyncio.gather(*(self._check(b) for b in self._servers.values()))
         await self._close_retired()
-        return before != {b.address: b.models for b in self.ready_backends()}
+        return before != {b.address: b.models for b in self.ready_servers()}
 
     async def _resolve(self) -> None:
         results = await asyncio.gather(*(_addresses(entry) for entry in self.entries), return_exceptions=True)
@@ -110,69 +148,73 @@ class TritonPool:
             else:
                 self._resolved[entry] = result
         wanted = {address: entry for entry, addresses in self._resolved.items() for address in addresses}
-        for address, backend in list(self._backends.items()):
+        for address, server in list(self._servers.items()):
             if address not in wanted:
-                logger.info("Triton backend %s (%s) left", address, backend.entry)
-                self._retire(self._backends.pop(address))
+                logger.info("Triton server %s (%s) left", address, server.entry)
+                self._retire(self._servers.pop(address))
         for address, entry in wanted.items():
-            if address not in self._backends:
-                logger.info("Triton backend %s (%s) added", address, entry)
-                self._backends[address] = TritonBackend(address, entry, self._client_factory(address))
+            if address not in self._servers:
+                logger.info("Triton server %s (%s) added", address, entry)
+                self._servers[address] = TritonServer(address, entry, self._client_factory(address))
 
-    async def _check(self, backend: TritonBackend) -> None:
-        if not await backend.client.is_ready():
-            if backend.ready:
-                logger.warning("Triton backend %s is not ready", backend.address)
-            self.mark_down(backend)
+    async def _check(self, server: TritonServer) -> None:
+        if not await server.client.is_ready():
+            if server.ready:
+                logger.warning("Triton server %s is not ready", server.address)
+            self.mark_down(server)
             return
         # Read again while no speech model is known: one that reports ready before loading its
         # models (model control "explicit") is picked up once they load.
-        if not backend.ready or not any(_is_speech_model(c) for c in backend.configs):
+        if not server.ready or not any(_is_speech_model(c) for c in server.configs):
             try:
-                configs = await backend.client.model_configs()
+                configs = await server.client.model_configs()
             except GatewayError as exc:
-                logger.warning("cannot read the model configs of %s: %s", backend.address, exc.message)
+                logger.warning("cannot read the model configs of %s: %s", server.address, exc.message)
                 return
-            if not backend.ready:
+            if not server.ready:
                 logger.info(
-                    "Triton backend %s ready: %s", backend.address, ", ".join(sorted(c.name for c in configs)) or "none"
+                    "Triton server %s ready: %s", server.address, ", ".join(sorted(c.name for c in configs)) or "none"
                 )
-            backend.set_configs(configs)
-            backend.ready = True
-        self._metrics.triton_up.labels(backend.address).set(1)
+            server.set_configs(configs)
+            server.ready = True
+        self._metrics.triton_up.labels(server.address).set(1)
 
-    def mark_down(self, backend: TritonBackend) -> None:
-        """Take ``backend`` out of rotation until a check finds it ready again (its configs are read anew)."""
-        backend.ready = False
-        backend.set_configs(())
-        self._metrics.triton_up.labels(backend.address).set(0)
+    def mark_down(self, server: TritonServer) -> None:
+        """Take ``server`` out of rotation until a check finds it ready again (its configs are read anew)."""
+        server.ready = False
+        server.set_configs(())
+        self._metrics.triton_up.labels(server.address).set(0)
 
-    def _retire(self, backend: TritonBackend) -> None:
-        self.mark_down(backend)
-        self._retired.append(backend)
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever a failed call takes a server out of rotation."""
+        self._listeners.append(listener)
+
+    def _retire(self, server: TritonServer) -> None:
+        self.mark_down(server)
+        self._retired.append(server)
 
     async def _close_retired(self) -> None:
         idle = [b for b in self._retired if b.outstanding == 0]
         self._retired = [b for b in self._retired if b.outstanding > 0]
-        for backend in idle:
-            await backend.client.close()
+        for server in idle:
+            await server.client.close()
             for metric in (self._metrics.triton_up, self._metrics.triton_outstanding):
                 with contextlib.suppress(KeyError):
-                    metric.remove(backend.address)
+                    metric.remove(server.address)
 
-    def pick(self, model: str, exclude: Sequence[TritonBackend] = ()) -> TritonBackend | None:
-        """The ready backend serving ``model`` with the fewest calls in flight, ``None`` if there is none."""
-        candidates = [b for b in self._backends.values() if b.ready and model in b.models and b not in exclude]
+    def pick(self, model: str, exclude: Sequence[TritonServer] = ()) -> TritonServer | None:
+        """The ready server serving ``model`` with the fewest calls in flight, ``None`` if there is none."""
+        candidates = [b for b in self._servers.values() if b.ready and model in b.models and b not in exclude]
         if not candidates:
             return None
         turn = next(self._turn) % len(candidates)
         return min(candidates[turn:] + candidates[:turn], key=lambda b: b.outstanding)
 
     @contextlib.contextmanager
-    def call(self, backend: TritonBackend) -> Iterator[None]:
-        """Counts one call at ``backend`` while it runs, and its outcome."""
-        backend.outstanding += 1
-        self._metrics.triton_outstanding.labels(backend.address).inc()
+    def call(self, server: TritonServer) -> Iterator[None]:
+        """Counts one call at ``server`` while it runs, and its outcome."""
+        server.outstanding += 1
+        self._metrics.triton_outstanding.labels(server.address).inc()
         outcome = "failed"
         try:
             yield
@@ -181,14 +223,121 @@ class TritonPool:
             outcome = "cancelled"
             raise
         finally:
-            backend.outstanding -= 1
-            self._metrics.triton_outstanding.labels(backend.address).dec()
-            self._metrics.triton_calls.labels(backend.address, outcome).inc()
+            server.outstanding -= 1
+            self._metrics.triton_outstanding.labels(server.address).dec()
+            self._metrics.triton_calls.labels(server.address, outcome).inc()
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    async def infer(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
+    ) -> Audio:
+        """One offline call on the least busy server, sent once more to another if that one fails it.
+
+        ``patient``: the caller's response has started, so waiting up to ``failover_wait`` for a ready
+        server beats failing at once.
+        """
+        tried: list[TritonServer] = []
+        failure: GatewayError | None = None
+        while True:
+            server = await self._choose(model, tried, failure, patient=patient)
+            try:
+                with self.call(server):
+                    return await server.client.infer(model, values, request_id)
+            except _FAILOVER as exc:
+                if tried:
+                    raise
+                self._failed(server, exc, request_id, before_audio=True)
+                tried.append(server)
+                failure = exc
+                if failover is not None:
+                    failover.notify(exc, False)
+
+    async def stream(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        *,
+        patient: bool = False,
+        failover: Failover | None = None,
+    ) -> AsyncGenerator[Audio, None]:
+        """A decoupled model's chunks from the least busy server.
+
+        A call that fails before its first chunk is sent once more to another server. One that fails
+        after it is restarted on another server (waiting for one as a patient call does) if
+        ``failover`` is given, and is the caller's failure otherwise.
+        """
+        tried: list[TritonServer] = []
+        failure: GatewayError | None = None
+        sent = 0  # samples passed on so far, over every attempt
+        while True:
+            server = await self._choose(model, tried, failure, patient=patient or sent > 0)
+            # What a restarted deterministic stream repeats of what was already passed on.
+            skip = sent if failover is not None and failover.skip_sent else 0
+            received = 0
+            try:
+                with self.call(server):
+                    async with contextlib.aclosing(server.client.stream(model, values, request_id)) as chunks:
+                        async for chunk in chunks:
+                            received += chunk.size
+                            if received <= skip:
+                                continue
+                            fresh = chunk[max(0, chunk.size - (received - skip)) :]
+                            sent += fresh.size
+                            yield fresh
+                return
+            except _FAILOVER as exc:
+                if tried or (sent > 0 and failover is None):
+                    raise
+                self._failed(server, exc, request_id, before_audio=sent == 0)
+                tried.append(server)
+                failure = exc
+                if failover is not None:
+                    failover.notify(exc, sent > 0)
+
+    async def _choose(
+        self, model: str, tried: list[TritonServer], failure: GatewayError | None, *, patient: bool
+    ) -> TritonServer:
+        """The server for the next attempt: another one than those ``tried`` if there is one.
+
+        A patient call otherwise waits up to ``failover_wait`` for a server to become ready, and
+        takes a tried one too (a restarted server comes back under its address). With none, the
+        last attempt's ``failure`` is the caller's, or a 503 if there was no attempt.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self._failover_wait if patient else 0.0)
+        while True:
+            server = self.pick(model, exclude=tried) or (self.pick(model) if patient else None)
+            if server is not None:
+                return server
+            if loop.time() >= deadline:
+                raise failure or BackendUnavailableError(f"no ready speech backend serves model {model!r}")
+            await asyncio.sleep(_WAIT_STEP)
+
+    def _failed(self, server: TritonServer, exc: GatewayError, request_id: str, *, before_audio: bool) -> None:
+        # A model that reports itself unavailable answered: its Triton is up and keeps its other models.
+        if isinstance(exc, BackendUnavailableError) and not isinstance(exc, ModelUnavailableError):
+            self.mark_down(server)
+            for listener in self._listeners:
+                listener()
+        when = "before any audio" if before_audio else "mid-stream"
+        logger.warning(
+            "call %s failed at %s %s (%s); trying another server", request_id, server.address, when, exc.message
+        )
+        if before_audio:
+            self._metrics.triton_retries.inc()
 
     async def close(self) -> None:
-        for backend in [*self._backends.values(), *self._retired]:
-            await backend.client.close()
-        self._backends.clear()
+        for server in [*self._servers.values(), *self._retired]:
+            await server.client.close()
+        self._servers.clear()
         self._retired.clear()
 
 

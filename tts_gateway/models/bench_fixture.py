@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from tts_gateway.models import contract
-from tts_gateway.models.request_parsing import ContractError, SpeechRequest
+from tts_gateway.models.request_parsing import ContractError, SynthesisRequest
 
 VOICE: Final = "tone"
 TONE_HZ: Final = 440.0
@@ -76,7 +76,7 @@ class ToneSource:
         self.config = config
         self._waveform = tone(config.samples, config.sample_rate)
 
-    def synthesize(self, speech: SpeechRequest, cancelled: Callable[[], bool]) -> Iterator[NDArray[np.float32]]:
+    def synthesize(self, speech: SynthesisRequest, cancelled: Callable[[], bool]) -> Iterator[NDArray[np.float32]]:
         if speech.voice not in (None, VOICE):
             raise ContractError(f"unknown voice {speech.voice!r}; this model has only {VOICE!r}")
         if not self._wait(self.config.first_chunk_delay, cancelled):

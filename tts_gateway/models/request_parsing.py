@@ -1,7 +1,7 @@
-"""Turn the input tensors of one contract request into a validated :class:`SpeechRequest`.
+"""Turn the input tensors of one contract request into a validated :class:`SynthesisRequest`.
 
 Every contract ``model.py`` converts its Triton tensors to numpy and calls
-:func:`parse_speech_request`; a :class:`ContractError` becomes an ``INVALID_ARG``
+:func:`parse_synthesis_request`; a :class:`ContractError` becomes an ``INVALID_ARG``
 error for the caller. Triton has already checked names, dtypes and shapes against
 ``config.pbtxt``; this module checks what Triton cannot: values, ranges and the
 relations between inputs. It stays free of ``triton_python_backend_utils`` so it
@@ -32,12 +32,12 @@ class ContractError(ValueError):
     """Bad request input; model.py turns it into a TritonError (INVALID_ARG)."""
 
 
-class BackendUnavailableError(RuntimeError):
+class DependencyUnavailableError(RuntimeError):
     """A server the model relies on is down or overloaded; model.py turns it into UNAVAILABLE (a 503)."""
 
 
 @dataclass(frozen=True, eq=False)
-class SpeechRequest:
+class SynthesisRequest:
     """One validated speech request; optional inputs the caller left out are ``None``."""
 
     target_text: str
@@ -57,7 +57,7 @@ class SpeechRequest:
     """The server's id of the request (not a tensor: Triton's request id), for logs and traces."""
 
 
-def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
+def parse_synthesis_request(tensors: Mapping[str, NDArray[Any]]) -> SynthesisRequest:
     """Validate the contract inputs present in ``tensors`` (input name -> numpy array)."""
     target_text = optional_text(tensors, contract.TARGET_TEXT)
     if target_text is None:
@@ -103,7 +103,7 @@ def parse_speech_request(tensors: Mapping[str, NDArray[Any]]) -> SpeechRequest:
     if instructions is not None:
         instructions = instructions.strip() or None
 
-    return SpeechRequest(
+    return SynthesisRequest(
         target_text=target_text,
         reference_wav=reference_wav,
         reference_text=reference_text,

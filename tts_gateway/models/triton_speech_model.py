@@ -2,7 +2,7 @@
 
 Imported only inside Triton (it needs ``triton_python_backend_utils``). A subclass
 sets itself up from the config parameters and yields audio chunks for a parsed
-:class:`~tts_gateway.models.request_parsing.SpeechRequest`; this class does the rest the
+:class:`~tts_gateway.models.request_parsing.SynthesisRequest`; this class does the rest the
 same way for every backend:
 
 - offline deployment: one response with the whole waveform;
@@ -10,7 +10,7 @@ same way for every backend:
   so that ``execute`` returns at once, one response per chunk, then the final flag (an
   error is sent as the final response itself);
 - cancellation (client gone, or the model unloading) is checked between chunks;
-- :class:`ContractError` becomes ``INVALID_ARG``, :class:`BackendUnavailableError`
+- :class:`ContractError` becomes ``INVALID_ARG``, :class:`DependencyUnavailableError`
   ``UNAVAILABLE`` (logged as a warning); anything else is logged and
   returned as an internal error without details. The code also leads the message
   (``[INVALID_ARG] ...``): a decoupled model's error reaches gRPC clients as a message only.
@@ -32,10 +32,10 @@ from numpy.typing import NDArray
 
 from tts_gateway.models import contract
 from tts_gateway.models.request_parsing import (
-    BackendUnavailableError,
     ContractError,
-    SpeechRequest,
-    parse_speech_request,
+    DependencyUnavailableError,
+    SynthesisRequest,
+    parse_synthesis_request,
 )
 from tts_gateway.models.triton_logging import enable_stack_dumps
 
@@ -64,7 +64,7 @@ class SpeechContractModel:
         """Load the backend from the config's string parameters."""
         raise NotImplementedError
 
-    def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+    def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         """Audio chunks for ``speech``; stop early once ``cancelled()`` is true."""
         raise NotImplementedError
 
@@ -122,7 +122,7 @@ class SpeechContractModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 tensors[name] = tensor.as_numpy()
-        speech = dataclasses.replace(parse_speech_request(tensors), request_id=request.request_id())
+        speech = dataclasses.replace(parse_synthesis_request(tensors), request_id=request.request_id())
         for chunk in self.synthesize(speech, cancelled):
             if cancelled():
                 return
@@ -148,7 +148,7 @@ class SpeechContractModel:
     def _error(self, exc: Exception) -> Any:
         if isinstance(exc, ContractError):
             return pb_utils.TritonError(f"{contract.INVALID_ARG_PREFIX} {exc}", pb_utils.TritonError.INVALID_ARG)
-        if isinstance(exc, BackendUnavailableError):
+        if isinstance(exc, DependencyUnavailableError):
             pb_utils.Logger.log_warn(f"{self.name}: {exc}")
             # The details (addresses of internal servers) stay in the log.
             message = f"[UNAVAILABLE] model {self.name}: a server it relies on is unavailable; see the server log"

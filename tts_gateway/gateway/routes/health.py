@@ -14,18 +14,17 @@ router = APIRouter(responses=ERROR_RESPONSES)
 
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
 async def health(services: ServicesDep) -> JSONResponse:
-    backend = services.backend
-    ready = await backend.refresh()
-    models = list(backend.catalog.models) if ready else []
+    ready = await services.catalog.refresh()
+    models = list(services.catalog.current.models) if ready else []
     status = HealthStatus(
         status="ok" if ready else "unavailable",
-        backend=",".join(backend.pool.entries),
+        backend=",".join(services.pool.entries),
         models=models,
         backends=[
             BackendHealth(
-                address=b.address, entry=b.entry, ready=b.ready, models=sorted(b.models), outstanding=b.outstanding
+                address=s.address, entry=s.entry, ready=s.ready, models=sorted(s.models), outstanding=s.outstanding
             )
-            for b in backend.pool.backends
+            for s in services.pool.servers
         ],
     )
     return JSONResponse(status.model_dump(), status_code=200 if ready else 503)

@@ -13,7 +13,7 @@ router = APIRouter(responses=ERROR_RESPONSES)
 
 @router.get("/v1/models")
 async def list_models(services: ServicesDep) -> ModelList:
-    catalog = services.backend.catalog
+    catalog = services.catalog.current
     created = services.started_at
     names = [*catalog.models, *catalog.aliases]
     return ModelList(data=[ModelCard(id=name, created=created) for name in names])
@@ -21,7 +21,7 @@ async def list_models(services: ServicesDep) -> ModelList:
 
 @router.get("/v1/models/{model_id}")
 async def get_model(model_id: str, services: ServicesDep) -> ModelCard:
-    catalog = services.backend.catalog
+    catalog = services.catalog.current
     if model_id not in catalog.models and model_id not in catalog.aliases:
         raise NotFoundError(f"model {model_id!r} does not exist", param="model", code="model_not_found")
     return ModelCard(id=model_id, created=services.started_at)
@@ -29,7 +29,7 @@ async def get_model(model_id: str, services: ServicesDep) -> ModelCard:
 
 @router.get("/v1/audio/models")
 async def list_audio_models(services: ServicesDep) -> AudioModelList:
-    catalog = services.backend.catalog
+    catalog = services.catalog.current
     return AudioModelList(
         models=[
             AudioModel(

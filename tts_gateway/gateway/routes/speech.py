@@ -9,7 +9,7 @@ from starlette.types import Receive, Scope, Send
 from tts_gateway.gateway.audio_encoding import CONTENT_TYPES
 from tts_gateway.gateway.dependencies import ServicesDep
 from tts_gateway.gateway.protocol import ERROR_RESPONSES, SpeechRequest
-from tts_gateway.gateway.speech_service import SpeechStream
+from tts_gateway.gateway.speech_service import SpeechStream, StreamAborted
 
 router = APIRouter()
 
@@ -19,7 +19,9 @@ _SSE = "text/event-stream"
 class SpeechResponse(StreamingResponse):
     """Closes its speech stream however the response ends (sent, client gone, failed).
 
-    That stops the synthesis and frees the request's synthesis slot at once.
+    That stops the synthesis and frees the request's synthesis slot at once. A stream that
+    cannot be completed (:class:`StreamAborted`, already logged) returns without the end of
+    the body, so the server drops the connection and the client sees an error, not a short file.
     """
 
     def __init__(self, stream: SpeechStream, *, media_type: str, headers: dict[str, str] | None = None) -> None:
@@ -29,6 +31,8 @@ class SpeechResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except StreamAborted:
+            pass
         finally:
             await self._stream.aclose()
 
@@ -39,7 +43,7 @@ class SpeechResponse(StreamingResponse):
     responses={200: {"content": {mime: {} for mime in sorted({*CONTENT_TYPES.values(), _SSE})}}, **ERROR_RESPONSES},
 )
 async def create_speech(body: SpeechRequest, services: ServicesDep) -> StreamingResponse:
-    plan = await services.speech.plan(body)
+    plan = await services.planner.plan(body)
     stream = await services.speech.open_stream(plan)
     if plan.sse:
         return SpeechResponse(stream, media_type=_SSE, headers={"Cache-Control": "no-cache"})

@@ -22,7 +22,7 @@ async def list_voices(
     model: Annotated[str | None, Query(description="only the voices this model (or alias) can speak")] = None,
     include_all: Annotated[bool, Query(alias="all", description="also the voices no deployed model can speak")] = False,
 ) -> VoiceList:
-    catalog = services.backend.catalog
+    catalog = services.catalog.current
     speaker = catalog.resolve(model) if model is not None else None
     return VoiceList(voices=services.voices.describe(catalog, speaker, everything=include_all))
 
@@ -45,7 +45,7 @@ async def upload_voice(
         data += chunk
         if len(data) > limit:
             raise PayloadTooLargeError(f"audio_sample is larger than {limit} bytes", param="audio_sample")
-    voice = await services.voices.add_upload(name, bytes(data), transcript, services.backend.catalog.builtin_voices)
+    voice = await services.voices.add_upload(name, bytes(data), transcript, services.catalog.current.builtin_voices)
     return VoiceObject(
         id=voice.id,
         name=voice.id,
@@ -57,5 +57,5 @@ async def upload_voice(
 
 @router.delete("/v1/audio/voices/{voice_id}", responses=ERROR_RESPONSES)
 async def delete_voice(voice_id: str, services: ServicesDep) -> VoiceDeleted:
-    await services.voices.delete(voice_id, services.backend.builtin_voices())
+    await services.voices.delete(voice_id, services.catalog.builtin_voices())
     return VoiceDeleted(id=voice_id)

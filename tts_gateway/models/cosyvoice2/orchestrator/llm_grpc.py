@@ -29,7 +29,7 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
-from tts_gateway.models.request_parsing import BackendUnavailableError, ContractError
+from tts_gateway.models.request_parsing import ContractError, DependencyUnavailableError
 
 
 class LLMStageError(RuntimeError):
@@ -116,5 +116,5 @@ def _transport_error(model: str, exc: grpc.RpcError) -> Exception:
     code = exc.code() if isinstance(exc, grpc.Call) else None
     message = f"{model} over gRPC: {code}: {exc.details() if isinstance(exc, grpc.Call) else exc}"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return BackendUnavailableError(message)
+        return DependencyUnavailableError(message)
     return LLMStageError(message)

@@ -24,7 +24,7 @@ lift of the speech rows would change what the repetition penalty does, so none i
 
 Failures before the first token (connection refused or reset, timeout, 429, 5xx) are retried
 on another server when there is one; after that, or once tokens have flowed, a failure is a
-:class:`~tts_gateway.models.request_parsing.BackendUnavailableError` (the gateway's 503). A 400 is
+:class:`~tts_gateway.models.request_parsing.DependencyUnavailableError` (the gateway's 503). A 400 is
 the request's own fault (a prompt too long for the server's context, say): a ContractError.
 Closing the generator closes the HTTP stream, which is how these servers learn to stop.
 
@@ -50,7 +50,7 @@ import httpx
 
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
-from tts_gateway.models.request_parsing import BackendUnavailableError, ContractError
+from tts_gateway.models.request_parsing import ContractError, DependencyUnavailableError
 
 # Statuses that say "not now" rather than "not this request": worth another try before any token.
 RETRY_STATUSES: Final = frozenset({408, 429, 500, 502, 503, 504})
@@ -259,9 +259,9 @@ class LLMServerClient:
                 return
             except _Retryable as exc:
                 if streamed:
-                    raise BackendUnavailableError(f"LLM server {previous.url}: stream broke off: {exc}") from exc
+                    raise DependencyUnavailableError(f"LLM server {previous.url}: stream broke off: {exc}") from exc
                 if attempt + 1 == attempts:
-                    raise BackendUnavailableError(
+                    raise DependencyUnavailableError(
                         f"no LLM server answered ({attempts} attempts, last {previous.url}): {exc}"
                     ) from exc
                 if is_cancelled():
@@ -373,7 +373,7 @@ def _chunk_ids(data: str, text: SpeechTokenText, url: str) -> list[int]:
         error = chunk["error"]
         message = error.get("message", error) if isinstance(error, dict) else error
         # An error after the stream began: the server failed this request.
-        raise BackendUnavailableError(f"LLM server {url} failed mid-stream: {message}")
+        raise DependencyUnavailableError(f"LLM server {url} failed mid-stream: {message}")
     choices = chunk.get("choices") or []
     if not choices:
         return []  # a usage-only chunk

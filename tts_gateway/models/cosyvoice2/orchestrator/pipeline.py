@@ -34,7 +34,7 @@ from tts_gateway.models.cosyvoice2.orchestrator.first_hop import AdaptiveFirstHo
 from tts_gateway.models.cosyvoice2.orchestrator.prompt_cache import PromptCache, voice_key
 from tts_gateway.models.cosyvoice2.orchestrator.streaming import HopPolicy, HopSchedule
 from tts_gateway.models.cosyvoice2.orchestrator.token_feed import LLMStalled, StopSignal, TokenFeed
-from tts_gateway.models.request_parsing import BackendUnavailableError, ContractError, SpeechRequest
+from tts_gateway.models.request_parsing import ContractError, DependencyUnavailableError, SynthesisRequest
 from tts_gateway.models.stage_trace import StageTrace
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class PipelineSettings:
     voice_cache_size: int = 32
     llm_stall_s: float = 120.0
     """A stream whose LLM sends nothing for this long (from the start: a wait for a slot counts) fails
-    (``BackendUnavailableError``)."""
+    (``DependencyUnavailableError``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_token_text_ratio <= self.max_token_text_ratio:
@@ -201,7 +201,7 @@ class CosyVoice2Pipeline:
 
     def synthesize(
         self,
-        request: SpeechRequest,
+        request: SynthesisRequest,
         *,
         streaming: bool,
         is_cancelled: Callable[[], bool] = lambda: False,
@@ -237,7 +237,7 @@ class CosyVoice2Pipeline:
         if self._trace.enabled:
             self._trace.record(llm_request.request_id, request=request.request_id, **vars(times))
 
-    def _llm_request(self, request: SpeechRequest, prompt: VoicePrompt, *, streaming: bool) -> LLMRequest:
+    def _llm_request(self, request: SynthesisRequest, prompt: VoicePrompt, *, streaming: bool) -> LLMRequest:
         if request.instructions is not None:
             input_ids = vocab.build_instruct_prompt_ids(self._tokenizer, request.instructions, request.target_text)
         elif request.reference_text is None:
@@ -304,7 +304,7 @@ class CosyVoice2Pipeline:
 
     def _offline(
         self,
-        request: SpeechRequest,
+        request: SynthesisRequest,
         prompt: VoicePrompt,
         llm_request: LLMRequest,
         is_cancelled: _ThrottledCheck,
@@ -329,7 +329,7 @@ class CosyVoice2Pipeline:
 
     def _stream(
         self,
-        request: SpeechRequest,
+        request: SynthesisRequest,
         prompt: VoicePrompt,
         llm_request: LLMRequest,
         is_cancelled: _ThrottledCheck,
@@ -415,7 +415,7 @@ class CosyVoice2Pipeline:
             session_open = False
             yield final
         except LLMStalled as exc:
-            raise BackendUnavailableError(f"{exc} (stream {session_id})") from exc
+            raise DependencyUnavailableError(f"{exc} (stream {session_id})") from exc
         finally:
             if adaptive is not None and counted:
                 adaptive.end()

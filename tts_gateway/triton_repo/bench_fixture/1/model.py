@@ -8,7 +8,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from tts_gateway.models.bench_fixture import FixtureConfig, ToneSource
-from tts_gateway.models.request_parsing import SpeechRequest
+from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 
@@ -16,5 +16,5 @@ class TritonPythonModel(SpeechContractModel):
     def setup(self, params: dict[str, str]) -> None:
         self._tone = ToneSource(FixtureConfig.from_params(params))
 
-    def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+    def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         yield from self._tone.synthesize(speech, cancelled)

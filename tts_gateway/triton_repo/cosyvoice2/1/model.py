@@ -20,7 +20,7 @@ from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams
 from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerClient, LLMServerSettings
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import CosyVoice2Pipeline, PipelineSettings
 from tts_gateway.models.cosyvoice2.orchestrator.triton_stages import LLMSource, StageModels, TritonStages
-from tts_gateway.models.request_parsing import SpeechRequest
+from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.stage_trace import StageTrace
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
@@ -59,6 +59,6 @@ class TritonPythonModel(SpeechContractModel):
         super().finalize()
         self._llm.close()
 
-    def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+    def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         # Stream workers only wait on the stage models, which do the heavy work in their own processes.
         return self._pipeline.synthesize(speech, streaming=self.decoupled, is_cancelled=cancelled)

@@ -10,7 +10,7 @@ from numpy.typing import NDArray
 
 from tts_gateway.models import contract
 from tts_gateway.models.piper import PiperEngine
-from tts_gateway.models.request_parsing import SpeechRequest
+from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 
@@ -24,6 +24,6 @@ class TritonPythonModel(SpeechContractModel):
         if self._engine.sample_rate != declared:
             raise ValueError(f"the voice runs at {self._engine.sample_rate} Hz, config says {declared}")
 
-    def synthesize(self, speech: SpeechRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
+    def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         # Piper synthesises a sentence when asked for its chunk: a cancelled request stops there.
         yield from self._engine.synthesize(speech.target_text, speed=speech.speed)
