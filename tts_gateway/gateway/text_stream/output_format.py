@@ -40,6 +40,11 @@ class OutputFormat:
         codec, _, rate = name.partition("_")
         return cls("ulaw" if codec == "ulaw" else "pcm", int(rate))
 
+    def duration_ms(self, data: bytes) -> float:
+        """How long ``data`` in this format plays."""
+        bytes_per_sample = 1 if self.codec == "ulaw" else 2
+        return len(data) / bytes_per_sample / self.sample_rate * 1000
+
     def converter(self) -> AudioConverter:
         return AudioConverter(self)
 

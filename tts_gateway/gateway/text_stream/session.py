@@ -253,11 +253,12 @@ class TextStreamSession:
         await self._send_final(context)
 
     def _audio_message(self, context: _Context, audio: bytes, chunk: SpeechChunk) -> dict[str, Any]:
+        spoken, normalized = chunk.align(self._output.duration_ms(audio))
         return {
             "audio": base64.b64encode(audio).decode(),
             "isFinal": False,
-            "alignment": chunk.alignment.to_json(),
-            "normalizedAlignment": chunk.normalized_alignment.to_json(),
+            "alignment": spoken.to_json(),
+            "normalizedAlignment": normalized.to_json(),
             **self._ids(context),
         }
 

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
 from tts_gateway.gateway.errors import BackendError, GatewayError
 from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.speech_service import SpeechPlan, SpeechStream
@@ -31,7 +30,6 @@ from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
 
 logger = logging.getLogger(__name__)
 
-_BYTES_PER_SAMPLE: Final = 2
 # Chunks one phrase may have ready before its producer waits for the socket: a slow client
 # then slows the backend stream instead of growing the gateway's memory.
 _PHRASE_QUEUE_CHUNKS: Final = 32
@@ -51,11 +49,19 @@ class VoiceChoice:
 @dataclass(frozen=True)
 class SpeechChunk:
     pcm: bytes
-    """16-bit little-endian mono PCM at :data:`OUTPUT_SAMPLE_RATE`."""
-    alignment: CharAlignment
-    normalized_alignment: CharAlignment
+    """16-bit little-endian mono PCM at the speech service's output rate (24 kHz)."""
+    spoken: PhraseAligner
+    normalized: PhraseAligner
     phrase_end: bool
     """The last chunk of a phrase: resamplers and encoders may drain."""
+
+    def align(self, audio_ms: float) -> tuple[CharAlignment, CharAlignment]:
+        """The characters (as sent, as spoken) of this chunk's audio, once converted to ``audio_ms``
+        milliseconds: a resampler's delay moves a little audio from one message to the next."""
+        return (
+            self.spoken.take(audio_ms, last=self.phrase_end),
+            self.normalized.take(audio_ms, last=self.phrase_end),
+        )
 
 
 class TextStreamSynthesizer(Protocol):
@@ -94,7 +100,7 @@ class PhraseAudio(Protocol):
     """The phrase as the model reads it (numbers, money... as words)."""
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        """16-bit PCM at OUTPUT_SAMPLE_RATE, as the model produces it."""
+        """16-bit PCM at the speech service's output rate, as the model produces it."""
         ...
 
     async def aclose(self) -> None: ...
@@ -251,12 +257,12 @@ class PhrasePipeline:
                     spoken = PhraseAligner(phrase.text, **rate)
                     aligned = PhraseAligner(lead + phrase.normalized, **rate)
                 if pending is not None:
-                    yield _chunk(pending, spoken, aligned, last=False)
+                    yield SpeechChunk(pending, spoken, aligned, phrase_end=False)
                 # One chunk is held back: only once the next one (or the end) has come is it
                 # known whether it is the phrase's last, which takes the remaining characters.
                 pending = item
             if pending is not None and spoken is not None and aligned is not None:
-                yield _chunk(pending, spoken, aligned, last=True)
+                yield SpeechChunk(pending, spoken, aligned, phrase_end=True)
                 ms_per_weight = spoken.measured_ms_per_weight or ms_per_weight
             self._started.remove(phrase)
 
@@ -268,13 +274,3 @@ class PhrasePipeline:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-def _chunk(pcm: bytes, spoken: PhraseAligner, aligned: PhraseAligner, *, last: bool) -> SpeechChunk:
-    audio_ms = len(pcm) / _BYTES_PER_SAMPLE / OUTPUT_SAMPLE_RATE * 1000
-    return SpeechChunk(
-        pcm=pcm,
-        alignment=spoken.take(audio_ms, last=last),
-        normalized_alignment=aligned.take(audio_ms, last=last),
-        phrase_end=last,
-    )
