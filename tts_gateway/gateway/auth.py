@@ -3,7 +3,10 @@
 It runs before routing, so it covers every route, the OpenAPI pages and unknown paths
 alike (an unauthenticated caller cannot even learn which paths exist from 404s), and
 it answers before any request body is read. Clients send ``Authorization: Bearer KEY``,
-as the OpenAI SDK does with its ``api_key``.
+as the OpenAI SDK does with its ``api_key``. A WebSocket may send the key as ElevenLabs'
+clients do, in an ``xi-api-key`` header, instead; one without a valid key is refused before it
+is accepted: with a 401 and the error body where the server can answer a handshake with a
+response (uvicorn can), else with close code 1008, which the server sends as a 403.
 
 A presented key is hashed and compared with the hash of every configured key, each with
 :func:`hmac.compare_digest` and without stopping at a match: the time taken says neither
@@ -18,6 +21,7 @@ from collections.abc import Iterable
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketClose
 
 from tts_gateway.gateway.errors import AuthenticationError
 
@@ -37,21 +41,33 @@ class ApiKeyMiddleware:
         self._public = frozenset(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Only HTTP is checked: the gateway serves no WebSocket routes, and lifespan events carry no request.
-        if scope["type"] != "http" or scope["path"] in self._public:
+        # Lifespan events carry no request.
+        if scope["type"] not in ("http", "websocket") or scope["path"] in self._public:
             await self._app(scope, receive, send)
             return
-        error = self._check(Headers(scope=scope).get("authorization"))
+        headers = Headers(scope=scope)
+        if scope["type"] == "http":
+            error = self._check(headers.get("authorization"))
+            if error is None:
+                await self._app(scope, receive, send)
+            else:
+                await error.response()(scope, receive, send)
+            return
+        key = headers.get("xi-api-key")
+        error = self._check(f"Bearer {key}" if key else headers.get("authorization"), websocket=True)
         if error is None:
             await self._app(scope, receive, send)
+        elif "websocket.http.response" in scope.get("extensions", {}):
+            await WebSocket(scope, receive, send).send_denial_response(error.response())
         else:
-            await error.response()(scope, receive, send)
+            await WebSocketClose(code=1008, reason=error.message)(scope, receive, send)
 
-    def _check(self, authorization: str | None) -> AuthenticationError | None:
+    def _check(self, authorization: str | None, *, websocket: bool = False) -> AuthenticationError | None:
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            return AuthenticationError("missing API key; send it as 'Authorization: Bearer <key>'")
+            how = "an 'xi-api-key: <key>' header or " if websocket else ""
+            return AuthenticationError(f"missing API key; send it as {how}'Authorization: Bearer <key>'")
         if not self._matches(token):
             return AuthenticationError("incorrect API key provided")
         return None

@@ -141,6 +141,11 @@ class Settings(BaseSettings):
     backend_chunk_timeout: float = Field(
         30.0, gt=0, description="longest gap between the chunks of a streamed backend call"
     )
+    ws_max_sockets: int = Field(64, ge=1, description="text-streaming WebSockets open at once per worker")
+    ws_max_contexts: int = Field(5, ge=1, description="contexts open at once on one text-streaming WebSocket")
+    ws_max_buffered_chars: int = Field(
+        20_000, ge=100, description="text one WebSocket context may hold that is not yet spoken"
+    )
 
     @field_validator("triton_url")
     @classmethod

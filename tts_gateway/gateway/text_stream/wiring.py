@@ -1,0 +1,20 @@
+"""The text-streaming sockets built over the gateway's services (called by the app's lifespan)."""
+
+from __future__ import annotations
+
+from tts_gateway.gateway.dependencies import Services
+from tts_gateway.gateway.settings import Settings
+from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
+from tts_gateway.gateway.text_stream.service import TextStreams
+from tts_gateway.gateway.text_stream.session import TextStreamLimits
+from tts_gateway.gateway.text_stream.synthesis import SpeechServicePhrases
+
+
+def text_streams(services: Services, settings: Settings) -> TextStreams:
+    limits = TextStreamLimits(
+        max_sockets=settings.ws_max_sockets,
+        max_contexts=settings.ws_max_contexts,
+        max_buffered_chars=settings.ws_max_buffered_chars,
+    )
+    phrases = SpeechServicePhrases(services.speech.plan, services.speech.open_stream)
+    return TextStreams(phrases, limits, TextStreamMetrics(services.metrics))
