@@ -24,7 +24,8 @@ from typing import Final, Protocol
 
 from tts_gateway.gateway.errors import BackendError, GatewayError
 from tts_gateway.gateway.protocol import SpeechRequest
-from tts_gateway.gateway.speech_service import SpeechPlan, SpeechStream
+from tts_gateway.gateway.speech_plan import SpeechPlan
+from tts_gateway.gateway.speech_service import SpeechStream
 from tts_gateway.gateway.text_stream.alignment import CharAlignment, PhraseAligner
 from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
 

@@ -16,5 +16,5 @@ def text_streams(services: Services, settings: Settings) -> TextStreams:
         max_contexts=settings.ws_max_contexts,
         max_buffered_chars=settings.ws_max_buffered_chars,
     )
-    phrases = SpeechServicePhrases(services.speech.plan, services.speech.open_stream)
+    phrases = SpeechServicePhrases(services.planner.plan, services.speech.open_stream)
     return TextStreams(phrases, limits, TextStreamMetrics(services.metrics))
