@@ -392,7 +392,11 @@ class BatchingEngine:
                 failed = [*admitted, *resumed, *self._live]
                 self._live.clear()
                 for handle in dict.fromkeys(failed):
-                    if not handle.ended:  # one that ended in this round was told so already
+                    if handle.ended:  # one that ended in this round was told so already
+                        continue
+                    if isinstance(handle, TextStreamHandle):
+                        self._close_stream(handle, exc)
+                    else:
                         handle.ended = True
                         _finish(handle, exc)
         for handle in pending:
