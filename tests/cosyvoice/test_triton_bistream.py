@@ -147,3 +147,9 @@ async def test_a_session_id_in_use_is_refused(
             await BistreamSession.open(client, MODEL, "twice", voice)
     finally:
         await session.cancel()
+
+
+async def test_text_for_a_session_not_open_is_refused(client: grpcclient.InferenceServerClient) -> None:
+    stranger = BistreamSession(client, MODEL, "never-opened")
+    with pytest.raises(InvalidRequestError, match="no open session"):
+        await stranger.send_text("hello")

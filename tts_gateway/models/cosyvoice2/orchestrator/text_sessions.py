@@ -10,6 +10,7 @@ never meet.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -23,6 +24,7 @@ from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import CosyVoice2Pipeline
 from tts_gateway.models.request_parsing import ContractError, optional_text, parse_speech_request, scalar
 
+_log = logging.getLogger(__name__)
 # parse_speech_request wants a target text; a session's opening request may bring none.
 _NO_TEXT = np.array([b"-"], dtype=np.object_)
 
@@ -94,3 +96,13 @@ class TextSessions:
         if stream_id is None:
             raise ContractError(f"no open session {call.session_id!r}")
         self._pipeline.send_text(stream_id, call.text, end=call.end, cancel=call.close)
+
+    def close_all(self) -> None:
+        """Cancel every open session's LLM stream (unloading: a session waiting for text would wait for good)."""
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream_id in streams:
+            try:
+                self._pipeline.send_text(stream_id, "", cancel=True)
+            except Exception:
+                _log.exception("cancelling text stream %s failed", stream_id)

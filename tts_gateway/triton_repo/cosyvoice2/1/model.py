@@ -112,6 +112,8 @@ class TritonPythonModel(SpeechContractModel):
             raise ValueError("text_streaming needs the LLM as a Triton model (llm_model), not llm_urls")
 
     def finalize(self) -> None:
+        if self._sessions is not None:
+            self._sessions.close_all()
         super().finalize()
         self._llm.close()
 
