@@ -153,16 +153,21 @@ def test_llm_model_accepts_what_the_orchestrator_sends(
 
 
 def test_torch_llm_mirrors_the_tensorrt_llm_backend(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    from tts_gateway.models.cosyvoice2 import tensors
+
     torch_llm = rendered["cosyvoice2-cpu"]["llm"]
     trt_llm = rendered["gpu-trtllm"]["tensorrt_llm"]
     trt_inputs = {tensor.name: tensor for tensor in trt_llm.input}
+    torch_only = {tensor.name: _dtype(tensor.data_type) for tensor in torch_llm.input if tensor.name not in trt_inputs}
+    # Text streams are the PyTorch LLM's own; their later requests carry no prompt, so its prompt
+    # inputs are optional where TensorRT-LLM requires them.
+    assert torch_only == tensors.TEXT_STREAM_INPUT_DTYPES
     for tensor in torch_llm.input:
+        if tensor.name in torch_only:
+            continue
         twin = trt_inputs[tensor.name]
-        assert (tensor.data_type, list(tensor.dims), tensor.optional) == (
-            twin.data_type,
-            list(twin.dims),
-            twin.optional,
-        ), tensor.name
+        assert (tensor.data_type, list(tensor.dims)) == (twin.data_type, list(twin.dims)), tensor.name
+        assert tensor.optional or not twin.optional, tensor.name
     trt_outputs = {tensor.name: tensor for tensor in trt_llm.output}
     for tensor in torch_llm.output:
         assert (tensor.data_type, list(tensor.dims)) == (

@@ -75,3 +75,12 @@ def test_a_model_with_broken_capabilities_is_left_out() -> None:
     catalog = ModelCatalog.from_triton([*CONFIGS, broken, odd])
     assert "broken" not in catalog.models and "odd" not in catalog.models
     assert "piper" in catalog.models
+
+
+def test_a_text_streaming_deployment_belongs_to_its_model() -> None:
+    bistream = _config("cosyvoice2_bistream", decoupled=True, supports_cloning="true", text_streaming="true")
+    catalog = ModelCatalog.from_triton([*CONFIGS, bistream])
+    assert set(catalog.models) == {"piper", "cosyvoice2", "streamonly"}
+    assert catalog.models["cosyvoice2"].text_stream_model == "cosyvoice2_bistream"
+    assert catalog.models["cosyvoice2"].stream_model == "cosyvoice2_stream"
+    assert catalog.models["piper"].text_stream_model is None

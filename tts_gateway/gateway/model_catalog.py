@@ -2,15 +2,17 @@
 
 The catalog is built from Triton's model configs: a model is a speech model when its
 config carries ``tts_contract``; its decoupled ``NAME_stream`` twin, if deployed, is
-used for streaming. Clients may name a model by id or alias; the names are resolved
-here, so nothing a client sends ever reaches a Triton URL unchecked.
+used for streaming, and a ``NAME_bistream`` deployment declaring ``text_streaming`` serves
+sessions whose text arrives in pieces (it is no speech model of its own). Clients may name a
+model by id or alias; the names are resolved here, so nothing a client sends ever reaches a
+Triton URL unchecked.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tts_gateway.gateway.errors import InvalidRequestError, NotFoundError
 from tts_gateway.gateway.triton_client import TritonModelConfig
@@ -34,6 +36,7 @@ class SpeechModel:
     inputs: frozenset[str]
     offline_model: str | None
     stream_model: str | None
+    text_stream_model: str | None = None
 
     @property
     def supports_speed(self) -> bool:
@@ -101,6 +104,11 @@ class ModelCatalog:
         by_name = {
             c.name: c for c in configs if c.parameters.get(contract.PARAM_TTS_CONTRACT) == contract.CONTRACT_VERSION
         }
+        text_streams = {
+            name.removesuffix(contract.TEXT_STREAM_SUFFIX): by_name.pop(name)
+            for name, config in list(by_name.items())
+            if contract.parse_bool(config.parameters.get(contract.PARAM_TEXT_STREAMING, "false"))
+        }
         models: list[SpeechModel] = []
         for name, config in sorted(by_name.items()):
             base = name.removesuffix(contract.STREAM_SUFFIX) if config.decoupled else name
@@ -109,7 +117,10 @@ class ModelCatalog:
             offline = None if config.decoupled else config
             stream = config if config.decoupled else by_name.get(contract.stream_model_name(name))
             try:
-                models.append(_speech_model(base, offline, stream))
+                model = _speech_model(base, offline, stream)
+                if base in text_streams:
+                    model = replace(model, text_stream_model=text_streams[base].name)
+                models.append(model)
             except (KeyError, ValueError) as exc:
                 logger.error("ignoring speech model %r: its capability parameters are invalid (%s)", base, exc)
         return cls(models, default_model=default_model, aliases=aliases, openai_names=openai_names)

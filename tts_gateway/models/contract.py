@@ -51,10 +51,22 @@ TOP_K: Final = "top_k"
 VOICE: Final = "voice"
 INSTRUCTIONS: Final = "instructions"
 
+# A text-streaming session (a model whose ``text_streaming`` parameter is "true", decoupled): the
+# request with ``session_id`` and the voice inputs opens it and receives the session's audio (its
+# first response is empty: the session is open and takes text); later requests with the same
+# ``session_id`` carry ``text_piece`` and/or ``text_end`` (the text is complete) or
+# ``session_close`` (end it now) and are answered at once with an empty final response.
+SESSION_ID: Final = "session_id"
+TEXT_PIECE: Final = "text_piece"
+TEXT_END: Final = "text_end"
+SESSION_CLOSE: Final = "session_close"
+
 WAVEFORM: Final = "waveform"
 
 REFERENCE_SAMPLE_RATE: Final = 16_000
 STREAM_SUFFIX: Final = "_stream"
+# The text-streaming deployment of model NAME is NAME_bistream (text_streaming "true").
+TEXT_STREAM_SUFFIX: Final = "_bistream"
 
 # Triton dtype of every contract input, as written in config.pbtxt / the client.
 INPUT_DTYPES: Final[dict[str, str]] = {
@@ -69,6 +81,10 @@ INPUT_DTYPES: Final[dict[str, str]] = {
     TOP_K: "INT32",
     VOICE: "BYTES",
     INSTRUCTIONS: "BYTES",
+    SESSION_ID: "BYTES",
+    TEXT_PIECE: "BYTES",
+    TEXT_END: "BOOL",
+    SESSION_CLOSE: "BOOL",
 }
 
 # config.pbtxt ``parameters`` keys by which a model declares what it can do.
@@ -78,6 +94,7 @@ PARAM_SUPPORTS_SPEED: Final = "supports_speed"  # "true" / "false"
 PARAM_BUILTIN_VOICES: Final = "builtin_voices"  # comma-separated ids, may be empty
 PARAM_LANGUAGES: Final = "languages"  # comma-separated BCP-47 tags
 PARAM_DESCRIPTION: Final = "description"
+PARAM_TEXT_STREAMING: Final = "text_streaming"  # "true": sessions whose text arrives in pieces
 PARAM_TTS_CONTRACT: Final = "tts_contract"  # "1": marks a model that serves this contract
 
 CAPABILITY_PARAMETERS: Final = (

@@ -93,6 +93,9 @@ class SpeechContractModel:
         return pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, waveform)])
 
     def _stream(self, request: Any, sender: Any) -> None:
+        self.send_stream(sender, lambda: self._chunks(request, self._watch(request)))
+
+    def send_stream(self, sender: Any, chunks: Callable[[], Iterator[NDArray[np.float32]]]) -> None:
         """Send the chunks, then end the stream; an error is the final response itself.
 
         An error followed by a separate final flag crashed Triton 2.51 now and then (SIGSEGV in the
@@ -101,7 +104,7 @@ class SpeechContractModel:
         """
         final = None
         try:
-            for chunk in self._chunks(request, self._watch(request)):
+            for chunk in chunks():
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, chunk)]))
             if self._unloading.is_set():
                 error = pb_utils.TritonError(

@@ -17,7 +17,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest, Token2WavRequest
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest, TextPiece, Token2WavRequest
 from tts_gateway.models.request_parsing import ContractError, optional_float, optional_int, scalar
 
 # Triton dtype of each tensor as the client API spells it (config.pbtxt: TYPE_ prefix, STRING for BYTES).
@@ -36,6 +36,16 @@ LLM_INPUT_DTYPES: Final[dict[str, str]] = {
     "random_seed": "UINT64",
 }
 LLM_OUTPUT_DTYPES: Final[dict[str, str]] = {"output_ids": "INT32", "sequence_length": "INT32"}
+# A text stream on ``llm_torch`` (not a TensorRT-LLM input): ``text_stream_id`` on an ordinary request
+# (whose prompt holds no target text) opens the stream; a request with the id but no ``input_ids``
+# appends ``text_input_ids`` to it, ends its text (``text_end``) or cancels it (``text_cancel``), and
+# is answered at once.
+TEXT_STREAM_INPUT_DTYPES: Final[dict[str, str]] = {
+    "text_stream_id": "BYTES",
+    "text_input_ids": "INT32",
+    "text_end": "BOOL",
+    "text_cancel": "BOOL",
+}
 
 TOKEN2WAV_INPUT_DTYPES: Final[dict[str, str]] = {
     "session_id": "BYTES",
@@ -76,7 +86,46 @@ def llm_inputs(request: LLMRequest) -> dict[str, NDArray[Any]]:
         tensors["pad_id"] = _scalar(request.end_id, np.int32)
     if request.seed is not None:
         tensors["random_seed"] = _scalar(request.seed, np.uint64)
+    if request.text_stream_id:
+        tensors["text_stream_id"] = np.array([[request.text_stream_id.encode()]], dtype=np.object_)
     return tensors
+
+
+def text_piece_inputs(piece: TextPiece) -> dict[str, NDArray[Any]]:
+    return {
+        "text_stream_id": np.array([[piece.stream_id.encode()]], dtype=np.object_),
+        "text_input_ids": np.asarray(piece.ids, dtype=np.int32).reshape(1, -1),
+        "text_end": _scalar(piece.end, np.bool_),
+        "text_cancel": _scalar(piece.cancel, np.bool_),
+    }
+
+
+def text_stream_id(tensors: Mapping[str, NDArray[Any]]) -> str | None:
+    """The request's ``text_stream_id``, or None when it has none."""
+    array = tensors.get("text_stream_id")
+    if array is None:
+        return None
+    if array.size != 1:
+        raise TensorError("'text_stream_id' must hold one string")
+    value = array.reshape(-1)[0]
+    stream_id = value.decode() if isinstance(value, bytes) else str(value)
+    if not stream_id:
+        raise TensorError("'text_stream_id' is empty")
+    return stream_id
+
+
+def parse_text_piece(tensors: Mapping[str, NDArray[Any]], stream_id: str) -> TextPiece:
+    ids = tensors.get("text_input_ids")
+    end = scalar(tensors, "text_end")
+    cancel = scalar(tensors, "text_cancel")
+    if ids is None and end is None and cancel is None:
+        raise TensorError("a text stream's request needs 'text_input_ids', 'text_end' or 'text_cancel'")
+    return TextPiece(
+        stream_id=stream_id,
+        ids=() if ids is None else tuple(int(i) for i in ids.reshape(-1)),
+        end=bool(end),
+        cancel=bool(cancel),
+    )
 
 
 def parse_llm_inputs(tensors: Mapping[str, NDArray[Any]]) -> LLMRequest:

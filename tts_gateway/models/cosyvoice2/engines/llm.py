@@ -13,6 +13,7 @@ checkpoint holds ``lm_head.bias`` the head is built with a bias so that it is lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from tts_gateway.models.cosyvoice2.engines.llm_engine import (
     Generation,
     GenerationHandle,
     StepGate,
+    TextStreamHandle,
     TokenSink,
     generate,
 )
@@ -161,6 +163,33 @@ class TorchSpeechLLM:
             repetition_penalty=params.repetition_penalty,
             seed=params.seed,
         )
+
+    def open_stream(
+        self,
+        prompt_text_ids: Sequence[int],
+        prompt_speech_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        sink: TokenSink,
+    ) -> TextStreamHandle:
+        """Start a generation whose text arrives through the handle (``add_text``, ``end_text``).
+
+        ``prompt_text_ids`` is the voice's transcript, ``prompt_speech_ids`` its speech tokens as LLM ids
+        (see :mod:`~tts_gateway.models.cosyvoice2.engines.llm_bistream`); at most ``max_new_tokens``
+        speech ids are produced in all.
+        """
+        request = self.request(
+            [*prompt_text_ids, *prompt_speech_ids] or [vocab.SOS_ID],
+            params,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stop_ids,
+        )
+        if any(vocab.id_to_speech_token(i) is None for i in prompt_speech_ids):
+            raise ValueError("prompt_speech_ids must be speech-token ids")
+        stream = dataclasses.replace(request, input_ids=tuple(int(i) for i in prompt_speech_ids))
+        return self.engine.open_stream(stream, [int(i) for i in prompt_text_ids], sink)
 
     def submit(self, request: Generation, sink: TokenSink) -> GenerationHandle:
         """Start ``request``; its tokens go to ``sink`` from the engine's thread."""

@@ -176,6 +176,38 @@ class SlotDecoder:
         return self._head(last)
 
     @torch.inference_mode()
+    def extend(self, ids: Tensor, slot: int, start: int) -> Tensor:
+        """Append ``ids`` ``[n]`` to ``slot``, whose first ``start`` positions are cached, at positions
+        ``start..start+n-1``; returns the logits (float32, sampled columns) after the last one."""
+        length = ids.shape[0]
+        end = start + length
+        if end > self.max_len:
+            raise ValueError(f"position {end - 1} lies past the cache's {self.max_len} positions")
+        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+        visible = (self._key_positions[:end].unsqueeze(0) <= positions[0].unsqueeze(1))[None, None]
+        hidden = self._embed(ids.unsqueeze(0))
+        cos, sin = self._rotary(hidden, positions)
+        for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
+            query, key, value = enter(hidden, cos, sin)
+            self.keys[index, slot, :, start:end] = key[0]
+            self.values[index, slot, :, start:end] = value[0]
+            keys = self.keys[index, slot : slot + 1, :, :end].repeat_interleave(self._groups, dim=1)
+            values = self.values[index, slot : slot + 1, :, :end].repeat_interleave(self._groups, dim=1)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
+            hidden = leave(hidden, out)
+        return self._head(hidden[:, -1])
+
+    def save_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """A copy of one slot's first ``length`` cached positions (keys, values)."""
+        return self.keys[:, slot, :, :length].clone(), self.values[:, slot, :, :length].clone()
+
+    def restore_slot(self, slot: int, saved: tuple[Tensor, Tensor]) -> None:
+        """Write a :meth:`save_slot` copy back, into ``slot``."""
+        keys, values = saved
+        self.keys[:, slot, :, : keys.shape[2]] = keys
+        self.values[:, slot, :, : values.shape[2]] = values
+
+    @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
         """One step for rows (= slots) ``0..len(tokens)-1``: each row's token at its position.
 

@@ -15,6 +15,12 @@ reads and hands out the ids of the last one, so the GPU decodes while the host d
 request that ended at step ``k`` therefore runs one step more, whose id is dropped; that step
 stays within the request's positions. On the CPU the same loop runs eagerly at the
 exact batch size.
+
+A text stream (:meth:`BatchingEngine.open_stream`) is a request whose text arrives while it
+generates, laid out as :mod:`.llm_bistream` says: each round's input (prompt, or 5 text tokens) is
+appended to its slot in one forward pass of its own, then the round decodes with the batch. When a
+round ends and its next text is not there yet, the stream leaves its slot: its cache positions are
+copied aside and the slot serves other requests until the text (or its end) arrives.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from tts_gateway.models.cosyvoice2.engines.llm_bistream import FILL_ID, BistreamLayout, Stage
 from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder
 from tts_gateway.models.cosyvoice2.engines.llm_sampling import SamplingRows, sample, seed_keys
 from tts_gateway.models.cosyvoice2.model import vocab
@@ -110,7 +117,14 @@ class GenerationHandle:
     step_s: float = 0.0
     wait_s: float = 0.0
     ended: bool = False
+    # Where its first decode step writes (the prompt's length; for a text stream, after each round's input).
+    origin: int = field(init=False)
+    # Bumped whenever the request leaves its row: ids of steps launched before are not its own any more.
+    segment: int = 0
     _cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.origin = len(self.request.input_ids)
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -118,6 +132,38 @@ class GenerationHandle:
     @property
     def cancelled(self) -> bool:
         return self._cancelled
+
+
+@dataclass(eq=False)
+class TextStreamHandle(GenerationHandle):
+    """A generation whose text arrives in pieces; ``request.input_ids`` are its prompt speech ids.
+
+    :meth:`add_text` and :meth:`end_text` may be called from any thread; :meth:`cancel` ends the
+    stream at the engine's next step, also while it waits for text.
+    """
+
+    layout: BistreamLayout = field(kw_only=True)
+    engine: BatchingEngine = field(kw_only=True, repr=False)
+    key: Tensor = field(kw_only=True, repr=False)
+    # Cache positions that hold the stream's input so far, ids drawn (fills included) and columns drawn.
+    cached: int = 0
+    drawn: int = 0
+    since_input: int = 0
+    seen: set[int] = field(default_factory=set)
+    saved: tuple[Tensor, Tensor] | None = None
+    feed: list[int] = field(default_factory=list)
+
+    def add_text(self, ids: Sequence[int]) -> None:
+        """Append text token ids; ValueError after :meth:`end_text`."""
+        self.engine._update_stream(lambda: self.layout.add_text(ids))
+
+    def end_text(self) -> None:
+        """Mark the text complete: the stream generates to its end."""
+        self.engine._update_stream(self.layout.end_text)
+
+    def cancel(self) -> None:
+        super().cancel()
+        self.engine._update_stream(lambda: None)
 
 
 class _Rows:
@@ -174,6 +220,7 @@ class _Launched:
     """A decode step on its way: the requests of its rows (in row order) and where its ids land."""
 
     handles: list[GenerationHandle]
+    segments: list[int]
     drawn: Tensor
     # On CUDA the events around the step (start, end); on the CPU the step already ran, in ``eager_s``.
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
@@ -192,8 +239,10 @@ class BatchingEngine:
         max_prefill_rows: int = 8,
         gate: StepGate | None = None,
         compile_backend: str = "",
+        max_streams: int = 64,
     ) -> None:
-        """``compile_backend`` (for example "inductor") compiles the decoder's regions and the sampler
+        """``max_streams`` bounds the text streams open at once (a waiting one keeps its cache positions
+        aside). ``compile_backend`` (for example "inductor") compiles the decoder's regions and the sampler
         before the graphs are recorded; a compile that fails raises RuntimeError."""
         self._decoder = decoder
         self._device = decoder.device
@@ -205,6 +254,11 @@ class BatchingEngine:
         self._rows = _Rows(self.slots, len(COLUMN_IDS), self._device)
         self._live: list[GenerationHandle] = []
         self._waiting: deque[GenerationHandle] = deque()
+        # Text streams without a slot: waiting for text, or ready to take the next free slot.
+        self._streams: list[TextStreamHandle] = []
+        self._streams_open = 0
+        self._max_streams = max_streams
+        self._streams_changed = False
         self._wake = threading.Condition()
         self._stopping = False
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -246,6 +300,33 @@ class BatchingEngine:
             self._wake.notify()
         return handle
 
+    def open_stream(self, request: Generation, prompt_text_ids: Sequence[int], sink: TokenSink) -> TextStreamHandle:
+        """Open a text stream: ``request.input_ids`` are the prompt's speech ids, its stop ids end the
+        final stage; text follows through the handle. RuntimeError when ``max_streams`` are open."""
+        handle = TextStreamHandle(
+            request,
+            sink,
+            layout=BistreamLayout(prompt_text_ids, request.input_ids),
+            engine=self,
+            key=_stream_key(request.seed),
+        )
+        with self._wake:
+            if self._stopping:
+                raise RuntimeError("the engine is stopped")
+            if self._streams_open >= self._max_streams:
+                raise RuntimeError(f"{self._max_streams} text streams are open already")
+            self._streams_open += 1
+            self._streams.append(handle)
+            self._streams_changed = True
+            self._wake.notify()
+        return handle
+
+    def _update_stream(self, change: Callable[[], None]) -> None:
+        with self._wake:
+            change()
+            self._streams_changed = True
+            self._wake.notify()
+
     def stop(self) -> None:
         with self._wake:
             self._stopping = True
@@ -262,18 +343,36 @@ class BatchingEngine:
         launched: _Launched | None = None
         while True:
             with self._wake:
-                while not self._stopping and not self._waiting and not self._live and launched is None:
+                while (
+                    not self._stopping
+                    and not self._waiting
+                    and not self._live
+                    and launched is None
+                    and not self._streams_changed
+                ):
                     self._wake.wait()
                 if self._stopping:
-                    pending = [*self._waiting, *self._live]
+                    pending = [*self._waiting, *self._live, *self._streams]
                     self._waiting.clear()
                     self._live.clear()
+                    self._streams.clear()
                     break
+                dropped, resumed = self._ready_streams()
                 admitted = [
                     self._waiting.popleft()
-                    for _ in range(min(len(self._waiting), self._max_prefill_rows, self.slots - len(self._live)))
+                    for _ in range(
+                        min(
+                            len(self._waiting),
+                            self._max_prefill_rows,
+                            self.slots - len(self._live) - len(resumed),
+                        )
+                    )
                 ]
             try:
+                for stream in dropped:
+                    self._close_stream(stream, None)
+                for stream in resumed:
+                    self._extend(stream)
                 if admitted:
                     self._prefill(admitted)
                 if self._live and self._gate is not None and self._gate.busy([h.produced for h in self._live]):
@@ -290,14 +389,92 @@ class BatchingEngine:
             except Exception as exc:
                 _log.exception("LLM engine step failed; failing the requests in flight")
                 launched = None
-                failed = [*admitted, *self._live]
+                failed = [*admitted, *resumed, *self._live]
                 self._live.clear()
                 for handle in dict.fromkeys(failed):
-                    if not handle.ended:  # one that ended in this round was told so already
+                    if handle.ended:  # one that ended in this round was told so already
+                        continue
+                    if isinstance(handle, TextStreamHandle):
+                        self._close_stream(handle, exc)
+                    else:
                         handle.ended = True
                         _finish(handle, exc)
         for handle in pending:
             _finish(handle, RuntimeError("the engine stopped"))
+
+    def _ready_streams(self) -> tuple[list[TextStreamHandle], list[TextStreamHandle]]:
+        """Under the lock: the waiting streams that were cancelled, and those whose next input is there,
+        as many as free slots take (they go before new requests)."""
+        dropped: list[TextStreamHandle] = []
+        resumed: list[TextStreamHandle] = []
+        if not self._streams_changed:
+            return dropped, resumed
+        self._streams_changed = False
+        for stream in list(self._streams):
+            if stream.cancelled:
+                dropped.append(stream)
+            elif len(self._live) + len(resumed) < self.slots:
+                feed = stream.layout.next_feed()
+                if feed is None:
+                    continue
+                stream.feed = feed
+                resumed.append(stream)
+            else:
+                # No slot for it now: look again when a slot is freed.
+                self._streams_changed = True
+                continue
+            self._streams.remove(stream)
+        return dropped, resumed
+
+    def _extend(self, handle: TextStreamHandle) -> None:
+        """Give a stream the next row and feed it its round's input; its first id is drawn at once."""
+        row = len(self._live)
+        if handle.cached + len(handle.feed) >= self._decoder.max_len:
+            self._close_stream(
+                handle, ValueError(f"the text stream outgrew the engine's {self._decoder.max_len} positions")
+            )
+            return
+        if handle.admitted == 0.0:
+            handle.admitted = time.monotonic()
+        if handle.saved is not None:
+            self._decoder.restore_slot(row, handle.saved)
+            handle.saved = None
+        self._load_stream_row(row, handle)
+        ids = torch.tensor(handle.feed, dtype=torch.int64, device=self._device)
+        logits = self._decoder.extend(ids, row, handle.cached)
+        handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
+        handle.cached += len(handle.feed)
+        handle.origin = handle.cached
+        handle.launched = 0
+        handle.since_input = 0
+        handle.feed = []
+        self._rows.positions[row] = handle.cached
+        self._advance(logits, row, row + 1)
+        self._live.append(handle)
+        self._deliver([handle], self._rows.drawn[row : row + 1].tolist(), [handle.segment])
+
+    def _load_stream_row(self, row: int, handle: TextStreamHandle) -> None:
+        """A stream's sampling row: a round may draw speech or the fill token, the final stage speech or a stop."""
+        request = handle.request
+        final = handle.layout.stage is Stage.FINAL
+        # The fill token is <|eos3|>: a stop elsewhere, never one in a text stream.
+        stops = sorted(request.stop_ids - {FILL_ID}) if final else []
+        self._write_row(
+            row,
+            request,
+            key=handle.key,
+            steps=handle.drawn,
+            drawable=stops if final else [FILL_ID],
+            stop_ids=stops,
+            seen=handle.seen,
+        )
+
+    def _close_stream(self, handle: TextStreamHandle, error: BaseException | None) -> None:
+        handle.ended = True
+        handle.saved = None
+        with self._wake:
+            self._streams_open -= 1
+        _finish(handle, error)
 
     def _prefill(self, handles: list[GenerationHandle]) -> None:
         first = len(self._live)
@@ -321,7 +498,7 @@ class BatchingEngine:
         r.positions[first : first + len(handles)] = torch.tensor(lengths, device=self._device)
         self._advance(logits, first, first + len(handles))
         self._live.extend(handles)
-        self._deliver(handles, r.drawn[first : first + len(handles)].tolist())
+        self._deliver(handles, r.drawn[first : first + len(handles)].tolist(), [h.segment for h in handles])
 
     def _replay_prefill(self, row: int, input_ids: tuple[int, ...]) -> Tensor:
         """One prompt's prefill from its recorded graph (staging slot, then copied to ``row``), else eagerly."""
@@ -338,28 +515,48 @@ class BatchingEngine:
         return self._prefill_logits.clone()
 
     def _load_row(self, row: int, request: Generation) -> None:
+        self._write_row(
+            row,
+            request,
+            key=_stream_key(request.seed),
+            steps=0,
+            drawable=request.stop_ids,
+            stop_ids=request.stop_ids,
+            seen=[_COLUMN_OF[i] for i in request.input_ids if i in _COLUMN_OF],
+        )
+        self._rows.sampling.min_new[row] = request.min_new_tokens
+
+    def _write_row(
+        self,
+        row: int,
+        request: Generation,
+        *,
+        key: Tensor,
+        steps: int,
+        drawable: Iterable[int],
+        stop_ids: Iterable[int],
+        seen: Iterable[int],
+    ) -> None:
+        """Load a sampling row: speech tokens and ``drawable`` ids may be drawn, ``stop_ids`` only after
+        ``min_new`` steps; ``seen`` are the columns the repetition penalty applies to."""
         s = self._rows.sampling
         s.temperature[row] = request.temperature
         s.top_k[row] = request.top_k
         s.top_p[row] = request.top_p
         s.penalty[row] = request.repetition_penalty
-        seed = secrets.randbits(63) if request.seed is None else request.seed % _SEED_LIMIT
-        signed = seed - _SEED_LIMIT if seed >= _SEED_LIMIT // 2 else seed
-        s.keys[row] = seed_keys(torch.tensor(signed, dtype=torch.int64))
-        s.steps[row] = 0
-        s.min_new[row] = request.min_new_tokens
-        stop_columns = torch.tensor([_COLUMN_OF[i] for i in request.stop_ids], dtype=torch.int64)
+        s.keys[row] = key
+        s.steps[row] = steps
+        s.min_new[row] = 0
         allowed = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
         allowed[:_SPEECH_COLUMNS] = True
-        allowed[stop_columns] = True
+        allowed[[_COLUMN_OF[i] for i in drawable]] = True
         stops = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
-        stops[stop_columns] = True
-        seen = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
-        prompt_columns = [_COLUMN_OF[i] for i in request.input_ids if i in _COLUMN_OF]
-        seen[prompt_columns] = True
+        stops[[_COLUMN_OF[i] for i in stop_ids]] = True
+        seen_row = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        seen_row[list(seen)] = True
         s.allowed[row] = allowed.to(self._device)
         s.stops[row] = stops.to(self._device)
-        s.seen[row] = seen.to(self._device)
+        s.seen[row] = seen_row.to(self._device)
 
     def _advance(self, logits: Tensor, start: int, stop: int) -> None:
         """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
@@ -385,7 +582,7 @@ class BatchingEngine:
         bucket = next((b for b in self._buckets if b >= live), self.slots)
         end = 0
         for handle in self._live:
-            end = max(end, len(handle.request.input_ids) + handle.launched + 1)
+            end = max(end, handle.origin + handle.launched + 1)
             handle.launched += 1
         span = self._decoder.span_for(end)
         graph = self._graphs.get((bucket, span))
@@ -401,7 +598,13 @@ class BatchingEngine:
         host.copy_(self._rows.drawn[:live], non_blocking=True)
         if events is not None:
             events[1].record()
-        return _Launched(handles=list(self._live), drawn=host, events=events, eager_s=time.perf_counter() - started)
+        return _Launched(
+            handles=list(self._live),
+            segments=[h.segment for h in self._live],
+            drawn=host,
+            events=events,
+            eager_s=time.perf_counter() - started,
+        )
 
     def _land(self, step: _Launched) -> None:
         """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped."""
@@ -413,22 +616,33 @@ class BatchingEngine:
         else:
             seconds = step.eager_s
         waited = time.perf_counter() - waited
-        for handle in step.handles:
-            if not handle.ended:
+        for handle, segment in zip(step.handles, step.segments, strict=True):
+            if not handle.ended and handle.segment == segment:
                 handle.steps += 1
                 handle.step_s += seconds
                 handle.wait_s += waited
-        self._deliver(step.handles, step.drawn.tolist())
+        self._deliver(step.handles, step.drawn.tolist(), step.segments)
 
-    def _deliver(self, handles: Sequence[GenerationHandle], drawn: list[int]) -> None:
-        """Hand each request its id, then release the requests that ended."""
+    def _deliver(self, handles: Sequence[GenerationHandle], drawn: list[int], segments: Sequence[int]) -> None:
+        """Hand each request its id, then release the requests that ended and the streams that wait."""
         ended: list[GenerationHandle] = []
+        parked: list[TextStreamHandle] = []
         now = time.monotonic()
-        for handle, token_id in zip(handles, drawn, strict=True):
-            if handle.ended:
+        for handle, token_id, segment in zip(handles, drawn, segments, strict=True):
+            if handle.ended or handle.segment != segment:
                 continue
             request = handle.request
-            if handle.cancelled or token_id in request.stop_ids:
+            if handle.cancelled:
+                ended.append(handle)
+                continue
+            if isinstance(handle, TextStreamHandle):
+                handle.drawn += 1
+                handle.since_input += 1
+                handle.seen.add(_COLUMN_OF[token_id])
+                if not handle.layout.on_token(token_id):
+                    (ended if handle.layout.stage is Stage.DONE else parked).append(handle)
+                    continue
+            elif token_id in request.stop_ids:
                 ended.append(handle)
                 continue
             handle.produced += 1
@@ -436,13 +650,22 @@ class BatchingEngine:
                 handle.first_token = now
             handle.last_token = now
             handle.sink.token(token_id)
-            if handle.produced >= request.max_new_tokens or handle.cancelled:
+            if isinstance(handle, TextStreamHandle) and handle.layout.stage is Stage.WAITING:
+                parked.append(handle)
+            elif handle.produced >= request.max_new_tokens or self._out_of_positions(handle):
                 ended.append(handle)
         for handle in ended:
             self._release(handle)
+        for stream in parked:
+            self._park(stream)
 
-    def _release(self, handle: GenerationHandle) -> None:
-        """Free the request's slot: the last live row moves into it (queued after any launched step)."""
+    def _out_of_positions(self, handle: GenerationHandle) -> bool:
+        """Whether a text stream's next step would write past the cache (a plain request's length is
+        checked when it is submitted)."""
+        return isinstance(handle, TextStreamHandle) and handle.origin + handle.since_input >= self._decoder.max_len
+
+    def _remove_row(self, handle: GenerationHandle) -> None:
+        """Free the request's row: the last live row moves into it (queued after any launched step)."""
         row = self._live.index(handle)
         last = len(self._live) - 1
         if row != last:
@@ -451,8 +674,27 @@ class BatchingEngine:
                 tensor[row] = tensor[last]
             self._live[row] = self._live[last]
         self._live.pop()
-        handle.ended = True
-        _finish(handle, None)
+        handle.segment += 1
+
+    def _release(self, handle: GenerationHandle) -> None:
+        self._remove_row(handle)
+        if isinstance(handle, TextStreamHandle):
+            self._close_stream(handle, None)
+        else:
+            handle.ended = True
+            _finish(handle, None)
+
+    def _park(self, handle: TextStreamHandle) -> None:
+        """Take a stream whose round ended out of its row until its next input is there.
+
+        Of the ids drawn since its last input, all but the last were fed by decode steps.
+        """
+        handle.cached = handle.origin + handle.since_input - 1
+        handle.saved = self._decoder.save_slot(self._live.index(handle), handle.cached)
+        self._remove_row(handle)
+        with self._wake:
+            self._streams.append(handle)
+            self._streams_changed = True
 
     @torch.inference_mode()
     def _compile(self, backend: str) -> None:
@@ -507,6 +749,13 @@ class BatchingEngine:
         for tensor, value in zip(self._rows.all(), saved, strict=True):
             tensor.copy_(value)
         torch.cuda.synchronize(self._device)
+
+
+def _stream_key(seed: int | None) -> Tensor:
+    """The sampler's key of a request's random stream; None draws a seed."""
+    value = secrets.randbits(63) if seed is None else seed % _SEED_LIMIT
+    signed = value - _SEED_LIMIT if value >= _SEED_LIMIT // 2 else value
+    return seed_keys(torch.tensor(signed, dtype=torch.int64))
 
 
 def _finish(handle: GenerationHandle, error: BaseException | None) -> None:

@@ -132,6 +132,21 @@ def build_prompt_ids(
     return [SOS_ID, *text_ids, TASK_ID_ID, *speech_tokens_to_ids(prompt_speech_tokens)]
 
 
+def split_prompt_ids(input_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The text ids and speech ids of a :func:`build_prompt_ids` prompt (``<|sos|>`` text ``<|task_id|>`` speech).
+
+    A text stream's prompt is written that way with no target text; ValueError for other layouts.
+    """
+    ids = list(input_ids)
+    if not ids or ids[0] != SOS_ID or TASK_ID_ID not in ids:
+        raise ValueError("a text stream's prompt must be <|sos|> text <|task_id|> speech tokens")
+    task = ids.index(TASK_ID_ID)
+    text, speech = ids[1:task], ids[task + 1 :]
+    if any(not 0 <= i < TEXT_VOCAB_SIZE for i in text) or any(id_to_speech_token(i) is None for i in speech):
+        raise ValueError("a text stream's prompt must be <|sos|> text <|task_id|> speech tokens")
+    return text, speech
+
+
 # Control tokens (speech tokens, <|sos|>, <|eos1|>, <|endofprompt|>, chat markers ...) are spelt
 # <|...|>. Candidates are found by that shape and checked against the tokenizer's added
 # vocabulary (too large for one alternation). Paralinguistic tags such as [laughter], [breath]

@@ -25,11 +25,14 @@ from typing import Any
 import grpc
 import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.utils import serialize_byte_tensor
 
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2 import tensors
-from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest, TextPiece
 from tts_gateway.models.request_parsing import ContractError, DependencyUnavailableError
+
+_DTYPES = {**tensors.LLM_INPUT_DTYPES, **tensors.TEXT_STREAM_INPUT_DTYPES}
 
 
 class LLMStageError(RuntimeError):
@@ -80,6 +83,26 @@ class TritonLLMStreams:
             else:
                 call.cancel()
 
+    def send_text(self, piece: TextPiece) -> None:
+        """Pass a piece of text (or its end, or a cancel) to an open text stream; returns once it is taken."""
+        message = service_pb2.ModelInferRequest(model_name=self._model, id=piece.stream_id)
+        for name, array in tensors.text_piece_inputs(piece).items():
+            message.inputs.add(name=name, datatype=tensors.TEXT_STREAM_INPUT_DTYPES[name], shape=list(array.shape))
+            message.raw_input_contents.append(_raw(array))
+        try:
+            for answer in self._service.ModelStreamInfer(iter([message])):
+                if answer.error_message:
+                    raise _stage_error(self._model, answer.error_message)
+        except grpc.RpcError as exc:
+            raise _transport_error(self._model, exc) from exc
+
+
+def _raw(array: Any) -> bytes:
+    """A tensor's bytes as Triton's raw contents want them (strings length-prefixed)."""
+    if array.dtype == np.object_:
+        return bytes(serialize_byte_tensor(array).item())
+    return np.ascontiguousarray(array).tobytes()
+
 
 def _read_to_end(call: Any) -> None:
     try:
@@ -93,8 +116,8 @@ def _infer_request(model: str, request: LLMRequest) -> service_pb2.ModelInferReq
     message = service_pb2.ModelInferRequest(model_name=model, id=request.request_id)
     message.parameters["triton_enable_empty_final_response"].bool_param = True
     for name, array in tensors.llm_inputs(request).items():
-        message.inputs.add(name=name, datatype=tensors.LLM_INPUT_DTYPES[name], shape=list(array.shape))
-        message.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        message.inputs.add(name=name, datatype=_DTYPES[name], shape=list(array.shape))
+        message.raw_input_contents.append(_raw(array))
     for name in tensors.LLM_OUTPUT_DTYPES:
         message.outputs.add(name=name)
     return message

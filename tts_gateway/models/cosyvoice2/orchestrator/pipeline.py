@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -69,6 +69,18 @@ class LLMRequest:
     streaming: bool
     request_id: str = ""
     """Names the request in the LLM server's logs and traces (the token2wav session id)."""
+    text_stream_id: str = ""
+    """Set: the prompt has no target text, which follows in pieces (``llm_torch`` text streams)."""
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    """Text for an open text stream (token ids, possibly none); ``end`` completes its text, ``cancel`` ends it."""
+
+    stream_id: str
+    ids: tuple[int, ...]
+    end: bool = False
+    cancel: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,10 @@ class Stages(Protocol):
 
     def release(self, session_id: str) -> None:
         """Drop the streaming state of a session that will never be finalised."""
+        ...
+
+    def send_text(self, piece: TextPiece) -> None:
+        """Pass text to the LLM's open text stream ``piece.stream_id`` (or end or cancel it)."""
         ...
 
 
@@ -227,7 +243,9 @@ class CosyVoice2Pipeline:
         streaming = streaming and request.speed == 1.0
         llm_request = self._llm_request(request, prompt, streaming=streaming)
         if streaming:
-            chunks = self._stream(request, prompt, llm_request, _ThrottledCheck(is_cancelled), times)
+            chunks = self._stream(
+                request, prompt, llm_request, _ThrottledCheck(is_cancelled), times, stall_s=self._settings.llm_stall_s
+            )
         else:
             chunks = self._offline(request, prompt, llm_request, _ThrottledCheck(is_cancelled), times)
         for chunk in chunks:
@@ -255,20 +273,86 @@ class CosyVoice2Pipeline:
             max_token_text_ratio=settings.max_token_text_ratio,
             max_new_tokens_cap=settings.max_output_tokens,
         )
-        sampling = settings.sampling
-        return LLMRequest(
+        return self._sampled(
+            request,
             input_ids=input_ids,
             max_new_tokens=max(1, bounds.max_new_tokens),
             min_new_tokens=bounds.min_new_tokens,
+            streaming=streaming,
+            request_id=_new_session_id(),
+        )
+
+    def _sampled(self, request: SynthesisRequest, **fields: Any) -> LLMRequest:
+        """An LLM request with the sampling of ``request``, the deployment's defaults where it sets none."""
+        sampling = self._settings.sampling
+        return LLMRequest(
             end_id=vocab.EOS1_ID,
             temperature=sampling.temperature if request.temperature is None else request.temperature,
             top_p=sampling.top_p if request.top_p is None else request.top_p,
             top_k=sampling.top_k if request.top_k is None else request.top_k,
             repetition_penalty=sampling.repetition_penalty,
             seed=secrets.randbits(_SEED_BITS) if request.seed is None else request.seed,
-            streaming=streaming,
-            request_id=_new_session_id(),
+            **fields,
         )
+
+    def synthesize_text_stream(
+        self, request: SynthesisRequest, stream_id: str, *, is_cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[NDArray[np.float32]]:
+        """Audio chunks of a text stream: the voice and sampling of ``request`` (its target text is not
+        read), the text through :meth:`send_text` under ``stream_id`` (unique on the server).
+
+        The LLM interleaves text and speech (``engines/llm_bistream.py``); chunks follow the usual hop
+        schedule as its tokens arrive, and the stream waits for text without a stall limit. It ends
+        after the text's end (or a cancel sent with :meth:`send_text`), with the final chunk.
+        """
+        if request.reference_wav is None:
+            raise ContractError("a text stream needs 'reference_wav' (CosyVoice2 has no built-in voices)")
+        if request.instructions is not None:
+            raise ContractError("a text stream takes no 'instructions'")
+        times = _Times(time.monotonic())
+        wav = request.reference_wav
+        prompt = self._voices.get_or_compute(voice_key(wav, ""), lambda: self._stages.voice_prompt(wav))
+        times.prompt_ready = time.monotonic()
+        # As offline: without a transcript the recording sets the voice but does not prefix the LLM.
+        speech = [] if request.reference_text is None else prompt.speech_tokens
+        llm_request = self._sampled(
+            request,
+            input_ids=vocab.build_prompt_ids(self._tokenizer, request.reference_text or "", "", speech),
+            max_new_tokens=self._settings.max_output_tokens,
+            min_new_tokens=0,
+            streaming=True,
+            request_id=stream_id,
+            text_stream_id=stream_id,
+        )
+        cancel_sent = False
+
+        def cancel_llm() -> None:
+            # A stream waiting for text sends no token that would let its reader notice the end.
+            nonlocal cancel_sent
+            if not cancel_sent:
+                cancel_sent = True
+                self._stages.send_text(TextPiece(stream_id, (), cancel=True))
+
+        def cancelled() -> bool:
+            if is_cancelled():
+                cancel_llm()
+                return True
+            return False
+
+        chunks = self._stream(request, prompt, llm_request, _ThrottledCheck(cancelled), times, stall_s=None)
+        ended = False
+        try:
+            yield from chunks
+            ended = True
+        finally:
+            if not ended:
+                cancel_llm()
+            chunks.close()
+
+    def send_text(self, stream_id: str, text: str, *, end: bool = False, cancel: bool = False) -> None:
+        """Tokenize a piece of a text stream's text and pass it on (``end``: the text is complete)."""
+        ids = tuple(vocab.text_token_ids(self._tokenizer, text)) if text else ()
+        self._stages.send_text(TextPiece(stream_id, ids, end=end, cancel=cancel))
 
     def _speech_tokens(
         self,
@@ -334,7 +418,9 @@ class CosyVoice2Pipeline:
         llm_request: LLMRequest,
         is_cancelled: _ThrottledCheck,
         times: _Times,
-    ) -> Iterator[NDArray[np.float32]]:
+        *,
+        stall_s: float | None,
+    ) -> Generator[NDArray[np.float32], None, None]:
         schedule = self._settings.hop_schedule
         session_id = llm_request.request_id
         offset = 0
@@ -350,7 +436,7 @@ class CosyVoice2Pipeline:
             self._speech_tokens(llm_request, is_cancelled, times, stop),
             stop,
             name=f"tokens-{session_id[:8]}",
-            stall_s=self._settings.llm_stall_s,
+            stall_s=stall_s,
         )
 
         def convert(tokens: list[int], *, finalize: bool) -> NDArray[np.float32]:

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt, build_voice_prompt
-from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest, Token2WavRequest
+from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest, TextPiece, Token2WavRequest
 from tts_gateway.models.request_parsing import ContractError
 
 
@@ -48,9 +48,18 @@ class StageModels:
 class TritonStages:
     """Every stage as a BLS request, but the LLM's, which streams from ``llm``."""
 
-    def __init__(self, models: StageModels, llm: LLMSource) -> None:
+    def __init__(
+        self, models: StageModels, llm: LLMSource, *, text_streams: Callable[[TextPiece], None] | None = None
+    ) -> None:
+        """``text_streams`` passes text to the LLM's text streams (None: the LLM has none)."""
         self._models = models
         self._llm = llm
+        self._text_streams = text_streams
+
+    def send_text(self, piece: TextPiece) -> None:
+        if self._text_streams is None:
+            raise ContractError("this deployment's LLM serves no text streams")
+        self._text_streams(piece)
 
     def voice_prompt(self, reference_wav: NDArray[np.float32]) -> VoicePrompt:
         try:

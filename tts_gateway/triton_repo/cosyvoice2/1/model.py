@@ -3,31 +3,81 @@
 The logic is :class:`tts_gateway.models.cosyvoice2.orchestrator.pipeline.CosyVoice2Pipeline`; the contract
 handling (tensors, streaming, cancellation, errors) is shared with the other speech models
 in :mod:`tts_gateway.models.triton_speech_model`. Deployed as ``cosyvoice2`` (one response)
-and ``cosyvoice2_stream`` (decoupled: one response per chunk, then the final flag).
+and ``cosyvoice2_stream`` (decoupled: one response per chunk, then the final flag), and with
+``text_streaming`` as ``cosyvoice2_bistream``: sessions whose text arrives in pieces
+(:mod:`tts_gateway.models.cosyvoice2.orchestrator.text_sessions`), one instance.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
+import triton_python_backend_utils as pb_utils
 from numpy.typing import NDArray
 from transformers import AutoTokenizer
 
 from tts_gateway.models import contract
+from tts_gateway.models.contract import parse_bool
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams, own_grpc_url
 from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerClient, LLMServerSettings
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import CosyVoice2Pipeline, PipelineSettings
+from tts_gateway.models.cosyvoice2.orchestrator.text_sessions import SessionCall, TextSessions, parse_session_call
 from tts_gateway.models.cosyvoice2.orchestrator.triton_stages import LLMSource, StageModels, TritonStages
 from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.stage_trace import StageTrace
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 SAMPLE_RATE = 24_000
+_EMPTY = np.zeros(0, dtype=np.float32)
 
 
 class TritonPythonModel(SpeechContractModel):
+    def initialize(self, args: dict[str, str]) -> None:
+        super().initialize(args)
+        config = json.loads(args["model_config"])
+        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
+        if self._sessions is not None and (not self.decoupled or instances != 1):
+            raise ValueError("text_streaming needs a decoupled model with one instance (sessions live in it)")
+
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self._sessions is None:
+            return super().execute(requests)
+        for request in requests:
+            sender = request.get_response_sender()
+            tensors = {}
+            for name in self._inputs:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    tensors[name] = tensor.as_numpy()
+            try:
+                call = parse_session_call(tensors)
+                if call.opens:
+                    stream_id = self._sessions.open(call)
+                    # An empty first response: the session is open and takes text.
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, _EMPTY)]))
+                    assert self._pool is not None
+                    self._pool.submit(self._run_session, request, sender, call, stream_id, tensors)
+                    continue
+                self._sessions.send(call)
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:
+                sender.send(
+                    pb_utils.InferenceResponse(error=self._error(exc)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+        return None
+
+    def _run_session(
+        self, request: Any, sender: Any, call: SessionCall, stream_id: str, tensors: dict[str, Any]
+    ) -> None:
+        sessions = self._sessions
+        assert sessions is not None
+        self.send_stream(sender, lambda: sessions.run(call, stream_id, tensors, self._watch(request)))
+
     def setup(self, params: dict[str, str]) -> None:
         if int(params[contract.PARAM_SAMPLE_RATE]) != SAMPLE_RATE:
             raise ValueError(f"CosyVoice2 produces {SAMPLE_RATE} Hz; config says {params['sample_rate']}")
@@ -50,12 +100,20 @@ class TritonPythonModel(SpeechContractModel):
                 token2wav=params["token2wav_model"],
             ),
             self._llm,
+            text_streams=self._llm.send_text if isinstance(self._llm, TritonLLMStreams) else None,
         )
         self._pipeline = CosyVoice2Pipeline(
             stages, tokenizer, PipelineSettings.from_parameters(params), StageTrace.from_env("orchestrator")
         )
+        self._sessions = (
+            TextSessions(self._pipeline) if parse_bool(params.get(contract.PARAM_TEXT_STREAMING, "")) else None
+        )
+        if self._sessions is not None and server is not None:
+            raise ValueError("text_streaming needs the LLM as a Triton model (llm_model), not llm_urls")
 
     def finalize(self) -> None:
+        if self._sessions is not None:
+            self._sessions.close_all()
         super().finalize()
         self._llm.close()
 

@@ -25,7 +25,7 @@ from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns, YieldToFirstChunks
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
 from tts_gateway.models.cosyvoice2.engines.llm_engine import GenerationHandle
-from tts_gateway.models.cosyvoice2.engines.llm_streams import CancellationWatch, Outbox, TokenStream
+from tts_gateway.models.cosyvoice2.engines.llm_streams import CancellationWatch, Outbox, TextStreams, TokenStream
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
 from tts_gateway.models.stage_trace import StageTrace
@@ -56,6 +56,9 @@ class TritonPythonModel:
             if self._turns is None
             else YieldToFirstChunks(self._turns, max_rows=yield_rows, after_tokens=int(params["yield_after_tokens"])),
         )
+        # Every piece of a text stream must reach the instance that holds it.
+        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
+        self._text_streams = TextStreams(self._llm.engine, single_instance=instances <= 1)
         self.outbox = Outbox(self.name)
         self.watch = CancellationWatch(self.name)
         self.trace = StageTrace.from_env("llm")
@@ -64,9 +67,20 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                call = tensors.parse_llm_inputs(_arrays(request))
-                sink = _Sink(self, sender, request.request_id(), streaming=call.streaming)
-                handle = self._llm.submit(self._generation(call), sink)
+                arrays = _arrays(request)
+                stream_id = tensors.text_stream_id(arrays)
+                if stream_id is not None and "input_ids" not in arrays:
+                    piece = tensors.parse_text_piece(arrays, stream_id)
+                    self._text_streams.add_text(piece)
+                    self.outbox.put(self.outbox.next_lane(), lambda s=sender: _ack(s))
+                    continue
+                call = tensors.parse_llm_inputs(arrays)
+                if stream_id is None:
+                    sink = _Sink(self, sender, request.request_id(), streaming=call.streaming)
+                    handle: GenerationHandle = self._llm.submit(self._generation(call), sink)
+                else:
+                    sink = _Sink(self, sender, request.request_id(), streaming=True, text_stream_id=stream_id)
+                    handle = self._text_streams.open(stream_id, self._generation(call), sink)
             except ValueError as exc:
                 # Led by its code: over a gRPC stream a decoupled model's error is a message only.
                 error = pb_utils.TritonError(f"{contract.INVALID_ARG_PREFIX} {exc}", pb_utils.TritonError.INVALID_ARG)
@@ -104,8 +118,11 @@ class TritonPythonModel:
 class _Sink:
     """Turns the engine's tokens into responses: one per token when streaming, else one at the end."""
 
-    def __init__(self, model: TritonPythonModel, sender: Any, request_id: str, *, streaming: bool) -> None:
+    def __init__(
+        self, model: TritonPythonModel, sender: Any, request_id: str, *, streaming: bool, text_stream_id: str = ""
+    ) -> None:
         self._model = model
+        self._text_stream_id = text_stream_id
         self._sender = sender
         self._request_id = request_id
         self._streaming = streaming
@@ -148,6 +165,8 @@ class _Sink:
 
     def finished(self, error: BaseException | None) -> None:
         model = self._model
+        if self._text_stream_id:
+            model._text_streams.ended(self._text_stream_id)
         with self._lock:
             self._done = True
             handle = self._handle
@@ -185,11 +204,15 @@ class _Sink:
 
 def _arrays(request: Any) -> dict[str, Any]:
     arrays = {}
-    for name in tensors.LLM_INPUT_DTYPES:
+    for name in (*tensors.LLM_INPUT_DTYPES, *tensors.TEXT_STREAM_INPUT_DTYPES):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is not None:
             arrays[name] = tensor.as_numpy()
     return arrays
+
+
+def _ack(sender: Any) -> None:
+    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _fail(sender: Any, error: Any) -> None:

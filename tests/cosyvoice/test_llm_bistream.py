@@ -1,0 +1,240 @@
+"""Text streams ("bistream") on the tiny CosyVoice2 LLM, against upstream's ``Qwen2LM.inference_bistream``.
+
+Upstream's ``Qwen2LM`` is built from the reference package (var/reference) around the same HF weights:
+its ``llm_embedding`` rows are ``<|sos|>`` and ``<|task_id|>``, its ``speech_embedding`` and
+``llm_decoder`` the speech rows and the three after them (the inverse of upstream's HF conversion).
+Both decode greedily; upstream is fed the text one token at a time, as its frontend does.
+
+A random model rarely draws the fill token on its own, and upstream waits for that first fill before it
+forces one after every 15 speech tokens. The fill row's bias is therefore raised (``FILL_BIAS``) until
+the tiny model ends its first round by itself after a few tokens; the tests check that it did.
+
+Two stand-ins keep upstream's module importable and runnable here: ``cosyvoice.utils.file_utils``
+(it imports torchaudio, for audio loading this path never uses; a module with the standard logger
+stands in) and a transformers cache that still answers ``cache[0][0]`` (upstream reads the cache
+length that way; current transformers caches are not indexable).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache, Qwen2ForCausalLM
+
+from tests.cosyvoice.test_llm_engine import Recorder
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.engines.llm_bistream import FILL_ID
+from tts_gateway.models.cosyvoice2.engines.llm_engine import TextStreamHandle
+from tts_gateway.models.cosyvoice2.model import vocab
+
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
+
+GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)
+FILL_BIAS = 1.99
+TOKENS = 120
+PROMPT_TEXT = [1000 + 7 * k for k in range(6)]
+PROMPT_SPEECH = [(37 * k + 11) % vocab.SPEECH_TOKEN_SIZE for k in range(20)]
+TEXT = [2000 + 13 * k for k in range(41)]
+
+
+class _IndexableCache(DynamicCache):
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer].keys, self.layers[layer].values
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tiny_frontend.write_tiny_llm(tmp_path_factory.mktemp("llm") / "cosyvoice2_llm")
+    weights = load_file(directory / "model.safetensors")
+    weights["lm_head.bias"][FILL_ID] = FILL_BIAS
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llm(llm_dir: Path) -> Iterator[TorchSpeechLLM]:
+    model = TorchSpeechLLM(llm_dir, max_slots=2, max_seq_len=512)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def upstream(llm_dir: Path, reference_dir: Path) -> Any:
+    stand_in = types.ModuleType("cosyvoice.utils.file_utils")
+    stand_in.logging = logging  # type: ignore[attr-defined]
+    sys.path.insert(0, str(reference_dir))
+    added = "cosyvoice.utils.file_utils" not in sys.modules
+    sys.modules.setdefault("cosyvoice.utils.file_utils", stand_in)
+    try:
+        from cosyvoice.llm.llm import Qwen2Encoder, Qwen2LM
+    finally:
+        if added:
+            del sys.modules["cosyvoice.utils.file_utils"]
+        sys.path.remove(str(reference_dir))
+
+    class Encoder(Qwen2Encoder):  # type: ignore[misc]
+        def __init__(self, model: Qwen2ForCausalLM) -> None:
+            torch.nn.Module.__init__(self)
+            self.model = model
+
+        def forward_one_step(self, xs: Any, masks: Any, cache: Any = None) -> Any:
+            return super().forward_one_step(xs, masks, _IndexableCache() if cache is None else cache)
+
+    hf = Qwen2ForCausalLM.from_pretrained(llm_dir, dtype=torch.float32).eval()
+    weights = load_file(llm_dir / "model.safetensors")
+    hidden = hf.config.hidden_size
+    model = Qwen2LM(hidden, hidden, vocab.SPEECH_TOKEN_SIZE, Encoder(hf), sampling=None)
+
+    def greedy(scores: torch.Tensor, *_: Any) -> torch.Tensor:
+        undrawable = [2] if model.final_stage else [0, 1]
+        return scores.index_fill(0, torch.tensor(undrawable) + vocab.SPEECH_TOKEN_SIZE, float("-inf")).argmax()
+
+    model.sampling = greedy
+    rows = slice(vocab.SPEECH_TOKEN_OFFSET, vocab.SPEECH_TOKEN_OFFSET + vocab.SPEECH_TOKEN_SIZE + 3)
+    embed = weights["model.embed_tokens.weight"].float()
+    with torch.no_grad():
+        model.llm_embedding.weight.copy_(embed[[vocab.SOS_ID, vocab.TASK_ID_ID]])
+        model.speech_embedding.weight.copy_(embed[rows])
+        model.llm_decoder.weight.copy_(weights["lm_head.weight"].float()[rows])
+        model.llm_decoder.bias.copy_(weights["lm_head.bias"].float()[rows])
+    return model.eval()
+
+
+def upstream_tokens(model: Any, prompt_text: list[int], prompt_speech: list[int], text: list[int]) -> list[int]:
+    def pieces() -> Iterator[torch.Tensor]:
+        for token in text:
+            yield torch.tensor([[token]])
+        model.final_stage = True
+
+    model.final_stage = False
+    speech = torch.tensor([prompt_speech], dtype=torch.int64)
+    stream = model.inference_bistream(
+        text=pieces(),
+        prompt_text=torch.tensor([prompt_text], dtype=torch.int64),
+        prompt_text_len=torch.tensor([len(prompt_text)]),
+        prompt_speech_token=speech,
+        prompt_speech_token_len=torch.tensor([len(prompt_speech)]),
+        embedding=torch.zeros(1, 0),
+    )
+    return [vocab.speech_token_to_id(int(t)) for t in itertools.islice(stream, TOKENS)]
+
+
+def open_stream(
+    llm: TorchSpeechLLM, prompt_text: list[int], prompt_speech: list[int]
+) -> tuple[Recorder, TextStreamHandle]:
+    recorder = Recorder()
+    handle = llm.open_stream(
+        prompt_text,
+        vocab.speech_tokens_to_ids(prompt_speech),
+        GREEDY,
+        max_new_tokens=TOKENS,
+        stop_ids=vocab.STOP_IDS,
+        sink=recorder,
+    )
+    return recorder, handle
+
+
+def wait_idle(recorder: Recorder, seconds: float = 0.3) -> int:
+    """Tokens so far, once none came for ``seconds`` (the stream waits for text)."""
+    count = -1
+    while count != len(recorder.tokens) and not recorder.done.is_set():
+        count = len(recorder.tokens)
+        time.sleep(seconds)
+    return len(recorder.tokens)
+
+
+@pytest.mark.parametrize(
+    ("prompt_text", "prompt_speech"),
+    [(PROMPT_TEXT, PROMPT_SPEECH), ([], []), (PROMPT_TEXT[:2], PROMPT_SPEECH[:45])],
+    ids=["voice", "no-voice", "long-speech-prompt"],
+)
+def test_pieces_give_upstreams_token_sequence(
+    llm: TorchSpeechLLM, upstream: Any, prompt_text: list[int], prompt_speech: list[int]
+) -> None:
+    expected = upstream_tokens(upstream, prompt_text, prompt_speech, TEXT)
+    recorder, handle = open_stream(llm, prompt_text, prompt_speech)
+    progress = []
+    for start in range(0, len(TEXT), 4):
+        handle.add_text(TEXT[start : start + 4])
+        progress.append(wait_idle(recorder))
+    handle.end_text()
+    assert recorder.done.wait(60)
+    assert recorder.error is None
+    assert recorder.tokens == expected
+    # Speech came while the text was incomplete, and the stream waited for more of it in between.
+    assert 0 < progress[-1] < len(expected)
+    assert len(set(progress)) > 2
+
+
+def test_text_given_at_once_gives_the_same_sequence(llm: TorchSpeechLLM, upstream: Any) -> None:
+    expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
+    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
+    handle.add_text(TEXT)
+    handle.end_text()
+    assert recorder.done.wait(60)
+    assert recorder.tokens == expected
+
+
+def test_waiting_streams_leave_their_slots_to_other_requests(llm: TorchSpeechLLM) -> None:
+    # Two slots, two streams waiting for text: a plain request still runs to its end meanwhile.
+    streams = [open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH) for _ in range(2)]
+    for _, handle in streams:
+        handle.add_text(TEXT[:4])
+    waited = [wait_idle(recorder) for recorder, _ in streams]
+    assert all(0 < count < TOKENS for count in waited)
+    prompt = [vocab.SOS_ID, 100, vocab.TASK_ID_ID, *vocab.speech_tokens_to_ids([5, 6])]
+    assert len(list(llm.generate(prompt, GREEDY, max_new_tokens=10, stop_ids=()))) == 10
+    for recorder, handle in streams:
+        handle.add_text(TEXT[4:])
+        handle.end_text()
+        assert recorder.done.wait(60)
+        assert recorder.error is None
+        assert len(recorder.tokens) == TOKENS
+
+
+def test_cancelling_a_waiting_stream_ends_it_at_once(llm: TorchSpeechLLM) -> None:
+    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
+    handle.add_text(TEXT[:4])
+    produced = wait_idle(recorder)
+    handle.cancel()
+    assert recorder.done.wait(5)
+    assert recorder.error is None
+    assert len(recorder.tokens) == produced
+
+
+def test_cancelling_a_generating_stream_frees_its_slot(llm: TorchSpeechLLM) -> None:
+    recorder, handle = open_stream(llm, [], [])
+    handle.add_text(TEXT)
+    handle.end_text()
+    while not recorder.tokens:
+        time.sleep(0.001)
+    handle.cancel()
+    assert recorder.done.wait(5)
+    assert len(recorder.tokens) < TOKENS
+    # Both slots serve again.
+    again = [open_stream(llm, [], []) for _ in range(2)]
+    for other, other_handle in again:
+        other_handle.add_text(TEXT[:10])
+        other_handle.end_text()
+        assert other.done.wait(60)
+        assert len(other.tokens) == TOKENS
+
+
+def test_text_after_its_end_is_refused(llm: TorchSpeechLLM) -> None:
+    recorder, handle = open_stream(llm, [], [])
+    handle.end_text()
+    with pytest.raises(ValueError, match="after its end"):
+        handle.add_text([5])
+    handle.cancel()
+    assert recorder.done.wait(60)

@@ -1,0 +1,155 @@
+"""Text-streaming sessions end to end: the gateway's BistreamSession against a real tritonserver.
+
+The cosyvoice2-cpu profile over the tiny checkpoint deploys ``cosyvoice2_bistream`` (one orchestrator
+instance holding the sessions) next to the PyTorch LLM that interleaves text and speech. With random
+weights the audio is noise; the checks are about the session: audio before the text is complete,
+a clean end, pieces refused after it, and a cancelled session's LLM request ended at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import soxr
+import tritonclient.grpc as syncclient
+import tritonclient.grpc.aio as grpcclient
+from numpy.typing import NDArray
+
+from tests.conftest import CosyVoiceServer
+from tts_gateway.gateway.bistream_client import BistreamSession
+from tts_gateway.gateway.errors import InvalidRequestError
+from tts_gateway.gateway.model_catalog import ModelCatalog
+from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.models import contract
+from tts_gateway.paths import REFERENCE_VOICES
+
+# The gRPC client and its streams live in the loop of the fixtures (session-scoped).
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.triton, pytest.mark.asyncio(loop_scope="session")]
+
+MODEL = "cosyvoice2_bistream"
+SAMPLES_PER_TOKEN = 960
+PIECES = ["The quick brown fox ", "jumps over the lazy dog ", "near the river bank, ", "and then it rests ", "a while."]
+
+
+@pytest.fixture(scope="module")
+def voice() -> dict[str, object]:
+    audio, rate = sf.read(REFERENCE_VOICES / "harbor.wav", dtype="float32", always_2d=True)
+    wav = soxr.resample(audio.mean(axis=1), rate, contract.REFERENCE_SAMPLE_RATE).astype(np.float32)
+    wav = wav[: 4 * contract.REFERENCE_SAMPLE_RATE]
+    text = Path(REFERENCE_VOICES / "harbor.txt").read_text(encoding="utf-8").strip()
+    return {
+        contract.REFERENCE_WAV: wav,
+        contract.REFERENCE_WAV_LEN: wav.size,
+        contract.REFERENCE_TEXT: text,
+        contract.SEED: 7,
+    }
+
+
+@pytest.fixture(scope="module")
+async def client(cosyvoice_server: CosyVoiceServer) -> AsyncIterator[grpcclient.InferenceServerClient]:
+    client = grpcclient.InferenceServerClient(cosyvoice_server.triton.grpc_url)
+    yield client
+    await client.close()
+
+
+async def _collect(session: BistreamSession, into: list[tuple[float, NDArray[np.float32]]]) -> None:
+    async for chunk in session:
+        into.append((time.monotonic(), chunk))
+
+
+async def test_the_catalog_sees_the_text_streaming_deployment(cosyvoice_server: CosyVoiceServer) -> None:
+    triton = TritonClient(cosyvoice_server.triton.grpc_url, timeout=30.0)
+    try:
+        catalog = ModelCatalog.from_triton(await triton.model_configs())
+    finally:
+        await triton.close()
+    assert MODEL not in catalog.models
+    assert catalog.models["cosyvoice2"].text_stream_model == MODEL
+
+
+async def test_audio_arrives_while_the_text_still_comes(
+    client: grpcclient.InferenceServerClient, voice: dict[str, object]
+) -> None:
+    session = await BistreamSession.open(client, MODEL, "first-session", voice)
+    chunks: list[tuple[float, NDArray[np.float32]]] = []
+    reader = asyncio.create_task(_collect(session, chunks))
+    sent_last = 0.0
+    for piece in PIECES:
+        await session.send_text(piece)
+        # Give the session time to speak what it has before the next piece.
+        for _ in range(100):
+            if chunks or reader.done():
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        sent_last = time.monotonic()
+    await session.finish()
+    await asyncio.wait_for(reader, 120)
+    assert chunks, "no audio"
+    assert chunks[0][0] < sent_last, "the first audio came only after the last piece"
+    audio = np.concatenate([chunk for _, chunk in chunks])
+    assert audio.dtype == np.float32 and np.isfinite(audio).all()
+    assert audio.size % SAMPLES_PER_TOKEN == 0
+    with pytest.raises(InvalidRequestError):
+        await session.send_text("too late")
+
+
+def _llm_requests_done(server: CosyVoiceServer) -> int:
+    client = syncclient.InferenceServerClient(server.triton.grpc_url)
+    try:
+        stats = client.get_inference_statistics("llm", as_json=True)
+    finally:
+        client.close()
+    inference = stats["model_stats"][0]["inference_stats"]
+    return sum(int(inference[kind].get("count", 0)) for kind in ("success", "fail"))
+
+
+async def test_a_cancelled_session_ends_its_llm_request(
+    client: grpcclient.InferenceServerClient, voice: dict[str, object], cosyvoice_server: CosyVoiceServer
+) -> None:
+    session = await BistreamSession.open(client, MODEL, "cancelled-session", voice)
+    chunks: list[tuple[float, NDArray[np.float32]]] = []
+    reader = asyncio.create_task(_collect(session, chunks))
+    await session.send_text(PIECES[0])
+    # The LLM stream waits for more text now (a slot given back, its cache aside).
+    for _ in range(600):
+        if chunks:
+            break
+        await asyncio.sleep(0.1)
+    done_before = _llm_requests_done(cosyvoice_server)
+    await session.cancel()
+    await asyncio.wait_for(reader, 30)
+    for _ in range(100):
+        if _llm_requests_done(cosyvoice_server) > done_before:
+            break
+        await asyncio.sleep(0.1)
+    assert _llm_requests_done(cosyvoice_server) > done_before, "the LLM still holds the cancelled session"
+    # The session id is free again, and a new session under it runs to its end.
+    again = await BistreamSession.open(client, MODEL, "cancelled-session", voice)
+    await again.send_text(PIECES[1])
+    await again.finish()
+    audio = [chunk async for chunk in again]
+    assert audio
+
+
+async def test_a_session_id_in_use_is_refused(
+    client: grpcclient.InferenceServerClient, voice: dict[str, object]
+) -> None:
+    session = await BistreamSession.open(client, MODEL, "twice", voice)
+    try:
+        with pytest.raises(InvalidRequestError, match="open already"):
+            await BistreamSession.open(client, MODEL, "twice", voice)
+    finally:
+        await session.cancel()
+
+
+async def test_text_for_a_session_not_open_is_refused(client: grpcclient.InferenceServerClient) -> None:
+    stranger = BistreamSession(client, MODEL, "never-opened")
+    with pytest.raises(InvalidRequestError, match="no open session"):
+        await stranger.send_text("hello")
