@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
 from tts_gateway.gateway.admission import AdmissionControl
-from tts_gateway.gateway.audio_encoding import create_encoder
+from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE, create_encoder
 from tts_gateway.gateway.bistream_client import BistreamSession, voice_inputs
 from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
 from tts_gateway.gateway.live_catalog import LiveCatalog
@@ -88,6 +88,12 @@ class BistreamSessions:
                     await session.cancel()
         finally:
             slot.release()
+
+
+# A session's end may come as one long chunk (the rest of the text spoken at once): sent in pieces
+# of at most a second, it stays within clients' message limits (1 MiB in ``websockets``) and each
+# piece gets its own alignment.
+_MAX_CHUNK_BYTES: Final = OUTPUT_SAMPLE_RATE * 2
 
 
 class _End:
@@ -175,16 +181,18 @@ class BistreamSynthesis:
         encoder = create_encoder("pcm", sample_rate)
         try:
             async for chunk in session:
-                if data := encoder.encode(chunk):
-                    self._audio.put_nowait(data)
-            if tail := encoder.finish():
-                self._audio.put_nowait(tail)
+                self._put(encoder.encode(chunk))
+            self._put(encoder.finish())
             self._audio.put_nowait(_END)
         except GatewayError as exc:
             self._audio.put_nowait(exc)
         except Exception as exc:
             logger.exception("reading a text-streaming session's audio failed")
             self._audio.put_nowait(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+
+    def _put(self, pcm: bytes) -> None:
+        for start in range(0, len(pcm), _MAX_CHUNK_BYTES):
+            self._audio.put_nowait(pcm[start : start + _MAX_CHUNK_BYTES])
 
     async def chunks(self) -> AsyncIterator[SpeechChunk]:
         pending: bytes | None = None
