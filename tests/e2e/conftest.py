@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from openai import AsyncOpenAI, OpenAI
 
+from tests.conftest import CosyVoiceServer
 from tests.e2e.gateway_process import GatewayProcess
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
@@ -66,3 +67,18 @@ class PiperReference:
         waveform = result.as_numpy("waveform")
         assert waveform is not None
         return float(waveform.size) / 22_050
+
+
+@pytest.fixture(scope="module")
+def cosy_gateway(
+    cosyvoice_server: CosyVoiceServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """A gateway process in front of the CosyVoice2 server (tiny checkpoint), one per test module."""
+    workdir = tmp_path_factory.mktemp("cosy_gateway")
+    process = GatewayProcess(
+        workdir / "gateway.log",
+        {"TTS_TRITON_URL": cosyvoice_server.triton.grpc_url, "TTS_VOICES_DIR": str(workdir / "voices")},
+    )
+    process.start()
+    yield process
+    process.stop()

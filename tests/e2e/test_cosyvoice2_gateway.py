@@ -7,7 +7,6 @@ streaming path (where the gateway time-stretches), and cloning from uploaded voi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,7 +15,6 @@ import pytest
 from openai import NotFoundError, OpenAI
 
 from tests.audio_checks import DecodedAudio, decode
-from tests.conftest import CosyVoiceServer
 from tests.e2e.gateway_process import GatewayProcess
 from tts_gateway.paths import REFERENCE_VOICES
 
@@ -29,20 +27,6 @@ TEXT = "The quick brown fox jumps over the lazy dog."
 # catch-up), and the cuts shape the audio at the joins. Two text tokens of the tiny tokenizer give at
 # most 40 speech tokens: a first chunk and a final one whatever the timing, so streams are bit-exact.
 EXACT_TEXT = "Hello world"
-
-
-@pytest.fixture(scope="module")
-def cosy_gateway(
-    cosyvoice_server: CosyVoiceServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayProcess]:
-    workdir = tmp_path_factory.mktemp("cosy_gateway")
-    process = GatewayProcess(
-        workdir / "gateway.log",
-        {"TTS_TRITON_URL": cosyvoice_server.triton.grpc_url, "TTS_VOICES_DIR": str(workdir / "voices")},
-    )
-    process.start()
-    yield process
-    process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -88,3 +88,13 @@ def test_no_text_is_lost_or_reordered() -> None:
         phrases = feed(chunker, pieces) + chunker.flush()
         assert "".join(phrases) == text
         assert all(phrase.strip() for phrase in phrases)
+
+
+def test_words_with_numbers_wait_for_a_plain_word_after_them() -> None:
+    chunker = PhraseChunker()
+    taken: list[str] = []
+    for piece in tokens("It costs $5 million, or 10:30 am on 5 May today"):
+        chunker.push(piece)
+        taken += chunker.take_words(keep_numbers_whole=True)
+    assert taken == ["It ", "costs ", "$5 million, ", "or ", "10:30 am ", "on ", "5 May "]
+    assert chunker.flush() == ["today"]

@@ -44,3 +44,16 @@ def test_early_messages_take_characters_at_the_measured_rate() -> None:
     assert "".join(aligner.take(300, last=False).chars) == "abc"
     assert "".join(aligner.take(10_000, last=False).chars) == "defghi"  # one is kept for the last message
     assert "".join(aligner.take(100, last=True).chars) == "j"
+
+
+def test_a_growing_phrase_never_aligns_text_not_yet_sent() -> None:
+    aligner = PhraseAligner("Hi ")
+    first = aligner.take(5_000.0, last=False)
+    # Far more audio than the text: all but the last character, which waits for more audio or text.
+    assert "".join(first.chars) == "Hi"
+    aligner.extend("there.")
+    second = aligner.take(100.0, last=False)
+    rest = aligner.take(200.0, last=True)
+    assert "".join(first.chars + second.chars + rest.chars) == "Hi there."
+    check(second.chars, second.start_ms, second.duration_ms, 100.0)
+    check(rest.chars, rest.start_ms, rest.duration_ms, 200.0)

@@ -162,6 +162,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     request_timeout=settings.request_timeout,
                     synthesis_parallelism=settings.synthesis_parallelism,
                 ),
+                admission=admission,
                 metrics=metrics,
                 started_at=int(time.time()),
             )

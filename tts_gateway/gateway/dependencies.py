@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.settings import Settings
@@ -24,6 +25,8 @@ class Services:
     voices: VoiceRegistry
     planner: SpeechPlanner
     speech: SpeechService
+    admission: AdmissionControl
+    """The speech service's synthesis slots, which text-streaming sessions hold too."""
     metrics: GatewayMetrics
     started_at: int
 

@@ -122,6 +122,11 @@ class TritonClient:
         self._chunk_timeout = chunk_timeout
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
 
+    @property
+    def grpc(self) -> grpcclient.InferenceServerClient:
+        """The server's gRPC client, for calls this class does not wrap (text-streaming sessions)."""
+        return self._client
+
     async def close(self) -> None:
         await self._client.close()
 

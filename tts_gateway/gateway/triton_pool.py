@@ -28,11 +28,12 @@ import ipaddress
 import itertools
 import logging
 import socket
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 
 from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError, ModelUnavailableError
@@ -228,6 +229,17 @@ class TritonPool:
             self._metrics.triton_calls.labels(server.address, outcome).inc()
 
     # -- calls -----------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def session(self, model: str) -> AsyncIterator[grpcclient.InferenceServerClient]:
+        """The gRPC client of the ready server serving ``model`` with the fewest calls in flight, for a
+        session of many calls (a text stream); the session counts as one call there until it ends.
+
+        There is no failover: a session's state (voice, text so far) lives in its server.
+        """
+        server = await self._choose(model, [], None, patient=False)
+        with self.call(server):
+            yield server.client.grpc
 
     async def infer(
         self,

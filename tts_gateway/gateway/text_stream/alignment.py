@@ -14,6 +14,9 @@ rate measured on the earlier phrases of the context (``ms_per_weight``, starting
 ``_INITIAL_MS_PER_WEIGHT``), always leaving at least one character for the last message, which
 takes all the rest.
 
+A model that takes text as it arrives speaks one phrase that grows (:meth:`PhraseAligner.extend`)
+while its audio comes: a message then never takes characters not yet sent to the model.
+
 Times are in milliseconds relative to the start of the message's audio, as ElevenLabs sends
 them (clients add up the messages' durations).
 """
@@ -77,6 +80,11 @@ class PhraseAligner:
         self._ms_per_weight = ms_per_weight
         self._next = 0
         self._audio_ms = 0.0
+
+    def extend(self, text: str) -> None:
+        """More of the phrase: ``text`` was sent to a model that speaks it after what came before."""
+        self._text += text
+        self._weights.extend(char_weight(char) for char in text)
 
     def take(self, audio_ms: float, *, last: bool) -> CharAlignment:
         """The characters spoken by the next ``audio_ms`` of the phrase's audio."""

@@ -34,6 +34,8 @@ SCHEDULE_MAX: Final = 500
 # Stands in for the next word when it has not arrived yet.
 _NEXT_WORD: Final = "Next"
 _CLAUSE_BREAK: Final = re.compile(r"(?:[,:]|\s[—–-])[\"'”’»)\]}]*(?=\s)")  # noqa: RUF001
+# What text normalisation rewrites (numbers, money, times, units...), in need of the words around it.
+_NEEDS_NEIGHBOURS: Final = re.compile(r"[\d$€£¥%&@#+=/°]")
 # Large enough that split_sentences never cuts a sentence for length: the schedule does that here.
 _NO_LENGTH_CAP: Final = 1 << 20
 
@@ -71,9 +73,16 @@ class PhraseChunker:
             return []
         return [self._take(len(self._buffer))]
 
-    def take_words(self) -> list[str]:
-        """The buffered text up to its last space, as one phrase (``try_trigger_generation``)."""
+    def take_words(self, *, keep_numbers_whole: bool = False) -> list[str]:
+        """The buffered text up to its last space, as one phrase (``try_trigger_generation``).
+
+        ``keep_numbers_whole``: a last word with a digit or a symbol stays buffered until a word
+        without one follows it, so that the normaliser reads it with its neighbours ("5 kg",
+        "$3 million", "10:30 am").
+        """
         cut = _last_space(self._buffer, len(self._buffer))
+        while keep_numbers_whole and cut > 0 and _NEEDS_NEIGHBOURS.search(self._buffer[:cut].split()[-1]):
+            cut = _last_space(self._buffer, len(self._buffer[:cut].rstrip()))
         if cut <= 0 or not self._buffer[:cut].strip():
             return []
         return [self._take(cut)]

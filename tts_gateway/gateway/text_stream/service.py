@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket
 
 from tts_gateway.gateway.errors import GatewayError
+from tts_gateway.gateway.text_stream.bistream_synthesis import BistreamSessions, BistreamSynthesis
 from tts_gateway.gateway.text_stream.messages import StreamQuery
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
 from tts_gateway.gateway.text_stream.output_format import OutputFormat, UnsupportedOutputFormat
@@ -30,13 +31,24 @@ logger = logging.getLogger(__name__)
 
 
 class TextStreams:
-    def __init__(self, phrases: PhraseSynthesizer, limits: TextStreamLimits, metrics: TextStreamMetrics) -> None:
+    def __init__(
+        self,
+        phrases: PhraseSynthesizer,
+        limits: TextStreamLimits,
+        metrics: TextStreamMetrics,
+        sessions: BistreamSessions | None = None,
+    ) -> None:
+        """``sessions``: text-streaming sessions, for the models that have them; phrases for the rest."""
         self._phrases = phrases
         self._limits = limits
         self._metrics = metrics
+        self._sessions = sessions
         self._open = 0
 
     def _synthesizer(self, voice: VoiceChoice, chunker: PhraseChunker) -> TextStreamSynthesizer:
+        # Chosen per context: the catalog follows what the Triton servers serve now.
+        if self._sessions is not None and self._sessions.serves(voice):
+            return BistreamSynthesis(self._sessions, voice, chunker)
         return PhrasePipeline(self._phrases, voice, chunker)
 
     async def serve(self, websocket: WebSocket, voice_id: str, *, multi: bool) -> None:

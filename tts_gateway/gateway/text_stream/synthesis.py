@@ -117,6 +117,18 @@ class PhraseSynthesizer(Protocol):
         ...
 
 
+def speech_request(voice: VoiceChoice, text: str) -> SpeechRequest:
+    """``text`` as a speech request in ``voice``: what the speech service plans (model, voice, normalisation)."""
+    return SpeechRequest(
+        model=voice.model,
+        input=text,
+        voice=voice.voice,
+        response_format="pcm",
+        speed=voice.speed,
+        text_normalization=voice.normalize,
+    )
+
+
 class SpeechServicePhrases:
     """Phrases synthesised by the speech service, one speech request each.
 
@@ -132,21 +144,11 @@ class SpeechServicePhrases:
         self._plan = plan
         self._open_stream = open_stream
 
-    def _request(self, voice: VoiceChoice, text: str) -> SpeechRequest:
-        return SpeechRequest(
-            model=voice.model,
-            input=text,
-            voice=voice.voice,
-            response_format="pcm",
-            speed=voice.speed,
-            text_normalization=voice.normalize,
-        )
-
     async def check(self, voice: VoiceChoice) -> None:
-        await self._plan(self._request(voice, "a"))
+        await self._plan(speech_request(voice, "a"))
 
     async def open(self, voice: VoiceChoice, text: str) -> PhraseAudio | None:
-        plan = await self._plan(self._request(voice, text))
+        plan = await self._plan(speech_request(voice, text))
         try:
             stream = await self._open_stream(plan)
         except GatewayError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tts_gateway.gateway.dependencies import Services
 from tts_gateway.gateway.settings import Settings
+from tts_gateway.gateway.text_stream.bistream_synthesis import BistreamSessions
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
 from tts_gateway.gateway.text_stream.service import TextStreams
 from tts_gateway.gateway.text_stream.session import TextStreamLimits
@@ -17,4 +18,5 @@ def text_streams(services: Services, settings: Settings) -> TextStreams:
         max_buffered_chars=settings.ws_max_buffered_chars,
     )
     phrases = SpeechServicePhrases(services.planner.plan, services.speech.open_stream)
-    return TextStreams(phrases, limits, TextStreamMetrics(services.metrics))
+    sessions = BistreamSessions(services.catalog, services.planner.plan, services.pool, services.admission)
+    return TextStreams(phrases, limits, TextStreamMetrics(services.metrics), sessions)
