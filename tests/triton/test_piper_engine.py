@@ -11,6 +11,7 @@ import pytest
 from numpy.typing import NDArray
 
 from tts_gateway.models.piper import PiperEngine
+from tts_gateway.models.piper.onnx_memory import SHRINK_CONFIG_KEY, SHRINK_CONFIG_VALUE
 
 THREE_SENTENCES = "The quick brown fox jumps over the lazy dog. It was a sunny day! Did anyone notice?"
 WORDS = len(THREE_SENTENCES.split())
@@ -54,6 +55,15 @@ def test_speed_changes_duration(engine: PiperEngine, speed: float, low: float, h
     natural = seconds(engine.synthesize(THREE_SENTENCES), engine.sample_rate)
     changed = seconds(engine.synthesize(THREE_SENTENCES, speed=speed), engine.sample_rate)
     assert low < changed / natural < high
+
+
+def test_every_run_releases_the_arena(engine: PiperEngine) -> None:
+    """Piper's runs go through the session's run options, which shrink the arena when a run ends."""
+    assert engine.session.run_options.get_run_config_entry(SHRINK_CONFIG_KEY) == SHRINK_CONFIG_VALUE
+    own = PiperEngine()
+    own.session.run_options.terminate = True  # proves the options reach the runs Piper makes
+    with pytest.raises(Exception, match="terminate"):
+        list(own.synthesize("Hello there."))
 
 
 @pytest.mark.parametrize("text", ["...", "   "])
