@@ -13,8 +13,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from tts_gateway.allocator import keep_audio_buffers_in_heap
 from tts_gateway.gateway.admission import AdmissionControl
-from tts_gateway.gateway.allocator import keep_audio_buffers_in_heap
 from tts_gateway.gateway.auth import ApiKeyMiddleware
 from tts_gateway.gateway.cuda_mps import CudaMps
 from tts_gateway.gateway.dependencies import Services

