@@ -28,27 +28,12 @@ from tritonclient.utils import InferenceServerException
 
 from tts_gateway.gateway.errors import BackendError, BackendTimeoutError, GatewayError, InvalidRequestError
 from tts_gateway.gateway.triton_client import build_inputs, translate_error
-from tts_gateway.gateway.voice_registry import ResolvedVoice
 from tts_gateway.models import contract
 
 # An acknowledgement that takes this long means the model is stuck.
 _ACK_TIMEOUT_S = 30.0
 # How long a cancelled session's audio stream may take to end before it is cancelled.
 _CLOSE_WAIT_S = 10.0
-
-
-def voice_inputs(voice: ResolvedVoice, *, transcript: bool = True) -> dict[str, Any]:
-    """The contract inputs that set ``voice``: its recording (and transcript), else its built-in id."""
-    reference = voice.reference
-    if reference is None:
-        return {contract.VOICE: voice.id}
-    values: dict[str, Any] = {
-        contract.REFERENCE_WAV: reference.audio.samples,
-        contract.REFERENCE_WAV_LEN: reference.audio.samples.size,
-    }
-    if transcript and reference.transcript:
-        values[contract.REFERENCE_TEXT] = reference.transcript
-    return values
 
 
 class BistreamSession:
@@ -73,7 +58,7 @@ class BistreamSession:
         session_id: str,
         voice: Mapping[str, Any],
     ) -> BistreamSession:
-        """Open a session on ``model`` with the contract inputs ``voice`` (see :func:`voice_inputs`; sampling
+        """Open a session on ``model`` with the contract inputs ``voice`` (see ``SpeechPlan.voice_inputs``; sampling
         inputs such as ``seed`` may join them); returns once the model holds the session."""
         if not session_id:
             raise InvalidRequestError("a session needs an id")

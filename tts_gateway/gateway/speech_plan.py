@@ -73,6 +73,12 @@ class SpeechPlan:
             values[contract.INSTRUCTIONS] = self.instructions
         if self.backend_speed and self.speed != 1.0:
             values[contract.SPEED] = self.speed
+        return values | self.voice_inputs()
+
+    def voice_inputs(self) -> dict[str, Any]:
+        """The contract inputs that set the voice: its recording (and transcript), else its built-in id."""
+        values: dict[str, Any] = {}
+        inputs = self.model.inputs
         reference = self.voice.reference
         if reference is not None:
             values[contract.REFERENCE_WAV] = reference.audio.samples

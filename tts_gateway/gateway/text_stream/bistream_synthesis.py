@@ -27,7 +27,7 @@ from typing import Final
 
 from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE, create_encoder
-from tts_gateway.gateway.bistream_client import BistreamSession, voice_inputs
+from tts_gateway.gateway.bistream_client import BistreamSession
 from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
 from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.protocol import SpeechRequest
@@ -36,7 +36,6 @@ from tts_gateway.gateway.text_stream.alignment import PhraseAligner
 from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
 from tts_gateway.gateway.text_stream.synthesis import SpeechChunk, VoiceChoice, speech_request
 from tts_gateway.gateway.triton_pool import TritonPool
-from tts_gateway.models import contract
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +79,8 @@ class BistreamSessions:
         slot = await self._admission.acquire()
         try:
             async with self._pool.session(model) as client:
-                voice = voice_inputs(plan.voice, transcript=contract.REFERENCE_TEXT in plan.model.inputs)
-                session = await BistreamSession.open(client, model, f"text-stream-{uuid.uuid4().hex}", voice)
+                session_id = f"text-stream-{uuid.uuid4().hex}"
+                session = await BistreamSession.open(client, model, session_id, plan.voice_inputs())
                 try:
                     yield session
                 finally:
