@@ -63,8 +63,8 @@ from benchmarks import gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer
 from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_startup import load_timeline
-from tts_gateway.gateway.cuda_mps import CudaMps
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded_fleet import EmbeddedFleet, embedded_servers
+from tts_gateway.gateway.embedded_triton import EmbeddedTritonError
 from tts_gateway.models import contract, stage_trace
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_checkpoint, full_size
 from tts_gateway.models.cosyvoice2.model import vocab
@@ -142,12 +142,12 @@ L20_STREAM_NO_CACHE: Final = "streaming without the voice cache: 220 / 477 / 110
 
 @dataclass(frozen=True)
 class Client:
-    """One gRPC channel and one HTTP session for every request of a run, the gateways by mode,
-    and the time limit of one request."""
+    """One gRPC channel and one HTTP session for every request of a run, the gateways by mode and
+    GPUs behind them, and the time limit of one request."""
 
     grpc: aio_grpcclient.InferenceServerClient
     http: aiohttp.ClientSession
-    gateways: dict[str, str]
+    gateways: dict[tuple[str, int], GatewayServer]
     timeout_s: float
 
 
@@ -203,8 +203,11 @@ class PassResult:
     mode: str
     concurrency: int
     wall_s: float
-    gpu_peak_mib: int | None
+    gpu_peak_mib: list[int] | None
     requests: list[RequestResult] = field(default_factory=list)
+    gpus: int = 1
+    # CPU time of the gateway's processes over the pass / its wall time: how many cores it kept busy.
+    gateway_cores: float | None = None
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.requests if r.error is None]
@@ -212,6 +215,7 @@ class PassResult:
         return {
             "target": self.target,
             "mode": self.mode,
+            "gpus": self.gpus,
             "concurrency": self.concurrency,
             "requests": len(self.requests),
             "failed": len(self.requests) - len(ok),
@@ -228,7 +232,10 @@ class PassResult:
             "stall_ms_max": max((r.stall_ms for r in ok), default=0.0) if self.mode == "stream" else None,
             # Pieces of audio the client read: the stream's chunks directly, HTTP reads through the gateway.
             "chunks_per_request": round(sum(r.chunks for r in ok) / len(ok), 2) if ok else None,
-            "gpu_peak_mib": self.gpu_peak_mib,
+            # The busiest GPU's; then each GPU's.
+            "gpu_peak_mib": max(self.gpu_peak_mib) if self.gpu_peak_mib else None,
+            "gpu_peak_mib_each": self.gpu_peak_mib,
+            "gateway_cores": self.gateway_cores,
         }
 
 
@@ -248,14 +255,14 @@ def _stats(values: list[float]) -> dict[str, float] | None:
 
 
 class GpuMemoryPeak:
-    """Highest ``memory.used`` of GPU 0 while the block runs, sampled from nvidia-smi in a thread."""
+    """Highest ``memory.used`` of each GPU while the block runs, sampled from nvidia-smi in a thread."""
 
     def __init__(self, enabled: bool, interval_s: float = 0.5) -> None:
         self._enabled = enabled
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self.peak_mib: int | None = None
+        self.peak_mib: list[int] | None = None
 
     def __enter__(self) -> GpuMemoryPeak:
         if self._enabled:
@@ -269,8 +276,8 @@ class GpuMemoryPeak:
 
     def _sample(self) -> None:
         while True:
-            used = gpu_sanity.gpu_memory_used()
-            self.peak_mib = max(self.peak_mib or 0, used)
+            used = [int(row[0]) for row in gpu_sanity.nvidia_smi("gpu=memory.used")]
+            self.peak_mib = [max(pair) for pair in zip(self.peak_mib or [0] * len(used), used, strict=True)]
             if self._stop.wait(self._interval_s):
                 return
 
@@ -287,7 +294,7 @@ def request_inputs(job: Job) -> list[grpcclient.InferInput]:
     return inputs
 
 
-async def synthesize(client: Client, target: str, mode: str, job: Job, request_id: str) -> RequestResult:
+async def synthesize(client: Client, target: str, mode: str, job: Job, request_id: str, gpus: int = 1) -> RequestResult:
     """One request; a stream's first-chunk time is taken when its first audio arrives."""
     chunks: list[NDArray[np.float32]] = []
     # When each piece of audio came (time.perf_counter()) and its samples; none for a direct offline call.
@@ -297,7 +304,7 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
     started = time.perf_counter()
     try:
         if target == "gateway":
-            async for chunk in _gateway_audio(client, mode, job, request_id):
+            async for chunk in _gateway_audio(client, client.gateways[mode, gpus].url, job, request_id):
                 chunks.append(chunk)
                 arrivals.append((time.perf_counter(), chunk.size))
         elif mode == "offline":
@@ -345,11 +352,11 @@ async def synthesize(client: Client, target: str, mode: str, job: Job, request_i
     )
 
 
-async def _gateway_audio(client: Client, mode: str, job: Job, request_id: str) -> AsyncIterator[NDArray[np.float32]]:
-    """The request through the gateway for ``mode``: OpenAI's speech API, 24 kHz pcm, read as it arrives."""
+async def _gateway_audio(client: Client, gateway: str, job: Job, request_id: str) -> AsyncIterator[NDArray[np.float32]]:
+    """The request through the gateway at ``gateway``: OpenAI's speech API, 24 kHz pcm, read as it arrives."""
     body = {"model": "tts-1", "voice": job.voice.name, "input": job.text, "response_format": "pcm", "seed": job.prompt}
     timeout = aiohttp.ClientTimeout(total=client.timeout_s)
-    url = f"{client.gateways[mode]}/v1/audio/speech"
+    url = f"{gateway}/v1/audio/speech"
     async with client.http.post(url, json=body, timeout=timeout, headers={"x-request-id": request_id}) as response:
         if response.status != 200:
             raise aiohttp.ClientResponseError(
@@ -378,16 +385,27 @@ def audio_problem(audio: NDArray[np.float32], expected_tokens: int | None) -> st
 
 
 async def run_pass(
-    client: Client, target: str, mode: str, concurrency: int, jobs: list[Job], *, gpu: bool, label: str = "pass"
+    client: Client,
+    target: str,
+    mode: str,
+    concurrency: int,
+    jobs: list[Job],
+    *,
+    gpu: bool,
+    label: str = "pass",
+    gpus: int = 1,
 ) -> PassResult:
-    """Send every job with ``concurrency`` requests in flight; each worker takes the next job when done."""
+    """Send every job with ``concurrency`` requests in flight; each worker takes the next job when done.
+    Through the gateway, the one in front of ``gpus`` GPUs."""
     pending = iter(jobs)
     results: list[RequestResult] = []
-    name = f"{target} {mode} c={concurrency}"
+    name = f"{target} {mode} c={concurrency}" + (f" on {gpus} GPUs" if gpus > 1 else "")
+    tag = f"{label}-{target}{gpus}-{mode}-{concurrency}"
+    gateway = client.gateways.get((mode, gpus)) if target == "gateway" else None
 
     async def worker() -> None:
         for job in pending:
-            result = await synthesize(client, target, mode, job, f"{label}-{target}-{mode}-{concurrency}-{job.prompt}")
+            result = await synthesize(client, target, mode, job, f"{tag}-{job.prompt}", gpus)
             results.append(result)
             state = f"FAILED {result.error}" if result.error else f"first {result.first_chunk_ms:.0f} ms"
             log(
@@ -395,12 +413,35 @@ async def run_pass(
                 f"{result.audio_s:.1f} s audio, total {result.total_ms / 1000:.2f} s, {state}"
             )
 
+    cpu_before = process_tree_cpu_s(gateway.pid) if gateway is not None else 0.0
     with GpuMemoryPeak(gpu) as peak:
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
+    cores = None if gateway is None else round((process_tree_cpu_s(gateway.pid) - cpu_before) / wall, 2)
     results.sort(key=lambda r: r.prompt)
-    return PassResult(target, mode, concurrency, wall, peak.peak_mib, results)
+    return PassResult(target, mode, concurrency, wall, peak.peak_mib, results, gpus, cores)
+
+
+def process_tree_cpu_s(root: int) -> float:
+    """User plus system CPU seconds used so far by ``root`` and its live descendants (a gateway's workers)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        times[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier += children
+    return sum(times.get(pid, 0.0) for pid in tree)
 
 
 def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dict[str, str]) -> list[Job]:
@@ -448,30 +489,33 @@ def markdown(report: dict[str, Any]) -> str:
         "audio (in brackets the most one stream of the pass waited in all). Voice prompts are cached after the "
         "warm-up.",
         "",
-        "| target | mode | streams | requests | first audio ms avg / p50 / p90 | latency ms avg / p50 / p90 | RTF | "
-        "streams behind real time | streams stalled (most ms) | L20 first chunk / latency avg ms | L20 RTF | "
-        "GPU memory peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| target | mode | GPUs | streams | requests | first audio ms avg / p50 / p90 | latency ms avg / p50 / p90 | "
+        "RTF | streams behind real time | streams stalled (most ms) | L20 first chunk / latency avg ms | L20 RTF | "
+        "GPU memory peak MiB | gateway CPU cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for item in report["passes"]:
         key = (item["mode"], item["concurrency"])
         reference = L20_REFERENCE.get(key)
         if item.get("skipped"):
             lines.append(
-                f"| {item['target']} | {item['mode']} | {item['concurrency']} | skipped: {item['skipped']} "
-                "| | | | | | | | |"
+                f"| {item['target']} | {item['mode']} | {item.get('gpus', 1)} | {item['concurrency']} | "
+                f"skipped: {item['skipped']} | | | | | | | | | |"
             )
             continue
         first = _triple(item["first_chunk_ms"]) if item["mode"] == "stream" else "-"
         rtf = "-" if item["rtf"] is None else f"{item['rtf']:.3f}"
         failed = f" ({item['failed']} failed)" if item["failed"] else ""
+        peaks = " / ".join(str(mib) for mib in item.get("gpu_peak_mib_each") or [item["gpu_peak_mib"] or "-"])
         lines.append(
-            f"| {item['target']} | {item['mode']}{failed} | {item['concurrency']} | {item['requests']} | {first} | "
-            f"{_triple(item['latency_ms'])} | {rtf} | "
+            f"| {item['target']} | {item['mode']}{failed} | {item.get('gpus', 1)} | {item['concurrency']} | "
+            f"{item['requests']} | {first} | {_triple(item['latency_ms'])} | {rtf} | "
             f"{item['behind_real_time'] if item['mode'] == 'stream' else '-'} | {_stalls(item)} | "
             f"{'-' if reference is None else f'{reference[0]:.0f}'} | "
-            f"{'-' if reference is None else f'{reference[1]:.3f}'} | {item['gpu_peak_mib'] or '-'} |"
+            f"{'-' if reference is None else f'{reference[1]:.3f}'} | {peaks} | "
+            f"{item.get('gateway_cores') if item.get('gateway_cores') is not None else '-'} |"
         )
+    lines += scale_out(report)
     staged = [item for item in report["passes"] if item.get("stages")]
     if staged:
         lines += [
@@ -530,6 +574,52 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scale_out(report: dict[str, Any]) -> list[str]:
+    """Markdown: each gateway pass on one GPU against the pass on all GPUs at as many times the streams."""
+    gpus = report["setup"].get("gpus", 1)
+    done = [item for item in report["passes"] if item["target"] == "gateway" and not item.get("skipped")]
+    one = {(item["mode"], item["concurrency"]): item for item in done if item.get("gpus", 1) == 1}
+    pairs = [
+        (one[item["mode"], item["concurrency"] // gpus], item)
+        for item in done
+        if gpus > 1 and item.get("gpus") == gpus and (item["mode"], item["concurrency"] // gpus) in one
+    ]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        f"### Scale-out: {gpus} GPUs against one, through one gateway",
+        "",
+        f"One tritonserver per GPU, as the embedded default starts them; the gateway's pool spreads requests over "
+        f"them. Each row compares one GPU at N streams with {gpus} GPUs at {gpus} x N. Throughput = seconds of "
+        "audio per second of wall time (1 / RTF).",
+        "",
+        f"| mode | streams per GPU | first audio p50 ms, 1 GPU | first audio p50 ms, {gpus} GPUs | change | "
+        f"throughput, 1 GPU | throughput, {gpus} GPUs | ratio | failed | gateway CPU cores, 1 / {gpus} GPUs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for single, several in pairs:
+        p50 = [
+            (item["first_chunk_ms"] or item["latency_ms"] or {}).get("p50")
+            if item["mode"] == "stream"
+            else (item["latency_ms"] or {}).get("p50")
+            for item in (single, several)
+        ]
+        change = f"{100 * (p50[1] / p50[0] - 1):+.0f} %" if p50[0] and p50[1] else "-"
+        rates = [1 / item["rtf"] if item["rtf"] else 0.0 for item in (single, several)]
+        ratio = f"{rates[1] / rates[0]:.2f}x" if rates[0] else "-"
+        lines.append(
+            f"| {single['mode']} | {single['concurrency']} | {_ms(p50[0])} | {_ms(p50[1])} | {change} | "
+            f"{rates[0]:.1f} | {rates[1]:.1f} | {ratio} | {single['failed'] + several['failed']} | "
+            f"{single.get('gateway_cores')} / {several.get('gateway_cores')} |"
+        )
+    return lines
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _triple(stats: dict[str, float] | None) -> str:
     return "-" if stats is None else f"{stats['avg']:.0f} / {stats['p50']:.0f} / {stats['p90']:.0f}"
 
@@ -581,7 +671,7 @@ async def measure(
     *,
     targets: list[str],
     modes: list[str],
-    gateways: dict[str, str],
+    gateways: dict[tuple[str, int], GatewayServer],
     gpu: bool,
     deadline: float,
     timeout_s: float,
@@ -593,7 +683,10 @@ async def measure(
     async with aiohttp.ClientSession(connector=connector) as http:
         client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s)
         try:
-            return await _measure(client, report, jobs, warmup, levels, targets, modes, gpu, deadline, out, trace_dir)
+            gpu_counts = sorted({gpus for _, gpus in gateways} | {1})
+            return await _measure(
+                client, report, jobs, warmup, levels, targets, modes, gpu_counts, gpu, deadline, out, trace_dir
+            )
         finally:
             await client.grpc.close()
 
@@ -606,52 +699,64 @@ async def _measure(
     levels: list[int],
     targets: list[str],
     modes: list[str],
+    gpu_counts: list[int],
     gpu: bool,
     deadline: float,
     out: Path,
     trace_dir: Path,
 ) -> bool:
+    """Each level runs on one GPU and, where the gateway fronts several, on all of them at as many times
+    the streams (``level`` streams per GPU)."""
+    runs = [
+        (target, mode, gpus)
+        for target in targets
+        for mode in modes
+        for gpus in (gpu_counts if target == "gateway" else [1])
+    ]
     all_ok = True
     warm = time.perf_counter()
-    for target in targets:
-        for mode in modes:
-            log(f"warm-up: {len(warmup)} {target} {mode} requests, {max(levels)} at a time")
-            result = await run_pass(client, target, mode, max(levels), warmup, gpu=False, label="warm-up")
-            failed = [r.error for r in result.requests if r.error]
-            if failed:
-                raise RuntimeError(f"{len(failed)} warm-up requests failed, e.g. {failed[0]}")
+    per_gpu = len(warmup) // max(gpu_counts)
+    for target, mode, gpus in runs:
+        batch = warmup[: per_gpu * gpus]
+        log(f"warm-up: {len(batch)} {target} {mode} requests on {gpus} GPU(s), {max(levels) * gpus} at a time")
+        result = await run_pass(client, target, mode, max(levels) * gpus, batch, gpu=False, label="warm-up", gpus=gpus)
+        failed = [r.error for r in result.requests if r.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} warm-up requests failed, e.g. {failed[0]}")
     report["setup"]["warmup_s"] = round(time.perf_counter() - warm, 1)
-    last_wall: dict[tuple[str, str], float] = {}
-    for index, level in enumerate(levels):
-        for target in targets:
-            for mode in modes:
-                remaining = deadline - time.perf_counter()
-                previous = last_wall.get((target, mode))
-                if previous is not None and previous * 2 > remaining:
-                    reason = f"~{previous * 2:.0f} s expected, {max(0.0, remaining):.0f} s of budget left"
-                    log(f"{target} {mode} c={level}: skipped ({reason})")
-                    report["passes"].append({"target": target, "mode": mode, "concurrency": level, "skipped": reason})
-                    continue
-                batch = level_jobs(jobs, level)
-                log(f"{target} {mode} c={level}: {len(batch)} requests")
-                # A level given twice gets new request ids: its stage traces must not match the first pass's.
-                result = await run_pass(client, target, mode, level, batch, gpu=gpu, label=f"pass{index}")
-                summary = result.summary()
-                if mode == "stream":
-                    sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
-                    summary["stages"] = gpu_stages.first_chunk_stages(trace_dir, sent)
-                    summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir, sent)
-                    summary["first_hop_tokens"] = gpu_stages.first_hops(trace_dir, sent)
-                all_ok = all_ok and summary["failed"] == 0
-                last_wall[target, mode] = result.wall_s
-                report["passes"].append(summary | {"per_request": [asdict(r) for r in result.requests]})
-                write_report(out, report)
-                first = summary["first_chunk_ms"]
-                log(
-                    f"{target} {mode} c={level}: wall {result.wall_s:.1f} s for {summary['audio_s']:.1f} s audio, "
-                    f"RTF {summary['rtf']}, first chunk p50 {first['p50'] if first else '-'} ms, "
-                    f"GPU peak {summary['gpu_peak_mib']} MiB, {summary['failed']} failed"
+    last_wall: dict[tuple[str, str, int], float] = {}
+    for index, per_gpu_level in enumerate(levels):
+        for target, mode, gpus in runs:
+            level = per_gpu_level * gpus
+            remaining = deadline - time.perf_counter()
+            previous = last_wall.get((target, mode, gpus))
+            if previous is not None and previous * 2 > remaining:
+                reason = f"~{previous * 2:.0f} s expected, {max(0.0, remaining):.0f} s of budget left"
+                log(f"{target} {mode} c={level}: skipped ({reason})")
+                report["passes"].append(
+                    {"target": target, "mode": mode, "gpus": gpus, "concurrency": level, "skipped": reason}
                 )
+                continue
+            batch = level_jobs(jobs, level)
+            log(f"{target} {mode} c={level} on {gpus} GPU(s): {len(batch)} requests")
+            # A level given twice gets new request ids: its stage traces must not match the first pass's.
+            result = await run_pass(client, target, mode, level, batch, gpu=gpu, label=f"pass{index}", gpus=gpus)
+            summary = result.summary()
+            if mode == "stream":
+                sent = {r.request_id: (r.sent, r.first_at) for r in result.requests if r.error is None}
+                summary["stages"] = gpu_stages.first_chunk_stages(trace_dir, sent)
+                summary["token2wav_batch"] = gpu_stages.token2wav_batches(trace_dir, sent)
+                summary["first_hop_tokens"] = gpu_stages.first_hops(trace_dir, sent)
+            all_ok = all_ok and summary["failed"] == 0
+            last_wall[target, mode, gpus] = result.wall_s
+            report["passes"].append(summary | {"per_request": [asdict(r) for r in result.requests]})
+            write_report(out, report)
+            first = summary["first_chunk_ms"]
+            log(
+                f"{target} {mode} c={level}: wall {result.wall_s:.1f} s for {summary['audio_s']:.1f} s audio, "
+                f"RTF {summary['rtf']}, first chunk p50 {first['p50'] if first else '-'} ms, "
+                f"GPU peak {summary['gpu_peak_mib']} MiB, {summary['failed']} failed"
+            )
     return all_ok
 
 
@@ -675,23 +780,34 @@ def run(args: argparse.Namespace) -> bool:
     device = "CPU rehearsal"
     if gpu:
         device = ", ".join(gpu_sanity.nvidia_smi("gpu=name,driver_version,memory.total")[0]) + " MiB"
+        if args.gpus > 1:
+            device = f"{args.gpus} x {device}"
     idle_mib = gpu_sanity.gpu_memory_used() if gpu else None
     trace_dir = workdir / "stage_trace"
     shutil.rmtree(trace_dir, ignore_errors=True)
     os.environ[stage_trace.ENV_VAR] = str(trace_dir)
     asks = load_profiles(TRITON_REPOSITORY)[profile].cuda_mps and not args.cpu
-    mps = CudaMps.for_mode(args.cuda_mps, workdir / "mps", profile_asks=asks)
-    triton = EmbeddedTriton(repository, workdir=workdir, startup_timeout=args.startup_timeout, cuda_mps=mps)
+    # The servers as the gateway's embedded default starts them: one per GPU, each under its own MPS daemon.
+    servers = embedded_servers(
+        repository,
+        workdir,
+        [str(index) for index in range(args.gpus)] if args.gpus > 1 else [None],
+        cuda_mps=args.cuda_mps,
+        profile_asks_mps=asks,
+        startup_timeout=args.startup_timeout,
+    )
+    triton = servers[0]
+    restarts: list[float] = []
     loading = time.perf_counter()
     if llm_server is not None:
         llm_server.start()
-    triton.start()
-    gateways: list[GatewayServer] = []
+    fleet = EmbeddedFleet.start(servers, on_restart=lambda: restarts.append(time.perf_counter() - started))
+    gateways: dict[tuple[str, int], GatewayServer] = {}
     ok = False
     try:
         startup_s = time.perf_counter() - loading
         instances = instance_counts(repository)
-        log(f"tritonserver ready in {startup_s:.1f} s (instances {instances}; log {triton.log_path})")
+        log(f"{len(servers)} tritonserver(s) ready in {startup_s:.1f} s (instances {instances}; log {triton.log_path})")
         params, llm_params = model_parameters(triton.grpc_url)
         jobs = make_jobs(texts, voices, tokenizer, params)
         audio = [job.expected_tokens / 25 for job in jobs]
@@ -721,7 +837,8 @@ def run(args: argparse.Namespace) -> bool:
                 "audio_s_min": min(audio),
                 "audio_s_avg": round(sum(audio) / len(audio), 2),
                 "audio_s_max": max(audio),
-                "cuda_mps": mps is not None and mps.running,
+                "cuda_mps": triton.cuda_mps is not None and triton.cuda_mps.running,
+                "gpus": args.gpus,
                 "gateway_workers": args.gateway_workers,
                 "checkpoint_s": round(checkpoint_s, 1),
                 "startup_s": round(startup_s, 1),
@@ -731,17 +848,24 @@ def run(args: argparse.Namespace) -> bool:
             "passes": [],
         }
         log(f"{len(jobs)} prompts, {sum(audio):.1f} s of audio per pass; levels {args.levels}")
-        warmup = make_jobs([WARMUP_TEXT] * (args.warmup or 2 * max(args.levels)), voices, tokenizer, params)
-        urls: dict[str, str] = {}
+        warmup_per_gpu = args.warmup or 2 * max(args.levels)
+        warmup = make_jobs([WARMUP_TEXT] * warmup_per_gpu * args.gpus, voices, tokenizer, params)
         if "gateway" in args.targets:
             for mode in args.modes:
-                gateway = GatewayServer(
-                    workdir / f"gateway-{mode}",
-                    gateway_env(triton.grpc_url, mode, args.levels, args.timeout_s, args.gateway_workers),
-                )
-                gateway.start()
-                gateways.append(gateway)
-                urls[mode] = gateway.url
+                for gpus in sorted({1, args.gpus}):
+                    suffix = f"-{gpus}gpu" if args.gpus > 1 else ""
+                    gateway = GatewayServer(
+                        workdir / f"gateway-{mode}{suffix}",
+                        gateway_env(
+                            ",".join(fleet.grpc_urls[:gpus]),
+                            mode,
+                            [level * gpus for level in args.levels],
+                            args.timeout_s,
+                            args.gateway_workers,
+                        ),
+                    )
+                    gateway.start()
+                    gateways[mode, gpus] = gateway
         ok = asyncio.run(
             measure(
                 triton.grpc_url,
@@ -751,7 +875,7 @@ def run(args: argparse.Namespace) -> bool:
                 args.levels,
                 targets=args.targets,
                 modes=args.modes,
-                gateways=urls,
+                gateways=gateways,
                 gpu=gpu,
                 deadline=deadline,
                 timeout_s=args.timeout_s,
@@ -761,23 +885,30 @@ def run(args: argparse.Namespace) -> bool:
         )
         if gpu:
             report["cuda_memory_by_process_mib"] = gpu_sanity.cuda_memory_by_model(repository, triton.pid)
-        for line in gpu_sanity.execution_stats(triton.grpc_url):
-            log(f"  {line}")
+        for url in fleet.grpc_urls:
+            for line in gpu_sanity.execution_stats(url):
+                log(f"  {url} {line}")
+        report["server_restarts_at_s"] = [round(at, 1) for at in restarts]
+        if restarts:
+            log(f"FAIL: a tritonserver was restarted during the run (at {restarts} s)")
+            ok = False
         write_report(args.out, report)
     finally:
         if not ok:
             # Where every model's threads are: a hung stage shows in the server's log.
             gpu_sanity.dump_stub_stacks(repository)
-        for gateway in gateways:
+        for gateway in gateways.values():
             gateway.stop()
-        triton.stop()
+        fleet.stop()
         if llm_server is not None:
             llm_server.stop()
         logs = workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(triton.log_path, logs / "tritonserver.log")
+        for server in servers:
+            name = "tritonserver.log" if server is triton else f"tritonserver-{server.workdir.name}.log"
+            shutil.copyfile(server.log_path, logs / name)
         # Kept after the run: a request that failed through the gateway may be explained there.
-        for gateway in gateways:
+        for gateway in gateways.values():
             if gateway.log_path.exists():
                 shutil.copyfile(gateway.log_path, logs / f"{gateway.workdir.name}.log")
     if not ok:
@@ -919,6 +1050,13 @@ def main() -> int:
         default=4,
         help="gateway processes (TTS_WORKERS): one process's CPU is the limit from about 16 streams",
     )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs, one tritonserver each as the gateway's embedded default runs them; with more than one, each"
+        " level also runs through a gateway over all of them at level x GPUs streams (scale-out; gateway only)",
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip passes that would end later than this")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="limit of one request")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for every model to load")
@@ -933,6 +1071,8 @@ def main() -> int:
     args = parser.parse_args()
     if not set(args.targets) <= set(TARGETS) or not set(args.modes) <= set(MODES):
         parser.error(f"--targets takes {', '.join(TARGETS)}; --modes takes {', '.join(MODES)}")
+    if args.gpus < 1 or (args.gpus > 1 and args.targets != ["gateway"]):
+        parser.error("--gpus takes a positive count; more than one measures through the gateway: --targets gateway")
     if not 1 <= args.prompts <= len(PROMPTS) or min(args.levels) < 1:
         parser.error(f"--prompts must lie in [1, {len(PROMPTS)}] and levels must be positive")
     args.out = (args.out or args.workdir / "report").resolve()

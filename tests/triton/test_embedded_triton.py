@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import tts_gateway.gateway.embedded_triton as embedded_triton
 from tests.e2e.gateway_process import crash, free_ports, model_processes
-from tests.unit.test_cuda_mps import calls, stand_in
+from tests.unit.test_cuda_mps import calls, stand_in_first_on_path
 from tts_gateway.gateway.cuda_mps import PIPE_VARIABLE, CudaMps
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
@@ -356,8 +356,7 @@ def test_model_processes_reach_the_cuda_mps_daemon_started_for_the_server(
     # real is the server and its model process, which must see the daemon's pipes (an MPS client finds
     # its daemon through them), while the daemon is started before the server and quit after it.
     bin_dir = tmp_path / "bin"
-    monkeypatch.setenv("PATH", f"{stand_in(bin_dir).parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    stand_in_first_on_path(bin_dir, monkeypatch)
     write_python_model(
         tmp_path / "models",
         "pipes",

@@ -17,20 +17,33 @@ from tts_gateway.gateway.cuda_mps import CONTROL, LOG_VARIABLE, PIPE_VARIABLE, C
 
 
 def stand_in(directory: Path, status: int = 0) -> Path:
-    """A control program that appends its arguments, pipe directory and input to ``calls.log``."""
+    """A control program that appends its arguments, pipe directory and input to ``calls.log``, and the
+    ``CUDA_VISIBLE_DEVICES`` it was given with its arguments to ``devices.log``."""
     directory.mkdir(parents=True, exist_ok=True)
     program = directory / CONTROL
     program.write_text(
         "#!/bin/sh\n"
         f'echo "args=$* pipe=${PIPE_VARIABLE} log=${LOG_VARIABLE} input=$(cat)" >> "{directory}/calls.log"\n'
+        f'echo "${{CUDA_VISIBLE_DEVICES-unset}} $*" >> "{directory}/devices.log"\n'
         f"exit {status}\n"
     )
     program.chmod(program.stat().st_mode | stat.S_IEXEC)
     return program
 
 
+def stand_in_first_on_path(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in in ``directory``, found before anything else, and no MPS daemon inherited."""
+    monkeypatch.setenv("PATH", f"{stand_in(directory).parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+
+
 def calls(directory: Path) -> list[str]:
     log = directory / "calls.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def devices(directory: Path) -> list[str]:
+    log = directory / "devices.log"
     return log.read_text().splitlines() if log.exists() else []
 
 
@@ -64,8 +77,7 @@ def test_auto_leaves_a_process_already_under_mps_alone(tmp_path: Path, monkeypat
 
 def test_start_runs_a_daemon_of_its_own_and_stop_quits_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bin_dir = tmp_path / "bin"
-    monkeypatch.setenv("PATH", f"{stand_in(bin_dir).parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv(PIPE_VARIABLE, raising=False)
+    stand_in_first_on_path(bin_dir, monkeypatch)
     mps = CudaMps.for_mode("auto", tmp_path / "mps", profile_asks=True)
     assert mps is not None
     assert mps.env() == {}
@@ -97,3 +109,27 @@ def test_a_daemon_that_does_not_start_is_an_error_only_when_asked_for(
     optional.start()
     assert not optional.running
     assert optional.env() == {}
+
+
+def test_a_daemon_pinned_to_a_gpu_serves_clients_that_see_it_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"
+    stand_in_first_on_path(bin_dir, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    mps = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=False, device="1")
+    assert mps is not None
+    base = {"CUDA_VISIBLE_DEVICES": "1", "HOME": "/root"}
+    # Not running: the client keeps its one GPU.
+    assert mps.client_env(base) == base
+    mps.start()
+    assert devices(bin_dir) == ["1 -d"]
+    # NVIDIA: a client of a daemon with CUDA_VISIBLE_DEVICES must not set it; it sees the daemon's GPU.
+    assert mps.client_env(base) == {"HOME": "/root", **mps.env()}
+    mps.stop()
+    assert devices(bin_dir)[-1] == "1 "
+    unpinned = CudaMps.for_mode("on", tmp_path / "all", profile_asks=False)
+    assert unpinned is not None
+    unpinned.start()
+    assert devices(bin_dir)[-1] == "0,1 -d"
+    assert unpinned.client_env(base) == {**base, **unpinned.env()}

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, ExitStack, asynccontextmanager
-from pathlib import Path
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
 from tts_gateway.allocator import keep_audio_buffers_in_heap
 from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.auth import ApiKeyMiddleware
-from tts_gateway.gateway.cuda_mps import CudaMps
 from tts_gateway.gateway.dependencies import Services
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded_fleet import start_embedded_fleet
 from tts_gateway.gateway.errors import install_error_handlers
 from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
@@ -32,14 +28,7 @@ from tts_gateway.gateway.text_normalization import TextNormalizer
 from tts_gateway.gateway.text_stream.wiring import text_streams
 from tts_gateway.gateway.triton_client import TritonClient
 from tts_gateway.gateway.triton_pool import TritonPool
-from tts_gateway.gateway.triton_supervisor import TritonSupervisor
 from tts_gateway.gateway.voice_registry import VoiceRegistry
-from tts_gateway.models.model_repository import (
-    deployment_overrides,
-    load_profile,
-    parse_overrides,
-    render_repository,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -48,42 +37,6 @@ _REMOTE_STARTUP_WAIT = 10.0
 # The voice upload route (routes/voices.py): its body may be as large as an upload plus the form fields.
 _UPLOAD_ROUTE = ("POST", "/v1/audio/voices")
 _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
-
-
-def start_embedded_triton(
-    settings: Settings, stack: ExitStack | AsyncExitStack, on_restart: Callable[[], None]
-) -> TritonSupervisor:
-    """Render the embedded profile and start ``tritonserver`` over it, supervised (blocking until it is ready).
-
-    ``stack`` removes the temporary work directory; stopping the supervisor (and the server) is the caller's.
-    ``on_restart`` runs each time the supervisor replaces a server that exited or hung.
-    """
-    if settings.embedded_workdir is not None:
-        workdir = settings.embedded_workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-    else:
-        workdir = Path(tempfile.mkdtemp(prefix="tts-gateway-"))
-        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
-    repository = workdir / "model_repository"
-    profile = load_profile(settings.triton_repository, settings.embedded_profile)
-    overrides = deployment_overrides(
-        profile,
-        models_root=settings.models_root,
-        llm_urls=settings.llm_urls,
-        explicit=parse_overrides(settings.embedded_overrides),
-    )
-    names = render_repository(settings.triton_repository, settings.embedded_profile, repository, overrides)
-    logger.info("starting embedded Triton (profile %s: %s)", settings.embedded_profile, ", ".join(names))
-    server = EmbeddedTriton(
-        repository,
-        workdir=workdir,
-        startup_timeout=settings.embedded_startup_timeout,
-        log_path=workdir / "tritonserver.log",
-        cuda_mps=CudaMps.for_mode(settings.embedded_cuda_mps, workdir / "mps", profile_asks=profile.cuda_mps),
-    )
-    supervisor = TritonSupervisor(server, on_restart=on_restart)
-    supervisor.start()
-    return supervisor
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -109,9 +62,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             urls = settings.triton_urls
             if not urls:
                 # Blocks the event loop until Triton is ready: nothing is served yet.
-                supervisor = start_embedded_triton(settings, stack, metrics.embedded_restarts.inc)
-                stack.push_async_callback(asyncio.to_thread, supervisor.stop)
-                urls = [supervisor.server.grpc_url]
+                fleet = start_embedded_fleet(settings, stack, metrics.embedded_restarts.inc)
+                stack.push_async_callback(asyncio.to_thread, fleet.stop)
+                urls = fleet.grpc_urls
 
             def connect(address: str) -> TritonClient:
                 return TritonClient(

@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 import uvicorn
 
-from tts_gateway.gateway.app_factory import create_app, start_embedded_triton
+from tts_gateway.gateway.app_factory import create_app
+from tts_gateway.gateway.embedded_fleet import start_embedded_fleet
 from tts_gateway.gateway.metrics import MULTIPROC_DIR_ENV, shared_restarts_counter
 from tts_gateway.gateway.settings import Settings
 
@@ -59,10 +60,10 @@ def _exit_after_shutdown(signum: int, frame: FrameType | None) -> NoReturn:
 
 
 def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
-    """Several uvicorn worker processes on one port, sharing one Triton.
+    """Several uvicorn worker processes on one port, sharing the Triton servers.
 
     The workers are spawned and build their settings from the environment, so the command
-    line's values travel there. The embedded Triton, if any, is started and supervised here,
+    line's values travel there. The embedded Tritons, if any, are started and supervised here,
     once, and stopped after the last worker has ended; so is the directory the workers'
     metrics share, where this process also counts the server's restarts.
     """
@@ -70,9 +71,9 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
         os.environ[MULTIPROC_DIR_ENV] = stack.enter_context(tempfile.TemporaryDirectory(prefix="tts-metrics-"))
         environment = {f"TTS_{key.upper()}": str(value) for key, value in overrides.items()}
         if settings.triton_url is None:
-            supervisor = start_embedded_triton(settings, stack, shared_restarts_counter().inc)
-            stack.callback(supervisor.stop)
-            environment["TTS_TRITON_URL"] = supervisor.server.grpc_url
+            fleet = start_embedded_fleet(settings, stack, shared_restarts_counter().inc)
+            stack.callback(fleet.stop)
+            environment["TTS_TRITON_URL"] = ",".join(fleet.grpc_urls)
         os.environ.update(environment)
         uvicorn.run(
             "tts_gateway.gateway.app_factory:create_app",

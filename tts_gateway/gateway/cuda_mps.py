@@ -7,9 +7,12 @@ first chunk's token2wav took 123 ms inside the pipeline against 57 ms alone). Un
 Multi-Process Service the processes' kernels run on the GPU side by side.
 
 The daemon started here belongs to one server: its pipe and log directories live in a directory
-of that server's, so it neither joins nor disturbs an MPS daemon that someone else runs. A
-process already under MPS (``CUDA_MPS_PIPE_DIRECTORY`` set, as a Kubernetes device plugin that
-shares GPUs through MPS does) starts none.
+of that server's, so it neither joins nor disturbs an MPS daemon that someone else runs. A server
+given one GPU of several gets a daemon pinned to that GPU (``CUDA_VISIBLE_DEVICES`` in the
+daemon's environment, as NVIDIA's MPS guide has it); its clients then must not set the variable
+themselves: they see the daemon's GPU as device 0. A process already under MPS
+(``CUDA_MPS_PIPE_DIRECTORY`` set, as a Kubernetes device plugin that shares GPUs through MPS
+does) starts none.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Final, Literal
+
+from tts_gateway.gateway.gpu_devices import VISIBLE_DEVICES
 
 logger = logging.getLogger(__name__)
 
@@ -38,16 +43,20 @@ class CudaMpsError(RuntimeError):
 class CudaMps:
     """One MPS control daemon with its pipe and log directories under ``directory``."""
 
-    def __init__(self, directory: Path, control: str, *, required: bool = True) -> None:
-        """``required``: a daemon that fails to start is an error; otherwise the server runs without MPS."""
+    def __init__(self, directory: Path, control: str, *, required: bool = True, device: str | None = None) -> None:
+        """``required``: a daemon that fails to start is an error; otherwise the server runs without MPS.
+        ``device``: the one GPU (a ``CUDA_VISIBLE_DEVICES`` entry) the daemon serves; ``None``: every GPU."""
         self.pipe_dir = directory / "pipe"
         self.log_dir = directory / "log"
         self.required = required
+        self.device = device
         self.running = False
         self._control = control
 
     @classmethod
-    def for_mode(cls, mode: MpsMode, directory: Path, *, profile_asks: bool) -> CudaMps | None:
+    def for_mode(
+        cls, mode: MpsMode, directory: Path, *, profile_asks: bool, device: str | None = None
+    ) -> CudaMps | None:
         """The daemon ``mode`` asks for: ``auto`` when the served profile asks for MPS (``profile_asks``,
         its ``cuda_mps``: measured to gain by it), the control program is installed and this process
         is not under MPS already; ``on`` always (an error without the program); ``off`` none."""
@@ -59,13 +68,23 @@ class CudaMps:
                 return None
         elif control is None:
             raise CudaMpsError(f"CUDA MPS is on but {CONTROL} is not on PATH (it comes with the NVIDIA driver)")
-        return cls(directory, control, required=mode == "on")
+        return cls(directory, control, required=mode == "on", device=device)
 
     def env(self) -> dict[str, str]:
         """What a client process needs in its environment to reach the running daemon (nothing without one)."""
         if not self.running:
             return {}
         return {PIPE_VARIABLE: str(self.pipe_dir), LOG_VARIABLE: str(self.log_dir)}
+
+    def client_env(self, base: dict[str, str]) -> dict[str, str]:
+        """``base`` made a client's environment: the daemon's pipes, and no ``CUDA_VISIBLE_DEVICES`` under a
+        running daemon pinned to a device. Without a running daemon ``base`` is returned as it is."""
+        if not self.running:
+            return base
+        env = {**base, **self.env()}
+        if self.device is not None:
+            env.pop(VISIBLE_DEVICES, None)
+        return env
 
     def start(self) -> None:
         """Start the daemon (it forks and returns at once); one left running in these directories is quit first.
@@ -101,12 +120,18 @@ class CudaMps:
         if done.returncode == 0:
             logger.info("CUDA MPS daemon stopped")
 
+    def _daemon_env(self) -> dict[str, str]:
+        env = {**os.environ, PIPE_VARIABLE: str(self.pipe_dir), LOG_VARIABLE: str(self.log_dir)}
+        if self.device is not None:
+            env[VISIBLE_DEVICES] = self.device
+        return env
+
     def _run(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(
                 [self._control, *args],
                 input=stdin if stdin is not None else "",
-                env={**os.environ, PIPE_VARIABLE: str(self.pipe_dir), LOG_VARIABLE: str(self.log_dir)},
+                env=self._daemon_env(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

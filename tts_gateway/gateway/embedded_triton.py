@@ -29,6 +29,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Final, Self
@@ -70,11 +71,14 @@ class EmbeddedTriton:
         log_path: Path | None = None,
         ports: tuple[int, int, int] | None = None,
         cuda_mps: CudaMps | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """``ports`` (gRPC, HTTP, metrics) fixes where the server listens, so that a server
         started again, or started after its clients, is found at the same address; by
         default three free ports are picked at each start. ``cuda_mps``: a daemon started
         before each server and quit after it, so that the model processes share the GPU.
+        ``env``: variables the server and its models get on top of this process's environment
+        (``CUDA_VISIBLE_DEVICES`` for a server of one GPU).
         """
         self.repository = repository
         self.workdir = workdir
@@ -86,6 +90,12 @@ class EmbeddedTriton:
         self._fixed_ports = ports
         self._ports: tuple[int, int, int] | None = None  # grpc, http, metrics
         self._mps = cuda_mps
+        self._env = dict(env or {})
+
+    @property
+    def cuda_mps(self) -> CudaMps | None:
+        """The MPS daemon started with the server, if any."""
+        return self._mps
 
     @property
     def grpc_url(self) -> str:
@@ -243,7 +253,7 @@ class EmbeddedTriton:
             f"--metrics-address={self.host}",
             f"--metrics-port={ports[2]}",
         ]
-        env = dict(os.environ)
+        env = {**os.environ, **self._env}
         # Where a model reaches another model of this server over gRPC (see tts_gateway.models.contract).
         env[contract.OWN_GRPC_URL_ENV] = f"{_connect_host(self.host)}:{ports[0]}"
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))
@@ -252,7 +262,7 @@ class EmbeddedTriton:
             env["LD_LIBRARY_PATH"] = _prepend_path(str(libpython), env["LD_LIBRARY_PATH"])
         env["PATH"] = _prepend_path(str(Path(sys.executable).parent), env.get("PATH"))
         if self._mps is not None:
-            env.update(self._mps.env())
+            env = self._mps.client_env(env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         logger.info("starting tritonserver on gRPC %s:%d (log: %s)", self.host, ports[0], self.log_path)

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tts_gateway.gateway import gpu_devices
 from tts_gateway.gateway.cuda_mps import MpsMode
 from tts_gateway.models.model_repository import parse_overrides
 from tts_gateway.paths import REFERENCE_VOICES, TRITON_REPOSITORY
@@ -96,6 +97,12 @@ class Settings(BaseSettings):
         description="run the embedded server's model processes under a CUDA MPS daemon of its own, so that"
         " they share the GPU at once (auto: for a profile that asks for it, gpu-torch, where"
         " nvidia-cuda-mps-control is installed)",
+    )
+    embedded_gpus: str = Field(
+        "auto",
+        description="GPUs the embedded servers spread over, one Triton per GPU, each supervised and under its own"
+        " MPS daemon (auto: every visible GPU for a GPU profile, one server otherwise; none: one server that"
+        " sees every GPU; or ids such as 0,1)",
     )
 
     ref_audios_dir: Path = Field(REFERENCE_VOICES, description="shipped voices: NAME.wav + NAME.txt")
@@ -207,6 +214,11 @@ class Settings(BaseSettings):
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"TTS_LLM_URLS must list http(s) base URLs such as http://host:8000/v1, got {url!r}")
         return ",".join(urls)
+
+    @field_validator("embedded_gpus")
+    @classmethod
+    def _check_embedded_gpus(cls, value: str) -> str:
+        return gpu_devices.parse_setting(value)
 
     @field_validator("embedded_overrides")
     @classmethod

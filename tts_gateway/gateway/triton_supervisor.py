@@ -52,11 +52,20 @@ class TritonSupervisor:
 
     def start(self) -> None:
         """Start the server and supervise it; returns once it is ready, raises if the first start fails."""
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Begin the first start on the supervisor's thread and return at once (several servers start together)."""
         self._thread = threading.Thread(target=self._run, name="triton-supervisor", daemon=True)
         self._thread.start()
+
+    def wait_started(self) -> None:
+        """Wait for the first start to end; raises its error if it failed."""
         self._started.wait()
         if self._start_error is not None:
-            self._thread.join()
+            if self._thread is not None:
+                self._thread.join()
             raise self._start_error
 
     def stop(self) -> None:

@@ -12,8 +12,8 @@ A profile file holds two kinds of tables, so that each value is written once:
     ``stream``: the values in which the source's streaming twin differs from the offline model
     (``decoupled = true`` at least). A source's defaults are defined in one file only.
 ``[profiles.NAME]``
-    ``description``, ``cuda_mps``, ``extends = "PARENT"`` (start from the parent's models,
-    description and ``cuda_mps``), ``without = [MODEL, ...]`` (drop some of the parent's models)
+    ``description``, ``cuda_mps``, ``gpu``, ``extends = "PARENT"`` (start from the parent's models,
+    description, ``cuda_mps`` and ``gpu``), ``without = [MODEL, ...]`` (drop some of the parent's models)
     and ``[[profiles.NAME.models]]`` entries: ``source``, ``name`` (default: the source),
     ``values`` and ``stream``. An entry naming one of the parent's models only changes its values.
     ``stream = true`` also deploys the model's twin ``NAME_stream`` right after it, with the
@@ -52,7 +52,7 @@ LLM_URLS_KEY = "llm_urls"
 
 _FILE_KEYS = frozenset({"defaults", "profiles"})
 _DEFAULTS_KEYS = frozenset({"values", "stream"})
-_PROFILE_KEYS = frozenset({"description", "cuda_mps", "extends", "without", "models"})
+_PROFILE_KEYS = frozenset({"description", "cuda_mps", "gpu", "extends", "without", "models"})
 _ENTRY_KEYS = frozenset({"source", "name", "values", "stream"})
 
 
@@ -76,6 +76,8 @@ class Profile:
     models: tuple[ModelDeployment, ...]
     # Whether its server runs under a CUDA MPS daemon where the operator leaves that to it ("auto").
     cuda_mps: bool = False
+    # Whether its models run on a GPU: the embedded server then starts once per GPU (TTS_EMBEDDED_GPUS).
+    gpu: bool = False
 
 
 def fill_template(template: str, values: Mapping[str, str]) -> str:
@@ -152,6 +154,7 @@ class _Declared:
     where: str
     description: str | None
     cuda_mps: bool | None
+    gpu: bool | None
     extends: str | None
     without: tuple[str, ...]
     entries: tuple[_Entry, ...]
@@ -168,6 +171,7 @@ class _Model:
 class _Resolved:
     description: str
     cuda_mps: bool
+    gpu: bool
     models: dict[str, _Model]
 
 
@@ -176,12 +180,15 @@ def _parse_profile(source_root: Path, name: str, body: dict[str, Any], where: st
     _check_keys(body, _PROFILE_KEYS, at)
     description = body.get("description")
     cuda_mps = body.get("cuda_mps")
+    gpu = body.get("gpu")
     extends = body.get("extends")
     without = body.get("without", [])
     if description is not None and not isinstance(description, str):
         raise TemplateError(f"{at}: 'description' must be a string")
     if cuda_mps is not None and not isinstance(cuda_mps, bool):
         raise TemplateError(f"{at}: 'cuda_mps' must be true or false")
+    if gpu is not None and not isinstance(gpu, bool):
+        raise TemplateError(f"{at}: 'gpu' must be true or false")
     if extends is not None and not isinstance(extends, str):
         raise TemplateError(f"{at}: 'extends' must be a profile name")
     if not isinstance(without, list) or not all(isinstance(item, str) for item in without):
@@ -208,7 +215,7 @@ def _parse_profile(source_root: Path, name: str, body: dict[str, Any], where: st
         if stream is not None and not isinstance(stream, (bool, dict)):
             raise TemplateError(f"{entry_at}: 'stream' must be true, false or a table of values")
         entries.append(_Entry(source, model_name, _table(raw, "values", entry_at), stream))
-    return _Declared(where, description, cuda_mps, extends, tuple(without), tuple(entries))
+    return _Declared(where, description, cuda_mps, gpu, extends, tuple(without), tuple(entries))
 
 
 def _resolve(
@@ -220,7 +227,7 @@ def _resolve(
     own = declared[name]
     at = f"{own.where}: profile {name!r}"
     if own.extends is None:
-        base = _Resolved("", False, {})
+        base = _Resolved("", False, False, {})
     elif own.extends not in declared:
         raise TemplateError(f"{at} extends unknown profile {own.extends!r}; known: {sorted(declared)}")
     elif own.extends in chain or own.extends == name:
@@ -236,6 +243,7 @@ def _resolve(
     result = _Resolved(
         description=base.description if own.description is None else own.description,
         cuda_mps=base.cuda_mps if own.cuda_mps is None else own.cuda_mps,
+        gpu=base.gpu if own.gpu is None else own.gpu,
         models=models,
     )
     resolved[name] = result
@@ -273,7 +281,13 @@ def _deploy(name: str, profile: _Resolved, defaults: Mapping[str, _Defaults]) ->
                 raise TemplateError(f"profile {name!r}: {twin!r} is both declared and {model_name!r}'s stream twin")
             stream_values = {**values, **source.stream, **model.stream}
             deployments.append(ModelDeployment(model.source, twin, _stringified(stream_values)))
-    return Profile(name=name, description=profile.description, models=tuple(deployments), cuda_mps=profile.cuda_mps)
+    return Profile(
+        name=name,
+        description=profile.description,
+        models=tuple(deployments),
+        cuda_mps=profile.cuda_mps,
+        gpu=profile.gpu,
+    )
 
 
 def _check_keys(body: Mapping[str, Any], allowed: frozenset[str], at: str) -> None:

@@ -1,0 +1,73 @@
+"""Which GPUs the embedded servers are spread over (``TTS_EMBEDDED_GPUS``)."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from tts_gateway.gateway.gpu_devices import parse_setting, server_gpus, visible_gpus
+from tts_gateway.gateway.settings import Settings
+
+
+def fake_nvidia_smi(directory: Path, indices: list[int], status: int = 0) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    program = directory / "nvidia-smi"
+    lines = "".join(f"echo {index}\n" for index in indices)
+    program.write_text(
+        f'#!/bin/sh\n[ "$*" = "--query-gpu=index --format=csv,noheader" ] || exit 9\n{lines}exit {status}\n'
+    )
+    program.chmod(program.stat().st_mode | stat.S_IEXEC)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("value", "normalised"),
+    [("auto", "auto"), (" none ", "none"), ("0", "0"), ("0, 1", "0,1"), ("GPU-5e0c,GPU-77aa", "GPU-5e0c,GPU-77aa")],
+)
+def test_settings_accept_auto_none_and_gpu_ids(value: str, normalised: str) -> None:
+    assert parse_setting(value) == normalised
+    assert Settings(embedded_gpus=value).embedded_gpus == normalised
+
+
+@pytest.mark.parametrize("value", ["", "0,,1", "0,0", "0 1", "all"])
+def test_settings_refuse_anything_else(value: str) -> None:
+    with pytest.raises(ValueError, match="TTS_EMBEDDED_GPUS"):
+        Settings(embedded_gpus=value)
+
+
+def test_visible_devices_come_from_cuda_visible_devices_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "bin", [0, 1, 2, 3])))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-77aa")
+    assert visible_gpus() == ["2", "GPU-77aa"]
+    # CUDA reads up to the first entry that names no device.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,-1,0")
+    assert visible_gpus() == ["3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == ["0", "1", "2", "3"]
+
+
+def test_no_driver_means_no_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert visible_gpus() == []
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "broken", [0], status=6)))
+    assert visible_gpus() == []
+
+
+def test_a_gpu_profile_gets_a_server_per_gpu_and_anything_else_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "two", [0, 1])))
+    assert server_gpus("auto", profile_uses_gpu=True) == ["0", "1"]
+    assert server_gpus("auto", profile_uses_gpu=False) == [None]
+    assert server_gpus("none", profile_uses_gpu=True) == [None]
+    assert server_gpus("1", profile_uses_gpu=True) == ["1"]
+    assert server_gpus("0,1", profile_uses_gpu=False) == ["0", "1"]
+    # One GPU: one server that sees it, as on a single-GPU machine before.
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "one", [0])))
+    assert server_gpus("auto", profile_uses_gpu=True) == [None]
