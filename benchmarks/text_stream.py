@@ -34,20 +34,25 @@ With random CosyVoice2 weights the audio is noise; its length is what the checkp
 imposes (about 2 speech tokens per text token on both paths; the sockets' last few text tokens
 get none), and the cost per token is the real model's at full size.
 
-The report, NAME.json and NAME.md in ``--out`` (``--name``, default ``text-stream``), names the
-command that produced it and is rewritten after every level, so an interrupted run keeps what it
-measured; ``--budget-s`` skips the levels that would end later than that (counted from the start,
-stack start-up included). The gateway's and Triton's logs stay under ``--workdir``.
+A warm-up (``--warmup`` sockets, then as many HTTP clients, one utterance each; by default the
+largest level) goes first, so that no level pays for CUDA's lazy start or the voice prompts; a
+failed warm-up ends the run. The report, NAME.json and NAME.md in ``--out`` (``--name``, default
+``text-stream``), names the command that produced it and is rewritten after every level, so an
+interrupted run keeps what it measured; ``--budget-s`` skips the levels that would end later than
+that (counted from the start, stack start-up included). The gateway's and Triton's logs stay under
+``--workdir``; the checkpoint there is reused.
 
     python -m benchmarks.text_stream --out var/bench --levels 1,4  # Piper, embedded
     python -m benchmarks.text_stream --gateway-url http://HOST:8080 --voice alloy --levels 1,4,16
     # CPU rehearsal of the GPU run (2 cores, tiny checkpoint; one to two minutes):
     python -m benchmarks.text_stream --profile cosyvoice2-cpu --set cosyvoice2.instance_count=1 \
         --set cosyvoice2_stream.instance_count=1 --levels 1,2 --paces 30 --rounds 1 --name rehearsal
-    # GPU (full-size random checkpoint written on the first run; about 6 minutes):
+    # One GPU, its own stack (the full-size checkpoint is written first; 5 to 7 minutes):
     python -m benchmarks.text_stream --profile gpu-torch --levels 1,16,64 --paces 30,200 --rounds 2 \
-        --gateway-workers 4 --out var/bench --name text-stream-gpu
-    # GPU, on a Triton already serving gpu-torch (tts-models random-full, then launch with --models-root):
+        --gateway-workers 4 --budget-s 480 --out var/bench --name text-stream-gpu
+    # One GPU, on a Triton already serving gpu-torch over the full-size checkpoint:
+    tts-models random-full --models-root var/random-full
+    tts-models launch --profile gpu-torch --models-root var/random-full --repo var/random-full/repo &
     python -m benchmarks.text_stream --triton-url 127.0.0.1:8001 --levels 1,16,64 --gateway-workers 4
 """
 
@@ -282,8 +287,10 @@ class ServedCounts:
         return {model: count - before.get(model, 0) for model, count in self.now().items()}
 
 
-async def level(args: argparse.Namespace, url: str, sockets: int, pace: float, served: ServedCounts) -> dict[str, Any]:
-    """``sockets`` WebSocket clients at once, ``--rounds`` utterances each; then as many HTTP clients."""
+async def level(
+    args: argparse.Namespace, url: str, sockets: int, pace: float, served: ServedCounts, *, rounds: int
+) -> dict[str, Any]:
+    """``sockets`` WebSocket clients at once, ``rounds`` utterances each; then as many HTTP clients."""
 
     def text(index: int, round_: int) -> str:
         return UTTERANCES[(index + round_) % len(UTTERANCES)]
@@ -301,7 +308,7 @@ async def level(args: argparse.Namespace, url: str, sockets: int, pace: float, s
             run = PathRun()
 
             async def one_client(index: int, path: str = path, run: PathRun = run) -> None:
-                for round_ in range(args.rounds):
+                for round_ in range(rounds):
                     await attempt(run, utterance(path, index, round_), args.timeout_s)
 
             before = served.now()
@@ -326,7 +333,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"`{setup['command']}`",
         "",
         f"Gateway: {setup['gateway']}; voice {setup['voice']}; {setup['rounds']} utterances per socket and "
-        f"level; host {setup['host']}; device {setup['device']}.",
+        f"level; host {setup['host']}; device {setup['device']}. Warm-up: {setup['warmup_sockets']} sockets, then "
+        f"as many HTTP clients, one utterance each ({setup.get('warmup_s', '-')} s).",
     ]
     if stack:
         lines.append(
@@ -393,13 +401,14 @@ def device() -> str:
 async def measure(
     args: argparse.Namespace, url: str, report: dict[str, Any], served: ServedCounts, deadline: float
 ) -> None:
-    """Warm-up (one utterance per path, which must succeed), then every pace and level, reported after each."""
-    warm = PathRun()
-    await attempt(warm, over_websocket(url, UTTERANCES[0], args.paces[0], args.voice, "warm-up"), args.timeout_s)
-    async with httpx.AsyncClient(timeout=args.timeout_s) as client:
-        await attempt(warm, over_http(client, url, UTTERANCES[0], args.paces[0], args.voice), args.timeout_s)
-    if warm.errors:
-        raise RuntimeError(f"the warm-up failed: {warm.errors[0]}")
+    """Warm-up (``--warmup`` sockets, then HTTP clients, one utterance each; all must succeed), then every
+    pace and level, the report written after each."""
+    warm_started = time.perf_counter()
+    warm = await level(args, url, args.warmup, args.paces[0], served, rounds=1)
+    report["setup"]["warmup_s"] = round(time.perf_counter() - warm_started, 1)
+    for path in ("websocket", "http"):
+        if warm[path]["failed"]:
+            raise RuntimeError(f"the warm-up failed over {path}: {warm[path]['first_error']}")
     previous = 0.0
     for pace in args.paces:
         for sockets in args.levels:
@@ -409,10 +418,27 @@ async def measure(
                 report["levels"].append({"sockets": sockets, "pace_ms": round(pace * 1000), "skipped": reason})
             else:
                 started = time.perf_counter()
-                report["levels"].append(await level(args, url, sockets, pace, served))
+                report["levels"].append(await level(args, url, sockets, pace, served, rounds=args.rounds))
                 previous = time.perf_counter() - started
             print(json.dumps(report["levels"][-1]), flush=True)
             write_report(args.out, report)
+
+
+def wait_ready(triton_url: str, timeout_s: float) -> None:
+    """Until the Triton at ``triton_url`` says it is ready: one launched in the background is found
+    when its models have loaded."""
+    deadline = time.monotonic() + timeout_s
+    client = grpcclient.InferenceServerClient(triton_url)
+    try:
+        while True:
+            with contextlib.suppress(InferenceServerException):
+                if client.is_server_ready():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Triton at {triton_url} was not ready within {timeout_s:.0f} s")
+            time.sleep(2.0)
+    finally:
+        client.close()
 
 
 def gateway_env(triton_url: str, args: argparse.Namespace) -> dict[str, str]:
@@ -440,6 +466,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "stack": None,
             "voice": args.voice,
             "rounds": args.rounds,
+            "warmup_sockets": args.warmup,
             "host": f"{platform.node()} {platform.machine()}",
             "device": device(),
             "utterances": list(UTTERANCES),
@@ -462,6 +489,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 triton_url = server.grpc_url
                 setup["stack"] = asdict(stack_setup)
                 print(f"Triton ready: {setup['stack']}", flush=True)
+            elif triton_url is not None:
+                wait_ready(triton_url, args.startup_timeout)
             env = {} if triton_url is None else gateway_env(triton_url, args)
             gateway = GatewayServer(args.workdir / "gateway", env)
             gateway.start(timeout=args.startup_timeout)
@@ -497,14 +526,16 @@ def main() -> int:
     parser.add_argument(
         "--workdir", type=Path, default=Path("var/text_stream"), help="checkpoint, repository, logs (reused)"
     )
+    parser.add_argument("--warmup", type=int, default=0, help="sockets of the warm-up (default: the largest level)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="limit of one utterance")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for Triton and the gateway")
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip levels that would end later than this")
     args = parser.parse_args()
     args.levels = [int(value) for value in args.levels.split(",")]
     args.paces = [float(value) / 1000 for value in args.paces.split(",")]
-    if min(args.levels) < 1 or args.rounds < 1:
+    if min(args.levels) < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("levels and rounds must be positive")
+    args.warmup = args.warmup or max(args.levels)
     if args.set and not args.profile:
         parser.error("--set goes with --profile")
     embedded = not (args.gateway_url or args.triton_url or args.profile)
