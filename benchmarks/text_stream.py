@@ -12,11 +12,48 @@ utterance, as a listener who starts playing at the first audio hears it:
 The HTTP baseline is what a client of ``POST /v1/audio/speech`` does with the same LLM: each
 sentence is sent whole as soon as its last word has arrived (streamed pcm), sentences in
 parallel as they come, played in order; the same three figures. ``--levels`` runs that many
-sockets (and HTTP clients) at once. Writes NAME.json and NAME.md into ``--out`` (``--name``,
-default ``text-stream``).
+sockets (and then as many HTTP clients) at once, ``--rounds`` utterances each. Per level and path
+also: RTF (the path's wall time at that level over the seconds of audio it produced: upstream's
+definition, a throughput figure, which the text's pace bounds from below at slow paces), failed
+utterances (an error message, a closed socket, an HTTP error, ``--timeout-s`` passed) with the
+first error, and, where the benchmark knows the Triton server, the requests its text-streaming
+model (``cosyvoice2_bistream``) and its streaming models took meanwhile: the proof of which path
+served the sockets.
 
-    python -m benchmarks.text_stream --out var/bench --levels 1,4
+Where the gateway runs:
+
+- ``--gateway-url URL``: a gateway already running;
+- ``--triton-url HOST:PORT``: a gateway started here on that Triton (gRPC), e.g. one a GPU run
+  already serves, so that this runs in the same call as other measurements;
+- ``--profile NAME``: a Triton started here on a CosyVoice2 profile over a random checkpoint under
+  ``--workdir`` (``benchmarks/cosyvoice2_triton.py``: full size on ``gpu-*`` profiles, tiny shapes
+  with the full size's LLM head on ``cosyvoice2-cpu``), then a gateway on it, as with ``--triton-url``;
+- none of them: the gateway on its embedded CPU default (Piper; voice ``joe``).
+
+With random CosyVoice2 weights the audio is noise; its length is what the checkpoint's LLM head
+imposes (about 2 speech tokens per text token on both paths; the sockets' last few text tokens
+get none), and the cost per token is the real model's at full size.
+
+A warm-up (``--warmup`` sockets, then as many HTTP clients, one utterance each; by default the
+largest level) goes first, so that no level pays for CUDA's lazy start or the voice prompts; a
+failed warm-up ends the run. The report, NAME.json and NAME.md in ``--out`` (``--name``, default
+``text-stream``), names the command that produced it and is rewritten after every level, so an
+interrupted run keeps what it measured; ``--budget-s`` skips the levels that would end later than
+that (counted from the start, stack start-up included). The gateway's and Triton's logs stay under
+``--workdir``; the checkpoint there is reused.
+
+    python -m benchmarks.text_stream --out var/bench --levels 1,4  # Piper, embedded
     python -m benchmarks.text_stream --gateway-url http://HOST:8080 --voice alloy --levels 1,4,16
+    # CPU rehearsal of the GPU run (2 cores, tiny checkpoint; one to two minutes):
+    python -m benchmarks.text_stream --profile cosyvoice2-cpu --set cosyvoice2.instance_count=1 \
+        --set cosyvoice2_stream.instance_count=1 --levels 1,2 --paces 30 --rounds 1 --name rehearsal
+    # One GPU, its own stack (the full-size checkpoint is written first; 5 to 7 minutes):
+    python -m benchmarks.text_stream --profile gpu-torch --levels 1,16,64 --paces 30,200 --rounds 2 \
+        --gateway-workers 4 --budget-s 480 --out var/bench --name text-stream-gpu
+    # One GPU, on a Triton already serving gpu-torch over the full-size checkpoint:
+    tts-models random-full --models-root var/random-full
+    tts-models launch --profile gpu-torch --models-root var/random-full --repo var/random-full/repo &
+    python -m benchmarks.text_stream --triton-url 127.0.0.1:8001 --levels 1,16,64 --gateway-workers 4
 """
 
 from __future__ import annotations
@@ -24,18 +61,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import platform
+import shlex
+import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
+import tritonclient.grpc as grpcclient
 import websockets
+from tritonclient.utils import InferenceServerException
 
 from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_stats import percentiles_ms
+from benchmarks.cosyvoice2_triton import cosyvoice2_triton
+from benchmarks.gpu_sanity import nvidia_smi, print_server_errors
 
 UTTERANCES = (
     "Thanks for calling. Your order shipped this morning and should arrive on Thursday. "
@@ -45,6 +92,8 @@ UTTERANCES = (
 )
 PCM_RATE = 24_000
 _STALL_MIN = 0.02  # a gap shorter than this is not heard as a stall
+# Triton models whose request counts tell which path served a level (absent ones are left out).
+SERVING_MODELS: Final = ("cosyvoice2_bistream", "cosyvoice2_stream", "piper_stream")
 
 
 @dataclass
@@ -104,15 +153,24 @@ async def over_websocket(url: str, text: str, pace: float, voice: str, context: 
             await ws.send(json.dumps({"context_id": context, "close_context": True}))
 
         writer = asyncio.create_task(write())
-        async for raw in ws:
-            message = json.loads(raw)
-            if message.get("error"):
-                raise RuntimeError(message["message"])
-            if message.get("audio"):
-                playback.add(len(base64.b64decode(message["audio"])) / 2 / PCM_RATE)
-            if message.get("isFinal"):
-                break
-        await writer
+        try:
+            final = False
+            async for raw in ws:
+                message = json.loads(raw)
+                if message.get("error"):
+                    raise RuntimeError(message.get("message") or message["error"])
+                if message.get("audio"):
+                    playback.add(len(base64.b64decode(message["audio"])) / 2 / PCM_RATE)
+                if message.get("isFinal"):
+                    final = True
+                    break
+            if not final:
+                raise RuntimeError(f"the socket closed before the end: {ws.close_code} {ws.close_reason}")
+            await writer
+        finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, websockets.ConnectionClosed):
+                await writer
     return playback.figures()
 
 
@@ -131,137 +189,371 @@ async def over_http(client: httpx.AsyncClient, url: str, text: str, pace: float,
     queues: list[asyncio.Queue[bytes | None]] = [asyncio.Queue() for _ in sentences]
     ends: list[float] = []
 
+    speakers: list[asyncio.Task[None]] = []
+
     async def speak(sentence: str, queue: asyncio.Queue[bytes | None]) -> None:
         body = {"model": "tts-1", "voice": voice, "input": sentence, "response_format": "pcm"}
-        async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
-            response.raise_for_status()
-            async for data in response.aiter_bytes():
-                await queue.put(data)
-        await queue.put(None)
+        try:
+            async with client.stream("POST", f"{url}/v1/audio/speech", json=body) as response:
+                response.raise_for_status()
+                async for data in response.aiter_bytes():
+                    await queue.put(data)
+        finally:
+            # A failed sentence ends its part of the playback too; the gather below raises its error.
+            await queue.put(None)
 
-    async def write() -> list[asyncio.Task[None]]:
-        tasks = []
+    async def write() -> None:
         for sentence, queue in zip(sentences, queues, strict=True):
             await asyncio.sleep(pace * len(sentence.split(" ")))
             ends.append(time.perf_counter())
-            tasks.append(asyncio.create_task(speak(sentence, queue)))
-        return tasks
+            speakers.append(asyncio.create_task(speak(sentence, queue)))
 
     writer = asyncio.create_task(write())
     playback = Playback(started=started, first_sentence_end=0.0)
-    for queue in queues:
-        while (data := await queue.get()) is not None:
-            playback.add(len(data) / 2 / PCM_RATE)
-    tasks = await writer
-    await asyncio.gather(*tasks)
+    try:
+        for queue in queues:
+            while (data := await queue.get()) is not None:
+                playback.add(len(data) / 2 / PCM_RATE)
+        await writer
+        await asyncio.gather(*speakers)
+    finally:
+        for task in (writer, *speakers):
+            task.cancel()
+        await asyncio.gather(writer, *speakers, return_exceptions=True)
     playback.first_sentence_end = ends[0]
     return playback.figures()
 
 
-def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
+@dataclass
+class PathRun:
+    """One path's utterances at one level: each one's figures, or its error."""
+
+    wall_s: float = 0.0
+    runs: list[dict[str, float]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+async def attempt(run: PathRun, utterance: Awaitable[dict[str, float]], limit_s: float) -> None:
+    """Record one utterance's figures, or why it failed; a failure never stops the level."""
+    try:
+        async with asyncio.timeout(limit_s):
+            run.runs.append(await utterance)
+    except TimeoutError:
+        run.errors.append(f"no end within {limit_s:.0f} s")
+    except (OSError, RuntimeError, httpx.HTTPError, websockets.WebSocketException) as exc:
+        run.errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def summary(run: PathRun) -> dict[str, Any]:
+    runs = run.runs
+    audio = sum(r["audio_s"] for r in runs)
+    count = max(1, len(runs))
     return {
-        "runs": len(runs),
+        "utterances": len(runs) + len(run.errors),
+        "failed": len(run.errors),
+        "first_error": run.errors[0] if run.errors else None,
+        "wall_s": round(run.wall_s, 2),
+        "rtf": round(run.wall_s / audio, 4) if audio else None,
         "first_audio_after_first_text_ms": percentiles_ms([r["first_audio_after_first_text"] for r in runs]),
         "first_audio_after_sentence_end_ms": percentiles_ms([r["first_audio_after_sentence_end"] for r in runs]),
-        "stalls_per_utterance": round(sum(r["stalls"] for r in runs) / len(runs), 2),
-        "stalled_s_per_utterance": round(sum(r["stalled_s"] for r in runs) / len(runs), 3),
-        "audio_s_per_utterance": round(sum(r["audio_s"] for r in runs) / len(runs), 2),
+        "stalls_per_utterance": round(sum(r["stalls"] for r in runs) / count, 2),
+        "stalled_s_per_utterance": round(sum(r["stalled_s"] for r in runs) / count, 3),
+        "audio_s_per_utterance": round(audio / count, 2),
     }
 
 
-async def level(url: str, sockets: int, pace: float, rounds: int, voice: str) -> dict[str, Any]:
-    async def one_socket(index: int) -> list[dict[str, float]]:
-        runs = []
-        for round_ in range(rounds):
-            text = UTTERANCES[(index + round_) % len(UTTERANCES)]
-            runs.append(await over_websocket(url, text, pace, voice, f"s{index}r{round_}"))
-        return runs
+class ServedCounts:
+    """Requests the Triton server's serving models have taken, to tell which path served a run (a
+    text-streaming session is one request, and one more per piece of text, end and close)."""
 
-    async def one_http(client: httpx.AsyncClient, index: int) -> list[dict[str, float]]:
-        runs = []
-        for round_ in range(rounds):
-            runs.append(await over_http(client, url, UTTERANCES[(index + round_) % len(UTTERANCES)], pace, voice))
-        return runs
+    def __init__(self, triton_url: str | None) -> None:
+        self._url = triton_url
 
-    ws_runs = [run for runs in await asyncio.gather(*(one_socket(i) for i in range(sockets))) for run in runs]
-    async with httpx.AsyncClient(timeout=120) as client:
-        http_runs = [
-            run for runs in await asyncio.gather(*(one_http(client, i) for i in range(sockets))) for run in runs
-        ]
-    return {
-        "sockets": sockets,
-        "pace_ms": round(pace * 1000),
-        "websocket": summary(ws_runs),
-        "http": summary(http_runs),
-    }
+    def now(self) -> dict[str, int]:
+        if self._url is None:
+            return {}
+        client = grpcclient.InferenceServerClient(self._url)
+        counts = {}
+        try:
+            for model in SERVING_MODELS:
+                with contextlib.suppress(InferenceServerException):  # a model this server lacks
+                    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+                    counts[model] = sum(int(stats[kind].get("count", 0)) for kind in ("success", "fail"))
+        finally:
+            client.close()
+        return counts
+
+    def since(self, before: dict[str, int]) -> dict[str, int]:
+        return {model: count - before.get(model, 0) for model, count in self.now().items()}
+
+
+async def level(
+    args: argparse.Namespace, url: str, sockets: int, pace: float, served: ServedCounts, *, rounds: int
+) -> dict[str, Any]:
+    """``sockets`` WebSocket clients at once, ``rounds`` utterances each; then as many HTTP clients."""
+
+    def text(index: int, round_: int) -> str:
+        return UTTERANCES[(index + round_) % len(UTTERANCES)]
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * sockets)
+    async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
+
+        def utterance(path: str, index: int, round_: int) -> Awaitable[dict[str, float]]:
+            if path == "websocket":
+                return over_websocket(url, text(index, round_), pace, args.voice, f"s{index}r{round_}")
+            return over_http(client, url, text(index, round_), pace, args.voice)
+
+        row: dict[str, Any] = {"sockets": sockets, "pace_ms": round(pace * 1000)}
+        for path in ("websocket", "http"):
+            run = PathRun()
+
+            async def one_client(index: int, path: str = path, run: PathRun = run) -> None:
+                for round_ in range(rounds):
+                    await attempt(run, utterance(path, index, round_), args.timeout_s)
+
+            before = served.now()
+            started = time.perf_counter()
+            await asyncio.gather(*(one_client(i) for i in range(sockets)))
+            run.wall_s = time.perf_counter() - started
+            row[path] = summary(run) | {"triton_requests": served.since(before)}
+    return row
+
+
+def _ms(figures: dict[str, float | None]) -> str:
+    p50, p90 = figures["p50"], figures["p90"]
+    return "-" if p50 is None or p90 is None else f"{p50:.0f} / {p90:.0f}"
 
 
 def markdown(report: dict[str, Any]) -> str:
+    setup = report["setup"]
+    stack = setup.get("stack")
     lines = [
-        f"# Text streaming: {report['name']}",
+        f"# Text streaming: {setup['report_name']}",
         "",
-        f"Gateway: {report['gateway']}; voice {report['voice']}; {report['rounds']} utterances per socket and level; "
-        f"host {report['host']}.",
+        f"`{setup['command']}`",
         "",
-        "First audio after the first word, after the first sentence's last word (p50 / p90 ms), and stalls a "
-        "listener hears (per utterance), over the WebSocket (`ws`) and the OpenAI HTTP path fed whole "
-        "sentences (`http`).",
+        f"Gateway: {setup['gateway']}; voice {setup['voice']}; {setup['rounds']} utterances per socket and "
+        f"level; host {setup['host']}; device {setup['device']}. Warm-up: {setup['warmup_sockets']} sockets, then "
+        f"as many HTTP clients, one utterance each ({setup.get('warmup_s', '-')} s).",
+    ]
+    if stack:
+        lines.append(
+            f"Triton: profile {stack['profile']}, checkpoint {stack['checkpoint']} "
+            f"({'written' if stack['checkpoint_written'] else 'reused'} in {stack['checkpoint_s']} s), "
+            f"ready in {stack['startup_s']} s, CUDA MPS {'on' if stack['cuda_mps'] else 'off'}"
+            + (f", overrides {', '.join(stack['overrides'])}" if stack["overrides"] else "")
+            + "."
+        )
+    lines += [
         "",
-        "| pace ms/word | sockets | path | first text → audio | sentence end → audio | stalls | stalled s |",
-        "|---:|---:|---|---|---|---:|---:|",
+        "First audio after the first word, after the first sentence's last word (p50 / p90 ms), stalls a "
+        "listener hears (per utterance), RTF (the path's wall time over its audio seconds) and failed "
+        "utterances, over the WebSocket (`ws`) and the OpenAI HTTP path fed whole sentences (`http`). "
+        "Triton requests: what the server's serving models took during the path's run.",
+        "",
+        "| pace ms/word | sockets | path | first text → audio | sentence end → audio | stalls | stalled s "
+        "| audio s | RTF | failed | Triton requests |",
+        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["levels"]:
+        if "skipped" in row:
+            lines.append(f"| {row['pace_ms']} | {row['sockets']} | skipped: {row['skipped']} |||||||||")
+            continue
         for path in ("websocket", "http"):
             figures = row[path]
-            first = figures["first_audio_after_first_text_ms"]
-            end = figures["first_audio_after_sentence_end_ms"]
+            served = ", ".join(f"{model} {count}" for model, count in figures.get("triton_requests", {}).items())
             lines.append(
                 f"| {row['pace_ms']} | {row['sockets']} | {'ws' if path == 'websocket' else 'http'} "
-                f"| {first['p50']:.0f} / {first['p90']:.0f} | {end['p50']:.0f} / {end['p90']:.0f} "
-                f"| {figures['stalls_per_utterance']} | {figures['stalled_s_per_utterance']} |"
+                f"| {_ms(figures['first_audio_after_first_text_ms'])} "
+                f"| {_ms(figures['first_audio_after_sentence_end_ms'])} "
+                f"| {figures['stalls_per_utterance']} | {figures['stalled_s_per_utterance']} "
+                f"| {figures['audio_s_per_utterance']} | {figures['rtf'] if figures['rtf'] is not None else '-'} "
+                f"| {figures['failed']}/{figures['utterances']} | {served or '-'} |"
             )
+    errors = [
+        f"- {row['pace_ms']} ms/word, {row['sockets']} sockets, {path}: {row[path]['first_error']}"
+        for row in report["levels"]
+        for path in ("websocket", "http")
+        if path in row and row[path]["first_error"]
+    ]
+    if errors:
+        lines += ["", "First error of each run with failures:", "", *errors]
     return "\n".join(lines) + "\n"
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    levels = []
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = report["setup"]["report_name"]
+    for name, text in ((f"{stem}.json", json.dumps(report, indent=2) + "\n"), (f"{stem}.md", markdown(report))):
+        partial = out / f".{name}.partial"
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(out / name)
+
+
+def device() -> str:
+    """The GPU's name and memory where ``nvidia-smi`` answers, else the CPU."""
+    try:
+        return ", ".join(nvidia_smi("gpu=name,memory.total")[0]) + " MiB"
+    except (OSError, subprocess.SubprocessError):
+        return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+async def measure(
+    args: argparse.Namespace, url: str, report: dict[str, Any], served: ServedCounts, deadline: float
+) -> None:
+    """Warm-up (``--warmup`` sockets, then HTTP clients, one utterance each; all must succeed), then every
+    pace and level, the report written after each."""
+    warm_started = time.perf_counter()
+    warm = await level(args, url, args.warmup, args.paces[0], served, rounds=1)
+    report["setup"]["warmup_s"] = round(time.perf_counter() - warm_started, 1)
+    for path in ("websocket", "http"):
+        if warm[path]["failed"]:
+            raise RuntimeError(f"the warm-up failed over {path}: {warm[path]['first_error']}")
+    previous = 0.0
     for pace in args.paces:
         for sockets in args.levels:
-            levels.append(await level(url, sockets, pace / 1000, args.rounds, args.voice))
-            print(json.dumps(levels[-1]), flush=True)
+            remaining = deadline - time.perf_counter()
+            if previous * 2 > remaining:
+                reason = f"~{previous * 2:.0f} s expected, {max(0.0, remaining):.0f} s of budget left"
+                report["levels"].append({"sockets": sockets, "pace_ms": round(pace * 1000), "skipped": reason})
+            else:
+                started = time.perf_counter()
+                report["levels"].append(await level(args, url, sockets, pace, served, rounds=args.rounds))
+                previous = time.perf_counter() - started
+            print(json.dumps(report["levels"][-1]), flush=True)
+            write_report(args.out, report)
+
+
+def wait_ready(triton_url: str, timeout_s: float) -> None:
+    """Until the Triton at ``triton_url`` says it is ready: one launched in the background is found
+    when its models have loaded."""
+    deadline = time.monotonic() + timeout_s
+    client = grpcclient.InferenceServerClient(triton_url)
+    try:
+        while True:
+            with contextlib.suppress(InferenceServerException):
+                if client.is_server_ready():
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Triton at {triton_url} was not ready within {timeout_s:.0f} s")
+            time.sleep(2.0)
+    finally:
+        client.close()
+
+
+def gateway_env(triton_url: str, args: argparse.Namespace) -> dict[str, str]:
+    """A gateway on ``triton_url`` that admits every socket and sentence of the largest level at once."""
     return {
-        "name": args.name,
-        "gateway": args.gateway_url or "started here (embedded CPU default)",
-        "voice": args.voice,
-        "rounds": args.rounds,
-        "host": f"{platform.node()} {platform.machine()}",
-        "utterances": list(UTTERANCES),
-        "levels": levels,
+        "TTS_TRITON_URL": triton_url,
+        "TTS_WORKERS": str(args.gateway_workers),
+        # A socket holds one admission slot; an HTTP utterance up to one per sentence.
+        "TTS_MAX_CONCURRENT_SPEECH": str(4 * max(args.levels)),
+        "TTS_BACKEND_TIMEOUT": str(args.timeout_s),
+        "TTS_BACKEND_CHUNK_TIMEOUT": str(args.timeout_s),
+        "TTS_REQUEST_TIMEOUT": str(args.timeout_s),
+        "TTS_LOG_LEVEL": "info",
     }
 
 
-def main() -> None:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    report: dict[str, Any] = {
+        "setup": {
+            "command": shlex.join(["python", "-m", "benchmarks.text_stream", *sys.argv[1:]]),
+            "report_name": args.name,
+            "gateway": "",
+            "stack": None,
+            "voice": args.voice,
+            "rounds": args.rounds,
+            "warmup_sockets": args.warmup,
+            "host": f"{platform.node()} {platform.machine()}",
+            "device": device(),
+            "utterances": list(UTTERANCES),
+        },
+        "levels": [],
+    }
+    setup = report["setup"]
+    with contextlib.ExitStack() as stack:
+        triton_url = args.triton_url
+        if args.gateway_url:
+            url = args.gateway_url.rstrip("/")
+            setup["gateway"] = url
+        else:
+            if args.profile:
+                server, stack_setup = stack.enter_context(
+                    cosyvoice2_triton(
+                        args.workdir / "triton", args.profile, args.set, startup_timeout=args.startup_timeout
+                    )
+                )
+                triton_url = server.grpc_url
+                setup["stack"] = asdict(stack_setup)
+                print(f"Triton ready: {setup['stack']}", flush=True)
+            elif triton_url is not None:
+                wait_ready(triton_url, args.startup_timeout)
+            env = {} if triton_url is None else gateway_env(triton_url, args)
+            gateway = GatewayServer(args.workdir / "gateway", env)
+            gateway.start(timeout=args.startup_timeout)
+            stack.callback(gateway.stop)
+            url = gateway.url
+            setup["gateway"] = (
+                "started here (embedded CPU default)"
+                if triton_url is None
+                else f"started here on Triton {triton_url} ({args.gateway_workers} workers)"
+            )
+        asyncio.run(measure(args, url, report, ServedCounts(triton_url), deadline))
+    setup["total_s"] = round(time.perf_counter() - started, 1)
+    write_report(args.out, report)
+    return report
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("var/bench"), help="where NAME.json/.md go")
     parser.add_argument("--name", default="text-stream", help="file stem of the report")
     parser.add_argument("--levels", default="1,4", help="sockets at once, comma-separated (default: 1,4)")
     parser.add_argument("--paces", default="30,200", help="ms between words, comma-separated (default: 30,200)")
     parser.add_argument("--rounds", type=int, default=3, help="utterances per socket and level (default: 3)")
-    parser.add_argument("--voice", default="joe", help="voice (default: joe, Piper's)")
-    parser.add_argument("--gateway-url", help="use this gateway instead of starting one on the embedded CPU default")
+    parser.add_argument("--voice", help="voice (default: joe, Piper's, on the embedded default; else lumen)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--gateway-url", help="use this gateway")
+    where.add_argument("--triton-url", help="start a gateway on this Triton (gRPC HOST:PORT)")
+    where.add_argument(
+        "--profile", help="start a Triton on this CosyVoice2 profile (random checkpoint), then a gateway"
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="profile overrides")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="TTS_WORKERS of a gateway started on a Triton")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("var/text_stream"), help="checkpoint, repository, logs (reused)"
+    )
+    parser.add_argument("--warmup", type=int, default=0, help="sockets of the warm-up (default: the largest level)")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="limit of one utterance")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for Triton and the gateway")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="skip levels that would end later than this")
     args = parser.parse_args()
     args.levels = [int(value) for value in args.levels.split(",")]
-    args.paces = [float(value) for value in args.paces.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.gateway_url:
-        report = asyncio.run(run(args, args.gateway_url.rstrip("/")))
-    else:
-        with GatewayServer((args.out / f"{args.name}-stack").resolve(), {}) as gateway:
-            report = asyncio.run(run(args, gateway.url))
-    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(report))
+    args.paces = [float(value) / 1000 for value in args.paces.split(",")]
+    if min(args.levels) < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("levels and rounds must be positive")
+    args.warmup = args.warmup or max(args.levels)
+    if args.set and not args.profile:
+        parser.error("--set goes with --profile")
+    embedded = not (args.gateway_url or args.triton_url or args.profile)
+    args.voice = args.voice or ("joe" if embedded else "lumen")
+    args.out = args.out.resolve()
+    args.workdir = args.workdir.resolve()
+    try:
+        report = run(args)
+    except (RuntimeError, OSError, InferenceServerException) as exc:
+        # A Triton started here logs why its models failed; a gateway's log stays in the workdir.
+        print_server_errors(args.workdir / "triton" / "tritonserver.log", limit=20)
+        print(f"FAIL: {exc} (logs under {args.workdir})", flush=True)
+        return 1
     print(markdown(report))
+    failed = sum(row[path]["failed"] for row in report["levels"] for path in ("websocket", "http") if path in row)
+    print(f"report: {args.out / args.name}.md and .json; {failed} utterances failed", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,8 @@
-"""The full-size random checkpoint has the released model's shapes, and its LLM stops where the caller allows.
+"""The full-size random checkpoint has the released model's shapes, its LLM stops where the caller allows,
+and a text stream on it speaks its text.
 
 The full-size weights are checked on the meta device (shapes only, no memory); behaviour is
-checked on tiny shapes.
+checked on tiny shapes with the full size's head constants.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tests.cosyvoice.test_llm_engine import Recorder
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
     FLOW_FILENAME,
+    FULL_FILL_LOGIT,
     FULL_STOP_LOGIT,
     HIFT_FILENAME,
     MARKER_FILENAME,
     OFFICIAL_CONFIG_FILE,
+    CheckpointSize,
     ensure_checkpoint,
     full_size,
     module_states,
@@ -25,6 +29,7 @@ from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import (
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import tiny_size
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_frontend import llm_state, tiny_llm_config, write_llm
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.engines.llm_bistream import SPEECH_PER_ROUND, TEXT_PER_ROUND
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.model.config import load_config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
@@ -75,7 +80,7 @@ def test_llm_has_qwen2_05b_shape_with_the_extended_vocabulary_and_an_untied_bias
     assert config.vocab_size == vocab.MODEL_VOCAB_SIZE
     assert config.tie_word_embeddings is False
     with torch.device("meta"):
-        state = shapes(llm_state(config, stop_logit=FULL_STOP_LOGIT))
+        state = shapes(llm_state(config, stop_logit=FULL_STOP_LOGIT, fill_logit=FULL_FILL_LOGIT))
     assert state["model.embed_tokens.weight"] == state["lm_head.weight"] == (vocab.MODEL_VOCAB_SIZE, 896)
     assert state["lm_head.bias"] == (vocab.MODEL_VOCAB_SIZE,)
     assert state["model.layers.23.self_attn.q_proj.weight"] == (896, 896)
@@ -87,11 +92,21 @@ def test_llm_has_qwen2_05b_shape_with_the_extended_vocabulary_and_an_untied_bias
     assert sum(torch.Size(shape).numel() for shape in state.values()) == expected
 
 
-@pytest.mark.parametrize(("stop_logit", "stops_at_minimum"), [(FULL_STOP_LOGIT, True), (None, False)])
+# The sampling every profile sets (profiles/cosyvoice2.toml).
+PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1)
+
+
+def tiny_llm_with_head_of(size: CheckpointSize, directory: Path) -> Path:
+    return write_llm(directory, tiny_llm_config(), stop_logit=size.stop_logit, fill_logit=size.fill_logit)
+
+
+@pytest.mark.parametrize(
+    ("size", "stops_at_minimum"), [(full_size(), True), (tiny_size(), False)], ids=["full", "tiny"]
+)
 def test_the_stop_logit_ends_generation_as_soon_as_the_minimum_allows(
-    tmp_path: Path, stop_logit: float | None, stops_at_minimum: bool
+    tmp_path: Path, size: CheckpointSize, stops_at_minimum: bool
 ) -> None:
-    llm_dir = write_llm(tmp_path / "cosyvoice2_llm", tiny_llm_config(), stop_logit=stop_logit)
+    llm_dir = tiny_llm_with_head_of(size, tmp_path / "cosyvoice2_llm")
     llm = TorchSpeechLLM(llm_dir)
     ids = vocab.build_prompt_ids(AutoTokenizer.from_pretrained(llm_dir), "Hi there.", "A longer sentence.", [5, 6, 7])
     lengths = [
@@ -105,6 +120,36 @@ def test_the_stop_logit_ends_generation_as_soon_as_the_minimum_allows(
         for seed, minimum in ((0, 3), (1, 17), (2, 40))
     ]
     assert (lengths == [3, 17, 40]) is stops_at_minimum
+
+
+def test_a_text_stream_on_the_full_sizes_head_speaks_its_text_in_rounds(tmp_path: Path) -> None:
+    # A text stream has no minimum length: its rounds end at the fill token, its final stage may stop
+    # at once. A head whose fill wins at every step (as the stop ids do) left it without speech.
+    llm = TorchSpeechLLM(tiny_llm_with_head_of(full_size(), tmp_path / "cosyvoice2_llm"), max_slots=2)
+    prompt_text = [1000 + k for k in range(30)]
+    prompt_speech = vocab.speech_tokens_to_ids([(37 * k + 11) % vocab.SPEECH_TOKEN_SIZE for k in range(80)])
+    text = [2000 + 13 * k for k in range(60)]
+    limit = 600
+    try:
+        for seed in range(4):
+            recorder = Recorder()
+            handle = llm.open_stream(
+                prompt_text,
+                prompt_speech,
+                SamplingParams(**{**vars(PROFILE_SAMPLING), "seed": seed}),
+                max_new_tokens=limit,
+                stop_ids=vocab.STOP_IDS,
+                sink=recorder,
+            )
+            handle.add_text(text)
+            handle.end_text()
+            assert recorder.done.wait(60)
+            assert recorder.error is None
+            # About as much speech per text token as a request (2), at most the forced fills' pace
+            # (with the first round, which only a drawn fill ends), and ended by the model, not the limit.
+            assert len(text) <= len(recorder.tokens) <= len(text) * SPEECH_PER_ROUND // TEXT_PER_ROUND
+    finally:
+        llm.close()
 
 
 def test_a_complete_checkpoint_is_reused_and_any_other_replaced(tmp_path: Path) -> None:

@@ -18,11 +18,21 @@ reference voice (its prompt is cached), and the text tokenizer, a byte-level BPE
 sentences (about 3.5 tokens per English word and 2.7 per Chinese character, where Qwen2's has about
 1.3 and 0.7: prompts are a few dozen tokens longer than with the real one).
 
-Random weights give no natural end of speech. The full size's LLM head makes the stop ids win as
-soon as ``min_new_tokens`` allows, so a request yields exactly ``min_token_text_ratio`` (2.0 in
-every profile) speech tokens per text token; with the stand-in tokenizer that is roughly 3 English
-words or 5 Chinese characters per second of audio (25 tokens per second), a natural pace. The
-audio itself is noise-like.
+Random weights give no natural end of speech. The full size's LLM head makes the stop ids
+(``<|eos1|>``, ``<|eos2|>``) win as soon as ``min_new_tokens`` allows, so a request yields exactly
+``min_token_text_ratio`` (2.0 in every profile) speech tokens per text token; with the stand-in
+tokenizer that is roughly 3 English words or 5 Chinese characters per second of audio (25 tokens
+per second), a natural pace. The audio itself is noise-like.
+
+A text stream (``cosyvoice2_bistream``) has no such minimum: as upstream's ``inference_bistream``,
+its final stage may stop at once, and within a round it draws the fill token (``<|eos3|>``) when
+the model says so. The fill row therefore gets its own constant logit (``FULL_FILL_LOGIT``), near
+the top of the speech logits rather than above them: at the profiles' sampling (temperature 0.8,
+top-k 50, top-p 0.95, repetition penalty 1.1) a round ends by itself after a few to a few dozen
+speech tokens and the forced fill caps every round after the first at 15 (the real model's pace,
+15 per 5 text tokens), so a stream yields about 2 speech tokens per text token (up to 3 when its
+first round runs long), as a request does. Its final stage stops at once: the last text tokens
+(fewer than a round's 5) get no speech.
 """
 
 from __future__ import annotations
@@ -49,6 +59,9 @@ MARKER_FILENAME: Final = "random_checkpoint.json"
 OFFICIAL_CONFIG_FILE: Final = Path(__file__).with_name("official_cosyvoice2.yaml")
 # Far above any speech row's logit (about N(0, 0.8) at random weights), even after temperature.
 FULL_STOP_LOGIT: Final = 20.0
+# Near the largest of the full-size LLM's speech logits (about 2.8; top-50 from about 1.9): drawn at
+# about 6 % of the steps at temperature 0.8, 4 % once the repetition penalty holds it back.
+FULL_FILL_LOGIT: Final = 3.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,7 @@ class CheckpointSize:
     model: config.CosyVoice2Config
     llm: Qwen2Config
     stop_logit: float | None = None
+    fill_logit: float | None = None
 
 
 def official_config() -> config.CosyVoice2Config:
@@ -87,7 +101,9 @@ def full_llm_config() -> Qwen2Config:
 
 
 def full_size() -> CheckpointSize:
-    return CheckpointSize("full", official_config(), full_llm_config(), stop_logit=FULL_STOP_LOGIT)
+    return CheckpointSize(
+        "full", official_config(), full_llm_config(), stop_logit=FULL_STOP_LOGIT, fill_logit=FULL_FILL_LOGIT
+    )
 
 
 def module_states(cfg: config.CosyVoice2Config, *, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -111,18 +127,21 @@ def write_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> Rand
         torch.save(state, model_dir / filename)
     tiny_frontend.write_tiny_tokenizer_onnx(model_dir / tiny_frontend.TOKENIZER_FILENAME, seed=seed)
     tiny_frontend.write_tiny_campplus_onnx(model_dir / tiny_frontend.CAMPPLUS_FILENAME, seed=seed)
-    llm_dir = tiny_frontend.write_llm(root / tiny_frontend.LLM_DIRNAME, size.llm, seed=seed, stop_logit=size.stop_logit)
+    llm_dir = tiny_frontend.write_llm(
+        root / tiny_frontend.LLM_DIRNAME, size.llm, seed=seed, stop_logit=size.stop_logit, fill_logit=size.fill_logit
+    )
     return RandomCheckpoint(model_dir=model_dir, llm_dir=llm_dir)
 
 
 def ensure_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> tuple[RandomCheckpoint, bool]:
     """The checkpoint of ``size`` and ``seed`` under ``root``, and whether it had to be written.
 
-    A complete one (its marker file names the same size and seed) is reused. Otherwise it is
+    A complete one (its marker file names the same size, seed and head constants) is reused. Otherwise it is
     written into a sibling directory that replaces ``root`` only once complete, so an
     interrupted write never leaves a half-written checkpoint that looks usable.
     """
-    marker = {"size": size.name, "seed": seed}
+    # The head's constants are part of it: a checkpoint written with other ones is replaced.
+    marker = {"size": size.name, "seed": seed, "stop_logit": size.stop_logit, "fill_logit": size.fill_logit}
     existing = RandomCheckpoint(model_dir=root / COSYVOICE_DIRNAME, llm_dir=root / tiny_frontend.LLM_DIRNAME)
     if _read_marker(root) == marker:
         return existing, False

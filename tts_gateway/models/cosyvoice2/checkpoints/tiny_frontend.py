@@ -54,7 +54,9 @@ LLM_HEADS: Final = 2
 LLM_KV_HEADS: Final = 1
 # Speech rows of upstream's llm_decoder / speech_embedding: 6561 tokens and eos1..eos3.
 _SPEECH_ROWS: Final = slice(vocab.SPEECH_TOKEN_OFFSET, vocab.EOS3_ID + 1)
-_STOP_ROWS: Final = slice(vocab.EOS1_ID, vocab.EOS3_ID + 1)
+# The stop rows, and the fill row (<|eos3|>): in a text stream it ends a round and stops nothing.
+_STOP_ROWS: Final = slice(vocab.EOS1_ID, vocab.EOS2_ID + 1)
+_FILL_ROWS: Final = slice(vocab.EOS3_ID, vocab.EOS3_ID + 1)
 
 _BPE_CORPUS: Final = (
     "The quick brown fox jumps over the lazy dog.",
@@ -156,13 +158,20 @@ def write_tiny_llm(directory: Path, *, seed: int = 0) -> Path:
     return write_llm(directory, tiny_llm_config(), seed=seed)
 
 
-def write_llm(directory: Path, config: Qwen2Config, *, seed: int = 0, stop_logit: float | None = None) -> Path:
+def write_llm(
+    directory: Path,
+    config: Qwen2Config,
+    *,
+    seed: int = 0,
+    stop_logit: float | None = None,
+    fill_logit: float | None = None,
+) -> Path:
     """Write a random-weight ``cosyvoice2_llm`` HF directory of any Qwen2 shape (see :func:`llm_state`)."""
     directory.mkdir(parents=True, exist_ok=True)
     save_file(
         {
             name: tensor.to(torch.bfloat16).contiguous()
-            for name, tensor in llm_state(config, seed=seed, stop_logit=stop_logit).items()
+            for name, tensor in llm_state(config, seed=seed, stop_logit=stop_logit, fill_logit=fill_logit).items()
         },
         str(directory / "model.safetensors"),
         metadata={"format": "pt"},
@@ -175,14 +184,19 @@ def write_llm(directory: Path, config: Qwen2Config, *, seed: int = 0, stop_logit
     return directory
 
 
-def llm_state(config: Qwen2Config, *, seed: int = 0, stop_logit: float | None = None) -> dict[str, torch.Tensor]:
+def llm_state(
+    config: Qwen2Config, *, seed: int = 0, stop_logit: float | None = None, fill_logit: float | None = None
+) -> dict[str, torch.Tensor]:
     """Random float32 weights of a CosyVoice2 LLM: Hugging Face's Qwen2 initialisation, then upstream's head.
 
     The head keeps only the speech rows, with a random bias, and -inf bias elsewhere. With
-    ``stop_logit`` the stop rows instead get zero weights and that bias: a large value makes
-    every generation stop as soon as the caller's ``min_new_tokens`` allows, which gives a
-    random-weight model a reproducible output length. Built on torch's default device (under
-    ``torch.device("meta")`` it only has shapes).
+    ``stop_logit`` the stop rows (``<|eos1|>``, ``<|eos2|>``) instead get zero weights and that
+    bias: a large value makes every generation stop as soon as the caller's ``min_new_tokens``
+    allows, which gives a random-weight model a reproducible output length. ``fill_logit`` does the
+    same for the fill row (``<|eos3|>``), which a text stream draws to end a round and which no
+    minimum holds back: a value near the top speech logits makes rounds end after a few speech
+    tokens on average. Built on torch's default device (under ``torch.device("meta")`` it only has
+    shapes).
     """
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).eval()
@@ -193,9 +207,10 @@ def llm_state(config: Qwen2Config, *, seed: int = 0, stop_logit: float | None = 
     bias = torch.full((config.vocab_size,), float("-inf"), device=head.device)
     rows = _SPEECH_ROWS.stop - _SPEECH_ROWS.start
     bias[_SPEECH_ROWS] = (torch.randn(rows, generator=generator, device="cpu") * 0.5).to(head.device)
-    if stop_logit is not None:
-        state["lm_head.weight"][_STOP_ROWS] = 0.0
-        bias[_STOP_ROWS] = stop_logit
+    for rows, logit in ((_STOP_ROWS, stop_logit), (_FILL_ROWS, fill_logit)):
+        if logit is not None:
+            state["lm_head.weight"][rows] = 0.0
+            bias[rows] = logit
     state["lm_head.bias"] = bias
     return state
 
