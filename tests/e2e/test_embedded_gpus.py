@@ -68,12 +68,13 @@ def test_one_supervised_server_per_gpu_behind_one_pool(tmp_path: Path) -> None:
     try:
         health = httpx.get(f"{gateway.url}/health", timeout=10).json()
         assert [backend["ready"] for backend in health["backends"]] == [True, True], health
-        # Each server's own daemon, pinned to its GPU; the server itself does not narrow the GPUs down again.
+        # Each server sees its GPU alone, under a daemon of its own pinned to that GPU (no nvidia-smi here
+        # to turn the ids into UUIDs).
         assert sorted(line for line in devices(bin_dir) if line.endswith("-d")) == ["0 -d", "1 -d"]
         pids = {gpu: tritonserver_pid(workdir / f"gpu-{gpu}") for gpu in GPUS}
         for gpu, pid in pids.items():
             env = environ(pid)
-            assert "CUDA_VISIBLE_DEVICES" not in env
+            assert env["CUDA_VISIBLE_DEVICES"] == gpu
             assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(workdir / f"gpu-{gpu}" / "mps" / "pipe")
 
         client = OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)

@@ -111,25 +111,18 @@ def test_a_daemon_that_does_not_start_is_an_error_only_when_asked_for(
     assert optional.env() == {}
 
 
-def test_a_daemon_pinned_to_a_gpu_serves_clients_that_see_it_alone(
+def test_a_daemon_pinned_to_a_gpu_is_started_seeing_that_gpu_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bin_dir = tmp_path / "bin"
     stand_in_first_on_path(bin_dir, monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    mps = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=False, device="1")
-    assert mps is not None
-    base = {"CUDA_VISIBLE_DEVICES": "1", "HOME": "/root"}
-    # Not running: the client keeps its one GPU.
-    assert mps.client_env(base) == base
-    mps.start()
-    assert devices(bin_dir) == ["1 -d"]
-    # NVIDIA: a client of a daemon with CUDA_VISIBLE_DEVICES must not set it; it sees the daemon's GPU.
-    assert mps.client_env(base) == {"HOME": "/root", **mps.env()}
-    mps.stop()
-    assert devices(bin_dir)[-1] == "1 "
+    pinned = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=False, device="GPU-77aa")
+    assert pinned is not None
+    pinned.start()
+    pinned.stop()
+    assert devices(bin_dir) == ["GPU-77aa -d", "GPU-77aa "]
     unpinned = CudaMps.for_mode("on", tmp_path / "all", profile_asks=False)
     assert unpinned is not None
     unpinned.start()
     assert devices(bin_dir)[-1] == "0,1 -d"
-    assert unpinned.client_env(base) == {**base, **unpinned.env()}

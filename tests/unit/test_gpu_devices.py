@@ -7,16 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from tts_gateway.gateway.gpu_devices import parse_setting, server_gpus, visible_gpus
+from tts_gateway.gateway.gpu_devices import cuda_ids, parse_setting, server_gpus, visible_gpus
 from tts_gateway.gateway.settings import Settings
 
 
 def fake_nvidia_smi(directory: Path, indices: list[int], status: int = 0) -> Path:
+    """``nvidia-smi`` answering the two queries asked of it: indices, and indices with UUIDs."""
     directory.mkdir(parents=True, exist_ok=True)
     program = directory / "nvidia-smi"
-    lines = "".join(f"echo {index}\n" for index in indices)
+    indexes = "".join(f"echo {index}\n" for index in indices)
+    uuids = "".join(f"echo '{index}, GPU-{index:04x}'\n" for index in indices)
     program.write_text(
-        f'#!/bin/sh\n[ "$*" = "--query-gpu=index --format=csv,noheader" ] || exit 9\n{lines}exit {status}\n'
+        "#!/bin/sh\n"
+        f'if [ "$*" = "--query-gpu=index --format=csv,noheader" ]; then\n{indexes}exit {status}; fi\n'
+        f'if [ "$*" = "--query-gpu=index,uuid --format=csv,noheader" ]; then\n{uuids}exit {status}; fi\n'
+        "exit 9\n"
     )
     program.chmod(program.stat().st_mode | stat.S_IEXEC)
     return directory
@@ -71,3 +76,10 @@ def test_a_gpu_profile_gets_a_server_per_gpu_and_anything_else_one(
     # One GPU: one server that sees it, as on a single-GPU machine before.
     monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "one", [0])))
     assert server_gpus("auto", profile_uses_gpu=True) == [None]
+
+
+def test_servers_are_handed_their_gpu_by_uuid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "bin", [0, 1])))
+    assert cuda_ids(["1", "GPU-77aa", "7"]) == {"1": "GPU-0001", "GPU-77aa": "GPU-77aa", "7": "7"}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert cuda_ids(["0"]) == {"0": "0"}

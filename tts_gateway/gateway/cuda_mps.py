@@ -9,8 +9,9 @@ Multi-Process Service the processes' kernels run on the GPU side by side.
 The daemon started here belongs to one server: its pipe and log directories live in a directory
 of that server's, so it neither joins nor disturbs an MPS daemon that someone else runs. A server
 given one GPU of several gets a daemon pinned to that GPU (``CUDA_VISIBLE_DEVICES`` in the
-daemon's environment, as NVIDIA's MPS guide has it); its clients then must not set the variable
-themselves: they see the daemon's GPU as device 0. A process already under MPS
+daemon's environment, as NVIDIA's MPS guide has it), and keeps naming that GPU by its UUID itself:
+a client of such a daemon that named no device was seen to give its models the host's second GPU
+as device 1 while torch in them saw one device. A process already under MPS
 (``CUDA_MPS_PIPE_DIRECTORY`` set, as a Kubernetes device plugin that shares GPUs through MPS
 does) starts none.
 """
@@ -75,16 +76,6 @@ class CudaMps:
         if not self.running:
             return {}
         return {PIPE_VARIABLE: str(self.pipe_dir), LOG_VARIABLE: str(self.log_dir)}
-
-    def client_env(self, base: dict[str, str]) -> dict[str, str]:
-        """``base`` made a client's environment: the daemon's pipes, and no ``CUDA_VISIBLE_DEVICES`` under a
-        running daemon pinned to a device. Without a running daemon ``base`` is returned as it is."""
-        if not self.running:
-            return base
-        env = {**base, **self.env()}
-        if self.device is not None:
-            env.pop(VISIBLE_DEVICES, None)
-        return env
 
     def start(self) -> None:
         """Start the daemon (it forks and returns at once); one left running in these directories is quit first.

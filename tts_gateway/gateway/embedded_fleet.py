@@ -1,7 +1,7 @@
 """The embedded Triton servers of a gateway: one per GPU for a GPU profile, else one; each supervised.
 
 The profile is rendered once and every server serves that repository. A server given one GPU of
-several sees it alone (``CUDA_VISIBLE_DEVICES``) and gets its own CUDA MPS daemon pinned to it, so a
+several sees it alone (``CUDA_VISIBLE_DEVICES``, by UUID) and gets its own CUDA MPS daemon pinned to it, so a
 fault on one GPU (or in its daemon) leaves the others serving, and its supervisor restarts it on
 the same ports. The servers start together (a GPU profile takes minutes to load), each on its
 supervisor's thread, which is what the kernel ties its life to.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tts_gateway.gateway.cuda_mps import CudaMps, MpsMode
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton
-from tts_gateway.gateway.gpu_devices import VISIBLE_DEVICES, server_gpus
+from tts_gateway.gateway.gpu_devices import VISIBLE_DEVICES, cuda_ids, server_gpus
 from tts_gateway.gateway.settings import Settings
 from tts_gateway.gateway.triton_supervisor import TritonSupervisor
 from tts_gateway.models.model_repository import (
@@ -87,17 +87,19 @@ def embedded_servers(
 ) -> list[EmbeddedTriton]:
     """A server over ``repository`` for each entry of ``gpus`` (see :func:`server_gpus`); one alone lives in
     ``workdir``, several in ``workdir/gpu-ID``, each with its MPS daemon's directories there."""
+    ids = cuda_ids([gpu for gpu in gpus if gpu is not None])
     servers = []
     for gpu in gpus:
         home = workdir if len(gpus) == 1 else workdir / f"gpu-{gpu}"
+        device = None if gpu is None else ids[gpu]
         servers.append(
             EmbeddedTriton(
                 repository,
                 workdir=home,
                 startup_timeout=startup_timeout,
                 log_path=home / "tritonserver.log",
-                cuda_mps=CudaMps.for_mode(cuda_mps, home / "mps", profile_asks=profile_asks_mps, device=gpu),
-                env=None if gpu is None else {VISIBLE_DEVICES: gpu},
+                cuda_mps=CudaMps.for_mode(cuda_mps, home / "mps", profile_asks=profile_asks_mps, device=device),
+                env=None if device is None else {VISIBLE_DEVICES: device},
             )
         )
     return servers

@@ -262,7 +262,7 @@ class EmbeddedTriton:
             env["LD_LIBRARY_PATH"] = _prepend_path(str(libpython), env["LD_LIBRARY_PATH"])
         env["PATH"] = _prepend_path(str(Path(sys.executable).parent), env.get("PATH"))
         if self._mps is not None:
-            env = self._mps.client_env(env)
+            env.update(self._mps.env())
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         logger.info("starting tritonserver on gRPC %s:%d (log: %s)", self.host, ports[0], self.log_path)

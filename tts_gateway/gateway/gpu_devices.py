@@ -46,12 +46,27 @@ def visible_gpus() -> list[str]:
                 break
             devices.append(device)
         return devices
+    return [row[0] for row in _nvidia_smi("index")]
+
+
+def cuda_ids(devices: list[str]) -> dict[str, str]:
+    """Each device as its UUID where ``nvidia-smi`` knows its index (a UUID or an unknown index stays as given).
+
+    A server is handed its GPU by UUID: an index means one GPU to ``nvidia-smi`` and possibly another to a
+    process whose devices an MPS daemon narrows down, a UUID the same GPU to both.
+    """
+    uuids = {row[0]: row[1] for row in _nvidia_smi("index,uuid") if len(row) == 2}
+    return {device: uuids.get(device, device) for device in devices}
+
+
+def _nvidia_smi(fields: str) -> list[list[str]]:
+    """``nvidia-smi``'s rows of ``fields`` for every GPU; none without an NVIDIA driver."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
     try:
         listed = subprocess.run(
-            [smi, "--query-gpu=index", "--format=csv,noheader"],
+            [smi, f"--query-gpu={fields}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=_NVIDIA_SMI_TIMEOUT_S,
@@ -59,7 +74,7 @@ def visible_gpus() -> list[str]:
         )
     except (OSError, subprocess.SubprocessError):
         return []
-    return [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+    return [[field.strip() for field in line.split(",")] for line in listed.stdout.splitlines() if line.strip()]
 
 
 def server_gpus(setting: str, *, profile_uses_gpu: bool) -> list[str | None]:
