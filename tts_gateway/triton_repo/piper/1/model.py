@@ -8,17 +8,18 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from tts_gateway.allocator import release_free_memory
 from tts_gateway.models import contract
 from tts_gateway.models.piper import PiperEngine
-from tts_gateway.models.piper.onnx_memory import return_freed_blocks
+from tts_gateway.models.piper.onnx_memory import use_one_heap
 from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 
 class TritonPythonModel(SpeechContractModel):
     def setup(self, params: dict[str, str]) -> None:
-        # This stub process is Piper's alone: its memory comes back after each long sentence.
-        return_freed_blocks()
+        # This stub process is Piper's alone: its memory comes back when each request ends.
+        use_one_heap()
         self._engine = PiperEngine(
             Path(params["voice_model"]) if params.get("voice_model") else None,
             Path(params["voice_config"]) if params.get("voice_config") else None,
@@ -29,4 +30,7 @@ class TritonPythonModel(SpeechContractModel):
 
     def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         # Piper synthesises a sentence when asked for its chunk: a cancelled request stops there.
-        yield from self._engine.synthesize(speech.target_text, speed=speech.speed)
+        try:
+            yield from self._engine.synthesize(speech.target_text, speed=speech.speed)
+        finally:
+            release_free_memory()
