@@ -20,7 +20,6 @@ logger = logging.getLogger(__name__)
 # mallopt(3) parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
-_M_ARENA_MAX: Final = -8
 MMAP_THRESHOLD: Final = 4 * 1024 * 1024
 TRIM_THRESHOLD: Final = 32 * 1024 * 1024
 
@@ -30,10 +29,8 @@ def keep_audio_buffers_in_heap() -> bool:
     return set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
 
 
-def set_malloc_thresholds(
-    *, mmap_threshold: int, trim_threshold: int | None = None, arena_max: int | None = None
-) -> bool:
-    """Fix glibc's mmap threshold (and the trim threshold and the number of arenas, if given) for this process.
+def set_malloc_thresholds(*, mmap_threshold: int, trim_threshold: int | None = None) -> bool:
+    """Fix glibc's mmap threshold (and the trim threshold, if given) for this process.
 
     A fixed threshold also stops glibc from raising it as large blocks are freed. ``False`` where
     the C library has no glibc ``mallopt`` or it refused a value.
@@ -47,19 +44,16 @@ def set_malloc_thresholds(
     applied = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
     if trim_threshold is not None:
         applied = applied and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-    if arena_max is not None:
-        applied = applied and bool(mallopt(_M_ARENA_MAX, arena_max))
     if not applied:
         logger.debug("mallopt refused the heap thresholds; the allocator keeps its defaults")
     return applied
 
 
 def release_free_memory() -> bool:
-    """Give the pages of every free block in the heap back to the kernel (glibc ``malloc_trim(0)``).
+    """Give the pages of the free blocks in every heap back to the kernel (glibc ``malloc_trim(0)``).
 
-    Only the main arena's free top is returned this way; a thread's own arena keeps its top, which
-    is why a process that calls this keeps one arena (``arena_max=1``). ``False`` where there is no
-    glibc ``malloc_trim`` or nothing was returned.
+    The free top of a thread's own heap stays (up to the trim threshold). ``False`` where there is
+    no glibc ``malloc_trim`` or nothing was returned.
     """
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim

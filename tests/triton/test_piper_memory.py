@@ -25,9 +25,9 @@ _PROBE = textwrap.dedent(
     from concurrent.futures import ThreadPoolExecutor
 
     from tts_gateway.models.piper import PiperEngine
-    from tts_gateway.models.piper.onnx_memory import use_one_heap
+    from tts_gateway.models.piper.onnx_memory import tune_heap
 
-    assert use_one_heap()
+    assert tune_heap()
 
     class Mallinfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (

@@ -1,5 +1,5 @@
 """The heap tuning: the gateway keeps audio-sized blocks in its heap; the Piper stub keeps tensor-sized
-blocks of every thread in its one heap, and gives their pages back when asked."""
+blocks in its heap too, and gives the pages of the freed ones back when a request ends."""
 
 from __future__ import annotations
 
@@ -13,24 +13,20 @@ from tts_gateway.allocator import MMAP_THRESHOLD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
-# Run in a fresh interpreter, whose allocator still has glibc's defaults: prints whether a
-# block got an anonymous mapping of its own (mmap, unmapped when freed, or a thread's own arena)
-# rather than a place in the heap. ``argv[2] == "after-free"`` first frees an 8 MiB block, which
-# raises glibc's default threshold above 8 MiB; ``argv[3]`` is the block's size in MiB, allocated
-# by a new thread when ``argv[4] == "thread"``.
+# Run in a fresh interpreter, whose allocator still has glibc's defaults: prints whether a 2 MiB
+# block of ``argv[3]`` MiB got an anonymous mapping of its own (mmap, unmapped when freed) rather
+# than a place in the heap. ``argv[2] == "after-free"`` first frees an 8 MiB block, which raises
+# glibc's default threshold above 8 MiB.
 _PROBE = textwrap.dedent(
     """
     import sys
-    import threading
-    from tts_gateway.allocator import keep_audio_buffers_in_heap, set_malloc_thresholds
-    from tts_gateway.models.piper.onnx_memory import MMAP_THRESHOLD, TRIM_THRESHOLD, use_one_heap
+    from tts_gateway.allocator import keep_audio_buffers_in_heap
+    from tts_gateway.models.piper.onnx_memory import tune_heap
 
     if sys.argv[1] == "gateway":
         assert keep_audio_buffers_in_heap()
     elif sys.argv[1] == "piper":
-        assert use_one_heap()
-    elif sys.argv[1] == "two-arenas":  # the Piper stub's thresholds, but an arena per thread
-        assert set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
+        assert tune_heap()
 
     def mappings():
         lines = open("/proc/self/maps").read().splitlines()
@@ -44,22 +40,16 @@ _PROBE = textwrap.dedent(
         freed = bytearray(8 * 1024 * 1024)
         del freed
     before = mappings()
-    blocks = []
-    allocate = lambda: blocks.append(bytearray(int(sys.argv[3]) * 1024 * 1024))
-    if sys.argv[4] == "thread":
-        worker = threading.Thread(target=allocate)
-        worker.start()
-        worker.join()
-    else:
-        allocate()
-    print(any(size(line) >= len(blocks[0]) for line in mappings() - before))
+    block = bytearray(int(sys.argv[3]) * 1024 * 1024)
+    print(any(size(line) >= len(block) for line in mappings() - before))
     """
 )
 
 
-def _own_mapping(tuning: str, history: str = "fresh", mib: int = 2, thread: str = "main") -> bool:
-    command = [sys.executable, "-c", _PROBE, tuning, history, str(mib), thread]
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
+def _own_mapping(tuning: str, history: str = "fresh", mib: int = 2) -> bool:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, tuning, history, str(mib)], capture_output=True, text=True, check=True
+    )
     return result.stdout.strip() == "True"
 
 
@@ -69,37 +59,51 @@ def test_an_audio_sized_block_comes_from_the_heap_once_tuned() -> None:
     assert not _own_mapping("gateway")
 
 
-def test_the_piper_stub_keeps_a_threads_tensor_sized_block_in_its_heap() -> None:
-    # Larger than a thread's stack (8 MiB), which is a new mapping too.
-    assert _own_mapping("default", mib=16, thread="thread"), "glibc maps a 16 MiB block by itself"
-    assert _own_mapping("two-arenas", mib=16, thread="thread"), "a new thread gets an arena of its own"
-    assert not _own_mapping("piper", "after-free", mib=16, thread="thread")
+def test_the_piper_stub_keeps_tensor_sized_blocks_in_its_heap() -> None:
+    assert _own_mapping("default", mib=16), "glibc's default threshold should map a 16 MiB block by itself"
+    assert not _own_mapping("piper", "after-free", mib=16)
 
 
-# Frees a 16 MiB block at the top of the heap, which the trim threshold keeps, and prints how many
-# KiB of the heap are resident before and after release_free_memory().
+# In a fresh interpreter: the main thread, then a new thread (which glibc gives an arena of its
+# own), each fills a 16 MiB block and frees it; prints by how many KiB the resident memory grew
+# once release_free_memory() has run.
 _RELEASE_PROBE = textwrap.dedent(
     """
-    from tts_gateway.allocator import release_free_memory
-    from tts_gateway.models.piper.onnx_memory import use_one_heap
+    import sys
+    import threading
+    from tts_gateway.allocator import release_free_memory, set_malloc_thresholds
+    from tts_gateway.models.piper.onnx_memory import MMAP_THRESHOLD, tune_heap
 
-    assert use_one_heap()
+    if sys.argv[1] == "piper":
+        assert tune_heap()
+    else:  # the same, but a heap keeps up to 32 MiB free at its top
+        assert set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=32 * 1024 * 1024)
 
-    def heap_kib():
-        lines = open("/proc/self/smaps").read().splitlines()
-        start = next(i for i, line in enumerate(lines) if line.endswith("[heap]"))
-        return next(int(line.split()[1]) for line in lines[start:] if line.startswith("Rss:"))
+    def rss_kib():
+        status = open("/proc/self/status").read().splitlines()
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
-    block = bytearray(16 * 1024 * 1024)
-    del block
-    kept = heap_kib()
+    def fill_and_free():
+        block = bytearray(16 * 1024 * 1024)
+        block[:] = b"\x01" * len(block)
+        del block
+
+    before = rss_kib()
+    fill_and_free()
+    worker = threading.Thread(target=fill_and_free)
+    worker.start()
+    worker.join()
     release_free_memory()
-    print(kept, heap_kib())
+    print(rss_kib() - before)
     """
 )
 
 
-def test_release_free_memory_gives_the_freed_pages_back() -> None:
-    result = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], capture_output=True, text=True, check=True)
-    kept, released = map(int, result.stdout.split())
-    assert kept - released >= 15 * 1024
+def _kept_kib(tuning: str) -> int:
+    result = subprocess.run([sys.executable, "-c", _RELEASE_PROBE, tuning], capture_output=True, text=True, check=True)
+    return int(result.stdout)
+
+
+def test_the_piper_stub_gives_freed_pages_back_from_every_thread() -> None:
+    assert _kept_kib("keep-top") >= 12 * 1024, "a 32 MiB trim threshold keeps a thread's freed 16 MiB"
+    assert _kept_kib("piper") < 4 * 1024
