@@ -47,3 +47,18 @@ def set_malloc_thresholds(*, mmap_threshold: int, trim_threshold: int | None = N
     if not applied:
         logger.debug("mallopt refused the heap thresholds; the allocator keeps its defaults")
     return applied
+
+
+def release_free_memory() -> bool:
+    """Give the pages of the free blocks in every heap back to the kernel (glibc ``malloc_trim(0)``).
+
+    The free top of a thread's own heap stays (up to the trim threshold). ``False`` where there is
+    no glibc ``malloc_trim`` or nothing was returned.
+    """
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = (ctypes.c_size_t,)
+    malloc_trim.restype = ctypes.c_int
+    return bool(malloc_trim(0))

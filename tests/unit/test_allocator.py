@@ -1,5 +1,5 @@
-"""The heap thresholds: the gateway keeps audio-sized blocks in its heap; the Piper stub gives
-large blocks back to the kernel, also once glibc's own threshold would have risen past them."""
+"""The heap tuning: the gateway keeps audio-sized blocks in its heap; the Piper stub keeps tensor-sized
+blocks in its heap too, and gives the pages of the freed ones back when a request ends."""
 
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ from tts_gateway.allocator import MMAP_THRESHOLD
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
 # Run in a fresh interpreter, whose allocator still has glibc's defaults: prints whether a 2 MiB
-# block got an anonymous mapping of its own (mmap, unmapped when freed) rather than a place in the
-# heap. ``argv[2] == "after-free"`` first frees an 8 MiB block, which raises glibc's default
-# threshold above 8 MiB.
+# block of ``argv[3]`` MiB got an anonymous mapping of its own (mmap, unmapped when freed) rather
+# than a place in the heap. ``argv[2] == "after-free"`` first frees an 8 MiB block, which raises
+# glibc's default threshold above 8 MiB.
 _PROBE = textwrap.dedent(
     """
     import sys
     from tts_gateway.allocator import keep_audio_buffers_in_heap
-    from tts_gateway.models.piper.onnx_memory import return_freed_blocks
+    from tts_gateway.models.piper.onnx_memory import tune_heap
 
     if sys.argv[1] == "gateway":
         assert keep_audio_buffers_in_heap()
     elif sys.argv[1] == "piper":
-        assert return_freed_blocks()
+        assert tune_heap()
 
     def mappings():
         lines = open("/proc/self/maps").read().splitlines()
@@ -40,14 +40,16 @@ _PROBE = textwrap.dedent(
         freed = bytearray(8 * 1024 * 1024)
         del freed
     before = mappings()
-    block = bytearray(2 * 1024 * 1024)
+    block = bytearray(int(sys.argv[3]) * 1024 * 1024)
     print(any(size(line) >= len(block) for line in mappings() - before))
     """
 )
 
 
-def _own_mapping(tuning: str, history: str = "fresh") -> bool:
-    result = subprocess.run([sys.executable, "-c", _PROBE, tuning, history], capture_output=True, text=True, check=True)
+def _own_mapping(tuning: str, history: str = "fresh", mib: int = 2) -> bool:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE, tuning, history, str(mib)], capture_output=True, text=True, check=True
+    )
     return result.stdout.strip() == "True"
 
 
@@ -57,6 +59,51 @@ def test_an_audio_sized_block_comes_from_the_heap_once_tuned() -> None:
     assert not _own_mapping("gateway")
 
 
-def test_the_piper_stub_maps_large_blocks_also_after_larger_ones_were_freed() -> None:
-    assert not _own_mapping("default", "after-free"), "glibc's risen threshold should put the block in the heap"
-    assert _own_mapping("piper", "after-free")
+def test_the_piper_stub_keeps_tensor_sized_blocks_in_its_heap() -> None:
+    assert _own_mapping("default", mib=16), "glibc's default threshold should map a 16 MiB block by itself"
+    assert not _own_mapping("piper", "after-free", mib=16)
+
+
+# In a fresh interpreter: the main thread, then a new thread (which glibc gives an arena of its
+# own), each fills a 16 MiB block and frees it; prints by how many KiB the resident memory grew
+# once release_free_memory() has run.
+_RELEASE_PROBE = textwrap.dedent(
+    """
+    import sys
+    import threading
+    from tts_gateway.allocator import release_free_memory, set_malloc_thresholds
+    from tts_gateway.models.piper.onnx_memory import MMAP_THRESHOLD, tune_heap
+
+    if sys.argv[1] == "piper":
+        assert tune_heap()
+    else:  # the same, but a heap keeps up to 32 MiB free at its top
+        assert set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=32 * 1024 * 1024)
+
+    def rss_kib():
+        status = open("/proc/self/status").read().splitlines()
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+    def fill_and_free():
+        block = bytearray(16 * 1024 * 1024)
+        block[:] = b"\x01" * len(block)
+        del block
+
+    before = rss_kib()
+    fill_and_free()
+    worker = threading.Thread(target=fill_and_free)
+    worker.start()
+    worker.join()
+    release_free_memory()
+    print(rss_kib() - before)
+    """
+)
+
+
+def _kept_kib(tuning: str) -> int:
+    result = subprocess.run([sys.executable, "-c", _RELEASE_PROBE, tuning], capture_output=True, text=True, check=True)
+    return int(result.stdout)
+
+
+def test_the_piper_stub_gives_freed_pages_back_from_every_thread() -> None:
+    assert _kept_kib("keep-top") >= 12 * 1024, "a 32 MiB trim threshold keeps a thread's freed 16 MiB"
+    assert _kept_kib("piper") < 4 * 1024

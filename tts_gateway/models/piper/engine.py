@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 from piper import PiperVoice, SynthesisConfig
 from piper.config import PiperConfig
 
-from tts_gateway.models.piper.onnx_memory import ShrinkingSession
+from tts_gateway.models.piper.onnx_memory import session_options
 from tts_gateway.models.piper.tempo import proportional_tempo
 
 
@@ -33,10 +33,10 @@ class PiperEngine:
         config = PiperConfig.from_dict(json.loads(config_path.read_text(encoding="utf-8")))
         self._length_scale = float(config.length_scale)
         graph = proportional_tempo(onnx.load(model_path), self._length_scale)
-        session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
-        self.session = ShrinkingSession(session)
-        # Piper only calls ``session.run``: every run then frees what it grew.
-        self._voice = PiperVoice(session=self.session, config=config)  # type: ignore[arg-type]
+        self.session = onnxruntime.InferenceSession(
+            graph.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
+        )
+        self._voice = PiperVoice(session=self.session, config=config)
         self.sample_rate: int = int(config.sample_rate)
 
     def synthesize(self, text: str, speed: float = 1.0) -> Iterator[NDArray[np.float32]]:

@@ -1,52 +1,42 @@
-"""An ONNX Runtime session whose memory returns to its idle size after each run.
+"""Memory of a process that runs a Piper voice: back to its idle size after every request.
 
-ONNX Runtime serves a session's tensors from an arena that grows to the largest input seen
-(by powers of two) and by default keeps it for the life of the session. A Piper voice's
-tensors grow with the sentence, so a long-running server's memory climbed with every longer
-sentence and never came back, looking like a leak. :data:`RUN_OPTIONS` asks the arena to
-release what it grew beyond its first block at the end of every run; :func:`return_freed_blocks`
-makes glibc hand such large blocks straight back to the kernel rather than keep them in the
-heap, which its default (a threshold that rises as large blocks are freed) ends up doing.
+A Piper voice's tensors grow with the sentence, up to hundreds of MiB for a long one. ONNX
+Runtime's default arena keeps them; shrinking it at the end of each run frees only the regions
+with nothing left in them, and the run's output is still alive then: the region that holds it,
+often one of the largest, stays until a later run. Memory at rest is then whatever the last
+sentences left behind, up to a few hundred MiB. :func:`session_options` turns the arena off: a
+tensor goes back to ``malloc`` as soon as ONNX Runtime is done with it.
+
+:func:`tune_heap` then tunes glibc for the process. Blocks up to 32 MiB stay in the heap and are
+reused within a run: mapping each large tensor anew and faulting its pages in took about 40 %
+more CPU per sentence. :func:`~tts_gateway.allocator.release_free_memory`, called when a request
+ends, gives the free pages inside the heaps back, and the main heap's free top; the free top of a
+thread's own heap (glibc gives each thread that allocates an arena of its own, up to 8 per core)
+is out of its reach, and goes back as blocks are freed once it passes the trim threshold, kept
+small for that reason (a larger one saved ~4 % of the CPU).
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
-import numpy as np
 import onnxruntime
 
 from tts_gateway.allocator import set_malloc_thresholds
 
-# Arena shrinkage at the end of each run, for the CPU arena (device 0).
-SHRINK_CONFIG_KEY: Final = "memory.enable_memory_arena_shrinkage"
-SHRINK_CONFIG_VALUE: Final = "cpu:0"
-
-# Blocks from here up are mmap'ed and unmapped on free; smaller ones are reused from the heap.
-MMAP_THRESHOLD: Final = 1024 * 1024
+# Blocks from here up are mmap'ed and unmapped on free; glibc takes no larger value.
+MMAP_THRESHOLD: Final = 32 * 1024 * 1024
+# Free memory kept at the top of a heap; what ``malloc_trim`` cannot reach at rest.
+TRIM_THRESHOLD: Final = 1024 * 1024
 
 
-def run_options() -> onnxruntime.RunOptions:
-    """Options for every run of the session: the arena shrinks back when the run ends."""
-    options = onnxruntime.RunOptions()
-    options.add_run_config_entry(SHRINK_CONFIG_KEY, SHRINK_CONFIG_VALUE)
+def session_options() -> onnxruntime.SessionOptions:
+    """Options for a voice's session: no CPU arena, so tensors are freed when done with."""
+    options = onnxruntime.SessionOptions()
+    options.enable_cpu_mem_arena = False
     return options
 
 
-class ShrinkingSession:
-    """An ``InferenceSession`` whose ``run`` always passes :func:`run_options`.
-
-    Piper's ``PiperVoice`` calls ``session.run(outputs, feeds)``; this stands in for its session.
-    """
-
-    def __init__(self, session: onnxruntime.InferenceSession) -> None:
-        self.session = session
-        self.run_options = run_options()
-
-    def run(self, output_names: list[str] | None, input_feed: dict[str, np.ndarray]) -> list[Any]:
-        return self.session.run(output_names, input_feed, self.run_options)
-
-
-def return_freed_blocks() -> bool:
-    """Fix glibc's mmap threshold for this process; ``False`` where there is no glibc ``mallopt``."""
-    return set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD)
+def tune_heap() -> bool:
+    """Tune glibc for this process as above; ``False`` where there is no glibc ``mallopt``."""
+    return set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)

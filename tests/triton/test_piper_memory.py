@@ -1,0 +1,61 @@
+"""A Piper voice leaves nothing allocated once its requests are done, however long their sentences.
+
+Run in a fresh interpreter tuned as the Piper stub is, and read from glibc's own count of the bytes
+in use (``mallinfo2``): what the process holds, not what the kernel lends it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+
+# Bytes that may stay allocated after the sentences below: Python's own caches, not tensors. They
+# run through tensors of tens of MiB; ONNX Runtime's arena kept ~35 MiB of them (the region that
+# held the last output), the arena-free session ~0.2 MiB.
+LEFT_BEHIND_LIMIT = 8 * 1024 * 1024
+
+_PROBE = textwrap.dedent(
+    """
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tts_gateway.models.piper import PiperEngine
+    from tts_gateway.models.piper.onnx_memory import tune_heap
+
+    assert tune_heap()
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+        )]
+
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = Mallinfo2
+
+    def in_use():
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd  # in the heap, and in blocks mapped on their own
+
+    clause = "a child near the window counted the cows as they passed, one by one, and lost count twice, " * 4
+    sentences = [("Then " + clause * repeat).strip(", ") + "." for repeat in (3, 1, 2, 1)]
+    engine = PiperEngine()
+    with ThreadPoolExecutor(max_workers=2) as pool:  # as the streaming model runs requests
+        def synthesize(text):
+            return sum(chunk.size for chunk in engine.synthesize(text))
+
+        assert synthesize("Hello.") > 0
+        idle = in_use()
+        assert sum(pool.map(synthesize, sentences)) > 0
+        print(in_use() - idle)
+    """
+)
+
+
+def test_long_sentences_leave_no_tensors_allocated() -> None:
+    result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True)
+    assert int(result.stdout.strip()) < LEFT_BEHIND_LIMIT
