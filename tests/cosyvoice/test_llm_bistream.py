@@ -203,6 +203,39 @@ def test_waiting_streams_leave_their_slots_to_other_requests(llm: TorchSpeechLLM
         assert len(recorder.tokens) == TOKENS
 
 
+def test_streams_ready_together_are_extended_in_one_pass(
+    llm: TorchSpeechLLM, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rounds of many streams start between the same two steps: fed one pass each, they would queue
+    # behind each other on the engine's thread. Different prompts: the rows start at different cache
+    # positions and their inputs differ in length, and each still gets upstream's sequence.
+    prompts = [(PROMPT_TEXT, PROMPT_SPEECH), (PROMPT_TEXT[:2], PROMPT_SPEECH[:45])]
+    expected = [upstream_tokens(upstream, text, speech, TEXT) for text, speech in prompts]
+    decoder = llm.engine._decoder
+    rows_per_pass: list[int] = []
+    extend = decoder.extend
+
+    def counted(ids: Any, starts: Any, first_slot: int) -> torch.Tensor:
+        rows_per_pass.append(len(ids))
+        return extend(ids, starts, first_slot)
+
+    monkeypatch.setattr(decoder, "extend", counted)
+    streams = [open_stream(llm, text, speech) for text, speech in prompts]
+    for _, handle in streams:
+        handle.add_text(TEXT[:16])
+    assert all(0 < wait_idle(recorder) < TOKENS for recorder, _ in streams)
+    # Both streams' text lands between two steps of the engine (its lock is reentrant).
+    with llm.engine._wake:
+        for _, handle in streams:
+            handle.add_text(TEXT[16:])
+            handle.end_text()
+    for (recorder, _), tokens in zip(streams, expected, strict=True):
+        assert recorder.done.wait(60)
+        assert recorder.error is None
+        assert recorder.tokens == tokens
+    assert max(rows_per_pass) == 2
+
+
 def test_cancelling_a_waiting_stream_ends_it_at_once(llm: TorchSpeechLLM) -> None:
     recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
     handle.add_text(TEXT[:4])

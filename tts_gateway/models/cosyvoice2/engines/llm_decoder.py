@@ -176,26 +176,42 @@ class SlotDecoder:
         return self._head(last)
 
     @torch.inference_mode()
-    def extend(self, ids: Tensor, slot: int, start: int) -> Tensor:
-        """Append ``ids`` ``[n]`` to ``slot``, whose first ``start`` positions are cached, at positions
-        ``start..start+n-1``; returns the logits (float32, sampled columns) after the last one."""
-        length = ids.shape[0]
-        end = start + length
+    def extend(self, ids: Sequence[Sequence[int]], starts: Sequence[int], first_slot: int) -> Tensor:
+        """Append ``ids[r]`` to slot ``first_slot + r``, whose first ``starts[r]`` positions are cached, at
+        positions ``starts[r]..``, all rows in one forward pass; returns each row's logits (float32, sampled
+        columns) after its last id.
+
+        Text streams whose rounds start together are extended at once: one pass for the batch, not one each.
+        """
+        rows = len(ids)
+        lengths = [len(row) for row in ids]
+        end = max(start + length for start, length in zip(starts, lengths, strict=True))
         if end > self.max_len:
             raise ValueError(f"position {end - 1} lies past the cache's {self.max_len} positions")
-        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
-        visible = (self._key_positions[:end].unsqueeze(0) <= positions[0].unsqueeze(1))[None, None]
-        hidden = self._embed(ids.unsqueeze(0))
+        width = max(lengths)
+        padded = torch.zeros(rows, width, dtype=torch.int64)
+        for row, row_ids in enumerate(ids):
+            padded[row, : lengths[row]] = torch.tensor(row_ids, dtype=torch.int64)
+        length_of = torch.tensor(lengths, device=self.device)
+        positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
+        # Each row sees its cache and its own ids up to each query's position (padding queries see as much,
+        # so that no row is all masked; their outputs are not read and their keys not written).
+        visible = (self._key_positions[:end].view(1, 1, end) <= positions.unsqueeze(2)).unsqueeze(1)
+        real = torch.arange(width, device=self.device).unsqueeze(0) < length_of.unsqueeze(1)
+        row_index, column_index = real.nonzero(as_tuple=True)
+        slot_index, position_index = row_index + first_slot, positions[row_index, column_index]
+        hidden = self._embed(padded.to(self.device))
         cos, sin = self._rotary(hidden, positions)
+        slots = slice(first_slot, first_slot + rows)
         for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
             query, key, value = enter(hidden, cos, sin)
-            self.keys[index, slot, :, start:end] = key[0]
-            self.values[index, slot, :, start:end] = value[0]
-            keys = self.keys[index, slot : slot + 1, :, :end].repeat_interleave(self._groups, dim=1)
-            values = self.values[index, slot : slot + 1, :, :end].repeat_interleave(self._groups, dim=1)
+            self.keys[index, slot_index, :, position_index] = key.transpose(1, 2)[row_index, column_index]
+            self.values[index, slot_index, :, position_index] = value.transpose(1, 2)[row_index, column_index]
+            keys = self.keys[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
+            values = self.values[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
             hidden = leave(hidden, out)
-        return self._head(hidden[:, -1])
+        return self._head(hidden[torch.arange(rows, device=self.device), length_of - 1])
 
     def save_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """A copy of one slot's first ``length`` cached positions (keys, values)."""

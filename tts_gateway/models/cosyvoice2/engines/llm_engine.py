@@ -371,8 +371,8 @@ class BatchingEngine:
             try:
                 for stream in dropped:
                     self._close_stream(stream, None)
-                for stream in resumed:
-                    self._extend(stream)
+                if resumed:
+                    self._extend(resumed)
                 if admitted:
                     self._prefill(admitted)
                 if self._live and self._gate is not None and self._gate.busy([h.produced for h in self._live]):
@@ -426,32 +426,41 @@ class BatchingEngine:
             self._streams.remove(stream)
         return dropped, resumed
 
-    def _extend(self, handle: TextStreamHandle) -> None:
-        """Give a stream the next row and feed it its round's input; its first id is drawn at once."""
-        row = len(self._live)
-        if handle.cached + len(handle.feed) >= self._decoder.max_len:
-            self._close_stream(
-                handle, ValueError(f"the text stream outgrew the engine's {self._decoder.max_len} positions")
-            )
+    def _extend(self, handles: list[TextStreamHandle]) -> None:
+        """Give each stream the next row and feed it its round's input, all in one forward pass (rounds of
+        many streams start at every step: one pass each would serialise them); their first ids are drawn at once."""
+        fitting: list[TextStreamHandle] = []
+        for handle in handles:
+            if handle.cached + len(handle.feed) >= self._decoder.max_len:
+                self._close_stream(
+                    handle, ValueError(f"the text stream outgrew the engine's {self._decoder.max_len} positions")
+                )
+            else:
+                fitting.append(handle)
+        if not fitting:
             return
-        if handle.admitted == 0.0:
-            handle.admitted = time.monotonic()
-        if handle.saved is not None:
-            self._decoder.restore_slot(row, handle.saved)
-            handle.saved = None
-        self._load_stream_row(row, handle)
-        ids = torch.tensor(handle.feed, dtype=torch.int64, device=self._device)
-        logits = self._decoder.extend(ids, row, handle.cached)
-        handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
-        handle.cached += len(handle.feed)
-        handle.origin = handle.cached
-        handle.launched = 0
-        handle.since_input = 0
-        handle.feed = []
-        self._rows.positions[row] = handle.cached
-        self._advance(logits, row, row + 1)
-        self._live.append(handle)
-        self._deliver([handle], self._rows.drawn[row : row + 1].tolist(), [handle.segment])
+        first = len(self._live)
+        now = time.monotonic()
+        for row, handle in enumerate(fitting, start=first):
+            if handle.admitted == 0.0:
+                handle.admitted = now
+            if handle.saved is not None:
+                self._decoder.restore_slot(row, handle.saved)
+                handle.saved = None
+            self._load_stream_row(row, handle)
+        logits = self._decoder.extend([h.feed for h in fitting], [h.cached for h in fitting], first)
+        for handle in fitting:
+            handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
+            handle.cached += len(handle.feed)
+            handle.origin = handle.cached
+            handle.launched = 0
+            handle.since_input = 0
+            handle.feed = []
+        stop = first + len(fitting)
+        self._rows.positions[first:stop] = torch.tensor([h.cached for h in fitting], device=self._device)
+        self._advance(logits, first, stop)
+        self._live.extend(fitting)
+        self._deliver(fitting, self._rows.drawn[first:stop].tolist(), [h.segment for h in fitting])
 
     def _load_stream_row(self, row: int, handle: TextStreamHandle) -> None:
         """A stream's sampling row: a round may draw speech or the fill token, the final stage speech or a stop."""
@@ -710,6 +719,7 @@ class BatchingEngine:
                 self._decode(rows, self._decoder.spans[0])
                 ids = torch.zeros(rows, 2, dtype=torch.int64, device=self._device)
                 self._decoder.prefill(ids, torch.full((rows,), 2, device=self._device), first_slot=0)
+                self._decoder.extend([[0, 0]] * rows, [2] * rows, first_slot=0)
         except Exception as exc:
             raise RuntimeError(
                 f"compiling the LLM with {backend!r} failed ({type(exc).__name__}: {exc}); "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,8 @@ from tts_gateway.models.stage_trace import StageTrace
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 SAMPLE_RATE = 24_000
+# Pieces passed on to the LLM at once (each a short round trip on the server).
+_PIECE_WORKERS = 8
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -42,6 +45,14 @@ class TritonPythonModel(SpeechContractModel):
         instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
         if self._sessions is not None and (not self.decoupled or instances != 1):
             raise ValueError("text_streaming needs a decoupled model with one instance (sessions live in it)")
+        # Every session's pieces reach this one instance's execute thread; each is answered once the LLM took
+        # it (a round trip), so they are passed on from threads of their own: on the execute thread, each
+        # session's text waited behind every other session's.
+        self._pieces = (
+            None
+            if self._sessions is None
+            else ThreadPoolExecutor(max_workers=_PIECE_WORKERS, thread_name_prefix=f"{self.name}-pieces")
+        )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         if self._sessions is None:
@@ -62,14 +73,27 @@ class TritonPythonModel(SpeechContractModel):
                     assert self._pool is not None
                     self._pool.submit(self._run_session, request, sender, call, stream_id, tensors)
                     continue
-                self._sessions.send(call)
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                assert self._pieces is not None
+                self._pieces.submit(self._pass_piece, sender, call)
             except Exception as exc:
-                sender.send(
-                    pb_utils.InferenceResponse(error=self._error(exc)),
-                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-                )
+                self._fail(sender, exc)
         return None
+
+    def _pass_piece(self, sender: Any, call: SessionCall) -> None:
+        """Pass a later request's text, end or close to its session; answered once the LLM took it, so that a
+        caller who waits for the answer before its next piece keeps them in order."""
+        assert self._sessions is not None
+        try:
+            self._sessions.send(call)
+        except Exception as exc:
+            self._fail(sender, exc)
+            return
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _fail(self, sender: Any, exc: Exception) -> None:
+        sender.send(
+            pb_utils.InferenceResponse(error=self._error(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
 
     def _run_session(
         self, request: Any, sender: Any, call: SessionCall, stream_id: str, tensors: dict[str, Any]
@@ -114,6 +138,8 @@ class TritonPythonModel(SpeechContractModel):
     def finalize(self) -> None:
         if self._sessions is not None:
             self._sessions.close_all()
+        if self._pieces is not None:
+            self._pieces.shutdown(wait=True)
         super().finalize()
         self._llm.close()
 

@@ -60,6 +60,9 @@ class TritonPythonModel:
         instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
         self._text_streams = TextStreams(self._llm.engine, single_instance=instances <= 1)
         self.outbox = Outbox(self.name)
+        # Text pieces are answered on a lane of their own: behind the streams' tokens, a piece's answer (which
+        # its session waits for before the next piece) waited for many sessions' tokens to be sent.
+        self._acks = Outbox(f"{self.name}-acks", lanes=1)
         self.watch = CancellationWatch(self.name)
         self.trace = StageTrace.from_env("llm")
 
@@ -72,7 +75,7 @@ class TritonPythonModel:
                 if stream_id is not None and "input_ids" not in arrays:
                     piece = tensors.parse_text_piece(arrays, stream_id)
                     self._text_streams.add_text(piece)
-                    self.outbox.put(self.outbox.next_lane(), lambda s=sender: _ack(s))
+                    self._acks.put(0, lambda s=sender: _ack(s))
                     continue
                 call = tensors.parse_llm_inputs(arrays)
                 if stream_id is None:
@@ -92,6 +95,7 @@ class TritonPythonModel:
         self._llm.close()
         self.watch.close()
         self.outbox.close()
+        self._acks.close()
         if self._turns is not None:
             self._turns.remove()
 
