@@ -168,21 +168,3 @@ async def test_retry_after_is_when_the_admitted_work_should_be_done() -> None:
         slot.release()
     # Requests now take about 10 ms: whole seconds round up to the minimum.
     assert await retry_after_when_full() == 1
-
-
-async def test_the_gateway_is_told_when_its_last_slot_is_freed_with_nobody_waiting() -> None:
-    idle: list[int] = []
-    admission = AdmissionControl(
-        slots=2, max_queued=1, queue_timeout=5.0, metrics=GatewayMetrics(), on_idle=lambda: idle.append(1)
-    )
-    first, second = await admission.acquire(), await admission.acquire()
-    waiting = asyncio.create_task(admission.acquire())
-    await asyncio.sleep(0.01)
-    first.release()  # handed to the waiter
-    third = await asyncio.wait_for(waiting, 1.0)
-    second.release()
-    assert idle == []
-    third.release()
-    assert idle == [1]
-    third.release()
-    assert idle == [1]

@@ -4,8 +4,7 @@ A request synthesises only while it holds a :class:`Slot`. When all slots are ta
 waits in a first-come, first-served queue of bounded length for at most ``queue_timeout``
 seconds; a full queue or a wait that runs out is a 429 with ``Retry-After``, so load
 beyond what the backend can serve is shed at once instead of piling up. A freed slot
-passes straight to the longest-waiting request. When the last slot is freed with nobody
-waiting, ``on_idle`` runs: the gateway gives the memory its requests left free back then.
+passes straight to the longest-waiting request.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 
 from tts_gateway.gateway.errors import RateLimitError
 from tts_gateway.gateway.metrics import GatewayMetrics
@@ -41,22 +39,13 @@ class Slot:
 
 
 class AdmissionControl:
-    def __init__(
-        self,
-        *,
-        slots: int,
-        max_queued: int,
-        queue_timeout: float,
-        metrics: GatewayMetrics,
-        on_idle: Callable[[], object] = lambda: None,
-    ) -> None:
+    def __init__(self, *, slots: int, max_queued: int, queue_timeout: float, metrics: GatewayMetrics) -> None:
         if slots < 1 or max_queued < 0 or queue_timeout <= 0:
             raise ValueError("need at least one slot, a queue length >= 0 and a positive queue timeout")
         self._slots = slots
         self._max_queued = max_queued
         self._queue_timeout = queue_timeout
         self._metrics = metrics
-        self._on_idle = on_idle
         self._in_use = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._average_hold = _INITIAL_HOLD_SECONDS
@@ -116,8 +105,6 @@ class AdmissionControl:
                 return
         self._in_use -= 1
         self._report()
-        if self._in_use == 0:
-            self._on_idle()
 
     def _reject(self, reason: str, message: str) -> RateLimitError:
         self._metrics.speech_rejected.labels(reason).inc()

@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from tts_gateway.allocator import keep_audio_buffers_in_heap, release_free_memory
+from tts_gateway.allocator import keep_audio_buffers_in_heap
 from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.auth import ApiKeyMiddleware
 from tts_gateway.gateway.dependencies import Services
@@ -52,8 +52,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_queued=settings.max_queued_speech,
             queue_timeout=settings.queue_timeout,
             metrics=metrics,
-            # The encoders' threads each keep a heap of their own; what they freed goes back between bursts.
-            on_idle=release_free_memory,
         )
         async with AsyncExitStack() as stack:
             # Pushed first, so it runs last: this worker's live gauges leave a shared metrics directory.
