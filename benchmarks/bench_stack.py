@@ -104,6 +104,14 @@ def embedded_triton(
         server.stop(grace=5.0)
 
 
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (of each of its threads), from ``/proc``."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
 class GatewayServer:
     """``python -m tts_gateway serve`` as a child process, as users run it, ready once /health says so.
 

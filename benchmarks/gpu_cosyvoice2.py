@@ -60,7 +60,7 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from benchmarks import gpu_sanity, gpu_stages
-from benchmarks.bench_stack import GatewayServer
+from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded_fleet import EmbeddedFleet, embedded_servers
@@ -425,23 +425,16 @@ async def run_pass(
 
 def process_tree_cpu_s(root: int) -> float:
     """User plus system CPU seconds used so far by ``root`` and its live descendants (a gateway's workers)."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    ticks, pending = 0, [root]
+    while pending:
+        pid = pending.pop()
         try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            pending += children(pid)
+        except OSError:  # ended since it was listed
             continue
-        pid = int(stat.parent.name)
-        parents[pid] = int(fields[1])
-        times[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    tree, frontier = {root}, [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-        tree.update(children)
-        frontier += children
-    return sum(times.get(pid, 0.0) for pid in tree)
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dict[str, str]) -> list[Job]:

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from benchmarks.bench_load import gateway_session
-from benchmarks.bench_stack import GatewayServer
+from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.cpu_default import pinned_cores
 
 MODEL = "piper"
@@ -58,14 +58,6 @@ def soak_text(rng: random.Random) -> str:
     return text[:MAX_CHARS]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        found += [int(child) for child in children]
-    return found
-
-
 def process_tree(root: int) -> dict[str, int]:
     """Label -> pid of ``root`` and its descendants: gateway, tritonserver, stub:MODEL."""
     labels: dict[str, int] = {}
@@ -73,7 +65,7 @@ def process_tree(root: int) -> dict[str, int]:
     while pending:
         pid, label = pending.pop()
         labels[label] = pid
-        for child in _children(pid):
+        for child in children(pid):
             try:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             except FileNotFoundError:
