@@ -50,6 +50,16 @@ def checkpoint_size(profile: str) -> CheckpointSize:
     )
 
 
+def render(workdir: Path, profile: str, overrides: list[str]) -> Path:
+    """``WORKDIR/repository``: ``profile`` rendered afresh over ``WORKDIR/models`` with ``MODEL.KEY=VALUE`` sets."""
+    repository = workdir / "repository"
+    shutil.rmtree(repository, ignore_errors=True)
+    args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
+    if model_prep.main([*args, *(item for value in overrides for item in ("--set", value))]) != 0:
+        raise RuntimeError(f"rendering profile {profile} failed")
+    return repository
+
+
 @contextlib.contextmanager
 def cosyvoice2_triton(
     workdir: Path, profile: str, overrides: list[str], *, startup_timeout: float
@@ -59,11 +69,7 @@ def cosyvoice2_triton(
     size = checkpoint_size(profile)
     _, written = ensure_checkpoint(workdir / "models", size)
     checkpoint_s = time.perf_counter() - started
-    repository = workdir / "repository"
-    shutil.rmtree(repository, ignore_errors=True)
-    render = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
-    if model_prep.main([*render, *(item for value in overrides for item in ("--set", value))]) != 0:
-        raise RuntimeError(f"rendering profile {profile} failed")
+    repository = render(workdir, profile, overrides)
     mps = CudaMps.for_mode("auto", workdir / "mps", profile_asks=load_profiles(TRITON_REPOSITORY)[profile].cuda_mps)
     server = EmbeddedTriton(repository, workdir=workdir, startup_timeout=startup_timeout, cuda_mps=mps)
     loading = time.perf_counter()

@@ -59,7 +59,7 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from benchmarks import gpu_sanity, gpu_stages
+from benchmarks import cosyvoice2_triton, gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_startup import load_timeline
@@ -70,7 +70,6 @@ from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_c
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.model_repository import load_profiles
 from tts_gateway.paths import TRITON_REPOSITORY
-from tts_gateway.tools import model_prep
 
 MODEL: Final = "cosyvoice2"
 PROFILE: Final = "gpu-torch"
@@ -630,15 +629,9 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
 
 
 def render(workdir: Path, profile: str, cpu: bool, extra: list[str]) -> Path:
-    repository = workdir / "repository"
-    shutil.rmtree(repository, ignore_errors=True)
     # The server profile has no `llm` model in Triton.
     cpu_sets = [item for item in CPU_OVERRIDES if profile == PROFILE or not item.startswith("llm.")]
-    sets = [*(cpu_sets if cpu else ()), *extra]
-    args = ["render", "--profile", profile, "--dest", str(repository), "--models-root", str(workdir / "models")]
-    if model_prep.main([*args, *(item for value in sets for item in ("--set", value))]) != 0:
-        raise RuntimeError("rendering the repository failed")
-    return repository
+    return cosyvoice2_triton.render(workdir, profile, [*(cpu_sets if cpu else ()), *extra])
 
 
 def instance_counts(repository: Path) -> dict[str, int]:
