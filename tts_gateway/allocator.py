@@ -12,8 +12,10 @@ blocks in the heap; memory freed at the top of it is returned once 32 MiB have g
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-from typing import Final
+from collections.abc import Callable
+from typing import Final, cast
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +57,17 @@ def release_free_memory() -> bool:
     The free top of a thread's own heap stays (up to the trim threshold). ``False`` where there is
     no glibc ``malloc_trim`` or nothing was returned.
     """
+    malloc_trim = _malloc_trim()
+    return malloc_trim is not None and bool(malloc_trim(0))
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once: a Piper stub calls it after every request."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     malloc_trim.argtypes = (ctypes.c_size_t,)
     malloc_trim.restype = ctypes.c_int
-    return bool(malloc_trim(0))
+    return cast("Callable[[int], int]", malloc_trim)
