@@ -2,10 +2,9 @@
 
 Continuous batching needs every row of a decoding batch at its own position: transformers'
 ``StaticCache`` writes one shared ``cache_position`` for the whole batch, and its paged continuous
-batching measured about five times slower per step on an H100 without flash-attention
-(``shared/docs/gpu-engine-measurements.md``). So this module keeps the model's own modules
-(embedding, RMSNorms, projections, rotary embedding, MLPs: the Hugging Face ``Qwen2ForCausalLM``
-loaded as usual) and replaces only the cache and the attention around them:
+batching measured about five times slower per step on an H100 without flash-attention. So this
+module keeps the model's own modules (embedding, RMSNorms, projections, rotary embedding, MLPs: the
+Hugging Face ``Qwen2ForCausalLM`` loaded as usual) and replaces only the cache and the attention around them:
 
 - keys and values live in two preallocated tensors ``[layers, slots, kv_heads, max_len, head_dim]``;
   decoding batch row ``r`` is slot ``r`` (the engine keeps live requests in the leading slots), and
@@ -35,6 +34,7 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from tts_gateway.models.cosyvoice2.engines.compiling import read_text_as_utf8
@@ -42,6 +42,7 @@ from tts_gateway.models.cosyvoice2.engines.compiling import read_text_as_utf8
 # Cache positions a decode step may attend to: a prompt with a voice prompt and a sentence's speech
 # tokens fits the first, the longest requests the last (``max_len`` is always added).
 DEFAULT_SPANS: Final = (512, 1024, 2048)
+_ATTENTION_WITHOUT_CUDNN: Final = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class AttentionInput(nn.Module):
@@ -185,9 +186,8 @@ class SlotDecoder:
         """
         rows = len(ids)
         lengths = [len(row) for row in ids]
-        end = max(start + length for start, length in zip(starts, lengths, strict=True))
-        if end > self.max_len:
-            raise ValueError(f"position {end - 1} lies past the cache's {self.max_len} positions")
+        # Keys are read up to a span, not to the last position: one attention shape per span, not per call.
+        end = self.span_for(max(start + length for start, length in zip(starts, lengths, strict=True)))
         width = max(lengths)
         padded = torch.zeros(rows, width, dtype=torch.int64)
         for row, row_ids in enumerate(ids):
@@ -203,14 +203,17 @@ class SlotDecoder:
         hidden = self._embed(padded.to(self.device))
         cos, sin = self._rotary(hidden, positions)
         slots = slice(first_slot, first_slot + rows)
-        for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
-            query, key, value = enter(hidden, cos, sin)
-            self.keys[index, slot_index, :, position_index] = key.transpose(1, 2)[row_index, column_index]
-            self.values[index, slot_index, :, position_index] = value.transpose(1, 2)[row_index, column_index]
-            keys = self.keys[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
-            values = self.values[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
-            hidden = leave(hidden, out)
+        # Not cuDNN's attention: it builds a graph for every new shape, and the rows and lengths of
+        # text streams' rounds keep changing (it held the engine thread for most of each round).
+        with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
+            for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
+                query, key, value = enter(hidden, cos, sin)
+                self.keys[index, slot_index, :, position_index] = key.transpose(1, 2)[row_index, column_index]
+                self.values[index, slot_index, :, position_index] = value.transpose(1, 2)[row_index, column_index]
+                keys = self.keys[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
+                values = self.values[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
+                hidden = leave(hidden, out)
         return self._head(hidden[torch.arange(rows, device=self.device), length_of - 1])
 
     def save_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
