@@ -6,6 +6,8 @@ module of this folder in an environment without torch.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +23,23 @@ def reference_dir() -> Path:
         pytest.skip(
             "upstream reference code absent: pip install --no-deps --target var/reference cosyvoice-minicpmo==0.1.0"
         )
+    for package in ("cosyvoice", "matcha"):
+        _register_package(package, REFERENCE_DIR / package)
     return REFERENCE_DIR
+
+
+def _register_package(name: str, directory: Path) -> None:
+    """Make ``import NAME.…`` find the reference's package, as an installed one would be found, without
+    putting the whole reference directory (with its ``bin`` and stray modules) on ``sys.path``."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(
+        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
 
 
 @pytest.fixture(scope="module")

@@ -71,36 +71,32 @@ def stand_in(name: str, **attributes: Any) -> types.ModuleType:
 def upstream(reference_dir: Path) -> types.SimpleNamespace:
     pytest.importorskip("einops", reason="upstream's flow decoder needs einops (pip install einops)")
     pytest.importorskip("diffusers", reason="upstream's flow decoder needs diffusers (pip install diffusers)")
-    sys.path.insert(0, str(reference_dir))
-    try:
-        subsampling = importlib.import_module("cosyvoice.transformer.subsampling")
-        embedding = importlib.import_module("cosyvoice.transformer.embedding")
-        attention = importlib.import_module("cosyvoice.transformer.attention")
-        registries = stand_in(
-            "cosyvoice.utils.class_utils",
-            COSYVOICE_SUBSAMPLE_CLASSES={"linear": subsampling.LinearNoSubsampling},
-            COSYVOICE_EMB_CLASSES={"rel_pos_espnet": embedding.EspnetRelPositionalEncoding},
-            COSYVOICE_ATTENTION_CLASSES={"rel_selfattn": attention.RelPositionMultiHeadedAttention},
-            COSYVOICE_ACTIVATION_CLASSES={"swish": torch.nn.SiLU},
-        )
-        with (
-            stand_ins(
-                {
-                    "omegaconf": stand_in("omegaconf", DictConfig=dict),
-                    "conformer": stand_in("conformer", ConformerBlock=torch.nn.Module),
-                    "matcha.utils.pylogger": stand_in("matcha.utils.pylogger", get_pylogger=logging.getLogger),
-                    "cosyvoice.utils.class_utils": registries,
-                }
-            ),
-            warnings.catch_warnings(),
-        ):
-            warnings.simplefilter("ignore", FutureWarning)
-            encoder = importlib.import_module("cosyvoice.transformer.upsample_encoder")
-            decoder = importlib.import_module("cosyvoice.flow.decoder")
-            flow_matching = importlib.import_module("cosyvoice.flow.flow_matching")
-            flow = importlib.import_module("cosyvoice.flow.flow")
-    finally:
-        sys.path.remove(str(reference_dir))
+    subsampling = importlib.import_module("cosyvoice.transformer.subsampling")
+    embedding = importlib.import_module("cosyvoice.transformer.embedding")
+    attention = importlib.import_module("cosyvoice.transformer.attention")
+    registries = stand_in(
+        "cosyvoice.utils.class_utils",
+        COSYVOICE_SUBSAMPLE_CLASSES={"linear": subsampling.LinearNoSubsampling},
+        COSYVOICE_EMB_CLASSES={"rel_pos_espnet": embedding.EspnetRelPositionalEncoding},
+        COSYVOICE_ATTENTION_CLASSES={"rel_selfattn": attention.RelPositionMultiHeadedAttention},
+        COSYVOICE_ACTIVATION_CLASSES={"swish": torch.nn.SiLU},
+    )
+    with (
+        stand_ins(
+            {
+                "omegaconf": stand_in("omegaconf", DictConfig=dict),
+                "conformer": stand_in("conformer", ConformerBlock=torch.nn.Module),
+                "matcha.utils.pylogger": stand_in("matcha.utils.pylogger", get_pylogger=logging.getLogger),
+                "cosyvoice.utils.class_utils": registries,
+            }
+        ),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore", FutureWarning)
+        encoder = importlib.import_module("cosyvoice.transformer.upsample_encoder")
+        decoder = importlib.import_module("cosyvoice.flow.decoder")
+        flow_matching = importlib.import_module("cosyvoice.flow.flow_matching")
+        flow = importlib.import_module("cosyvoice.flow.flow")
     return types.SimpleNamespace(
         Encoder=encoder.UpsampleConformerEncoder,
         PreLookahead=encoder.PreLookaheadLayer,

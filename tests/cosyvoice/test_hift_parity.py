@@ -84,15 +84,11 @@ def scipy_signal_available() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def upstream(reference_dir: Path) -> types.SimpleNamespace:
-    sys.path.insert(0, str(reference_dir))
-    try:
-        with scipy_signal_available():
-            generator = importlib.import_module("cosyvoice.hifigan.generator")
-        f0_predictor = importlib.import_module("cosyvoice.hifigan.f0_predictor")
-        with stand_in("torchaudio"):
-            model = importlib.import_module("cosyvoice.cli.model")
-    finally:
-        sys.path.remove(str(reference_dir))
+    with scipy_signal_available():
+        generator = importlib.import_module("cosyvoice.hifigan.generator")
+    f0_predictor = importlib.import_module("cosyvoice.hifigan.f0_predictor")
+    with stand_in("torchaudio"):
+        model = importlib.import_module("cosyvoice.cli.model")
     return types.SimpleNamespace(
         HiFTGenerator=generator.HiFTGenerator,
         F0=f0_predictor.ConvRNNF0Predictor,

@@ -73,7 +73,6 @@ def llm(llm_dir: Path) -> Iterator[TorchSpeechLLM]:
 def upstream(llm_dir: Path, reference_dir: Path) -> Any:
     stand_in = types.ModuleType("cosyvoice.utils.file_utils")
     stand_in.logging = logging  # type: ignore[attr-defined]
-    sys.path.insert(0, str(reference_dir))
     added = "cosyvoice.utils.file_utils" not in sys.modules
     sys.modules.setdefault("cosyvoice.utils.file_utils", stand_in)
     try:
@@ -81,7 +80,6 @@ def upstream(llm_dir: Path, reference_dir: Path) -> Any:
     finally:
         if added:
             del sys.modules["cosyvoice.utils.file_utils"]
-        sys.path.remove(str(reference_dir))
 
     class Encoder(Qwen2Encoder):  # type: ignore[misc]
         def __init__(self, model: Qwen2ForCausalLM) -> None:
