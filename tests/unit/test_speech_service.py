@@ -35,6 +35,7 @@ from tts_gateway.gateway.errors import (
     GatewayError,
     RequestTimeoutError,
 )
+from tts_gateway.gateway.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.model_catalog import SpeechModel
 from tts_gateway.gateway.speech_plan import SpeechPlan
@@ -135,12 +136,19 @@ class Setup:
         return self.metrics.registry.get_sample_value("tts_speech_requests_total", labels) or 0.0
 
 
-def setup(*, parallelism: int = 3, request_timeout: float = 10.0) -> Setup:
+def setup(
+    *, parallelism: int = 3, request_timeout: float = 10.0, idle_memory: IdleMemoryRelease | None = None
+) -> Setup:
     synthesizer = FakeSynthesizer()
     metrics = GatewayMetrics()
     admission = AdmissionControl(slots=2, max_queued=2, queue_timeout=1.0, metrics=metrics)
     service = SpeechService(
-        synthesizer, admission, metrics, request_timeout=request_timeout, synthesis_parallelism=parallelism
+        synthesizer,
+        admission,
+        metrics,
+        request_timeout=request_timeout,
+        synthesis_parallelism=parallelism,
+        idle_memory=idle_memory,
     )
     return Setup(synthesizer, admission, metrics, service)
 
@@ -319,3 +327,22 @@ async def test_a_call_retried_elsewhere_counts_as_resumed_only_once_the_response
     stream = await s.service.open_stream(plan("a1", "retried a2"))
     assert chunk_values(await read_all(stream)) == [1, 2]
     assert s.outcome("resumed") == 1
+
+
+async def test_free_memory_goes_back_once_after_responses_of_every_ending_and_never_during_one() -> None:
+    releases: list[int] = []
+    idle = IdleMemoryRelease(delay_s=0.05, release=lambda: releases.append(1))
+    s = setup(idle_memory=idle)
+    await read_all(await s.service.open_stream(plan("a1", "a2")))  # completed
+    with pytest.raises(GatewayError):
+        await s.service.open_stream(plan("fail"))  # failed before its first byte
+    with pytest.raises(StreamAborted):
+        await read_all(await s.service.open_stream(plan("a1", "down")))  # aborted
+    running = await s.service.open_stream(plan("a1 hang"))
+    assert idle.active == 1
+    await asyncio.sleep(0.2)
+    assert releases == []  # a response is still open
+    await running.aclose()  # cancelled by its client
+    assert idle.active == 0
+    await asyncio.sleep(0.3)
+    assert releases == [1]

@@ -41,6 +41,7 @@ from numpy.typing import NDArray
 from tts_gateway.gateway.admission import AdmissionControl, Slot
 from tts_gateway.gateway.audio_encoding import create_encoder
 from tts_gateway.gateway.errors import BackendError, GatewayError, InvalidRequestError, RequestTimeoutError
+from tts_gateway.gateway.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.request_ids import current_request_id
 from tts_gateway.gateway.speech_plan import SpeechPlan
@@ -145,12 +146,14 @@ class SpeechService:
         *,
         request_timeout: float,
         synthesis_parallelism: int,
+        idle_memory: IdleMemoryRelease | None = None,
     ) -> None:
         self._synthesizer = synthesizer
         self._admission = admission
         self._metrics = metrics
         self._request_timeout = request_timeout
         self._parallelism = synthesis_parallelism
+        self._idle_memory = idle_memory or IdleMemoryRelease()
 
     async def open_stream(self, plan: SpeechPlan) -> SpeechStream:
         """Wait for a synthesis slot, start synthesis, wait for the first bytes.
@@ -177,41 +180,45 @@ class SpeechService:
     ) -> AsyncGenerator[bytes, None]:
         """``body``, counted: its outcome (``ok``, ``resumed``, ``aborted``, ``cancelled`` when the
         client left; ``failed`` before the first byte) in the metrics and in the log."""
-        async with contextlib.aclosing(body):
-            try:
-                first = await anext(body, b"")
-            except BaseException:
-                self._metrics.speech_requests.labels(plan.model.id, plan.response_format, "failed").inc()
-                raise
-            self._metrics.first_audio.labels(plan.model.id).observe(time.perf_counter() - started)
-            outcome = "cancelled"
-            self._metrics.in_flight.inc()
-            try:
-                yield first
-                async for piece in body:
-                    yield piece
-                outcome = "resumed" if progress.resumed else "ok"
-            except StreamAborted as exc:
-                outcome = "aborted"
-                logger.error(
-                    "speech response aborted at sentence %d of %d: %s (%s)",
-                    exc.sentence,
-                    len(plan.sentences),
-                    exc.error.message,
-                    exc.error.code,
-                )
-                raise
-            finally:
-                self._metrics.in_flight.dec()
-                self._metrics.speech_requests.labels(plan.model.id, plan.response_format, outcome).inc()
-                self._metrics.duration.labels(plan.model.id).observe(time.perf_counter() - started)
-                logger.info(
-                    "speech response %s: %d sentences, %.2f s of audio%s",
-                    outcome,
-                    len(plan.sentences),
-                    progress.samples / plan.model.sample_rate,
-                    f", resumed sentences {progress.resumed}" if progress.resumed else "",
-                )
+        self._idle_memory.begin()
+        try:
+            async with contextlib.aclosing(body):
+                try:
+                    first = await anext(body, b"")
+                except BaseException:
+                    self._metrics.speech_requests.labels(plan.model.id, plan.response_format, "failed").inc()
+                    raise
+                self._metrics.first_audio.labels(plan.model.id).observe(time.perf_counter() - started)
+                outcome = "cancelled"
+                self._metrics.in_flight.inc()
+                try:
+                    yield first
+                    async for piece in body:
+                        yield piece
+                    outcome = "resumed" if progress.resumed else "ok"
+                except StreamAborted as exc:
+                    outcome = "aborted"
+                    logger.error(
+                        "speech response aborted at sentence %d of %d: %s (%s)",
+                        exc.sentence,
+                        len(plan.sentences),
+                        exc.error.message,
+                        exc.error.code,
+                    )
+                    raise
+                finally:
+                    self._metrics.in_flight.dec()
+                    self._metrics.speech_requests.labels(plan.model.id, plan.response_format, outcome).inc()
+                    self._metrics.duration.labels(plan.model.id).observe(time.perf_counter() - started)
+                    logger.info(
+                        "speech response %s: %d sentences, %.2f s of audio%s",
+                        outcome,
+                        len(plan.sentences),
+                        progress.samples / plan.model.sample_rate,
+                        f", resumed sentences {progress.resumed}" if progress.resumed else "",
+                    )
+        finally:
+            self._idle_memory.end()
 
     # -- audio ---------------------------------------------------------------------------------------
 
