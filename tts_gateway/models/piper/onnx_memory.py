@@ -5,7 +5,10 @@ Runtime's default arena keeps them; shrinking it at the end of each run frees on
 with nothing left in them, and the run's output is still alive then: the region that holds it,
 often one of the largest, stays until a later run. Memory at rest is then whatever the last
 sentences left behind, up to a few hundred MiB. :func:`session_options` turns the arena off: a
-tensor goes back to ``malloc`` as soon as ONNX Runtime is done with it.
+tensor goes back to ``malloc`` as soon as ONNX Runtime is done with it. It also turns off memory
+patterns: ONNX Runtime keeps one allocation plan per set of input shapes it has seen, and every
+sentence length is a new shape (40 lengths left 2.2 MiB behind; a 30-minute soak's streaming
+model grew 9 MiB at rest, then levelled off). Runs took no longer without them.
 
 :func:`tune_heap` then tunes glibc for the process. Blocks up to 32 MiB stay in the heap and are
 reused within a run: mapping each large tensor anew and faulting its pages in took about 40 %
@@ -31,9 +34,11 @@ TRIM_THRESHOLD: Final = 1024 * 1024
 
 
 def session_options() -> onnxruntime.SessionOptions:
-    """Options for a voice's session: no CPU arena, so tensors are freed when done with."""
+    """Options for a voice's session: no CPU arena and no memory patterns, so tensors are freed when done
+    with and nothing is kept per sentence length."""
     options = onnxruntime.SessionOptions()
     options.enable_cpu_mem_arena = False
+    options.enable_mem_pattern = False
     return options
 
 
