@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 # held the last output), the arena-free session ~0.2 MiB.
 LEFT_BEHIND_LIMIT = 8 * 1024 * 1024
 
-_PROBE = textwrap.dedent(
+# What both probes start with: the stub's heap tuning and glibc's count of the bytes in use.
+_IN_USE = textwrap.dedent(
     """
     import ctypes
-    from concurrent.futures import ThreadPoolExecutor
 
     from tts_gateway.models.piper import PiperEngine
     from tts_gateway.models.piper.onnx_memory import tune_heap
@@ -40,6 +40,12 @@ _PROBE = textwrap.dedent(
     def in_use():
         info = mallinfo2()
         return info.uordblks + info.hblkhd  # in the heap, and in blocks mapped on their own
+    """
+)
+
+_PROBE = _IN_USE + textwrap.dedent(
+    """
+    from concurrent.futures import ThreadPoolExecutor
 
     clause = "a child near the window counted the cows as they passed, one by one, and lost count twice, " * 4
     sentences = [("Then " + clause * repeat).strip(", ") + "." for repeat in (3, 1, 2, 1)]
@@ -65,7 +71,7 @@ def test_long_sentences_leave_no_tensors_allocated() -> None:
 # session without them ~0.2 MiB.
 NEW_LENGTHS_LIMIT = 1024 * 1024
 
-_NEW_LENGTHS_PROBE = _PROBE.split("\nclause = ")[0] + textwrap.dedent(
+_NEW_LENGTHS_PROBE = _IN_USE + textwrap.dedent(
     """
     engine = PiperEngine()
     words = "the train left the station a few minutes late and nobody minded".split()

@@ -7,8 +7,8 @@ often one of the largest, stays until a later run. Memory at rest is then whatev
 sentences left behind, up to a few hundred MiB. :func:`session_options` turns the arena off: a
 tensor goes back to ``malloc`` as soon as ONNX Runtime is done with it. It also turns off memory
 patterns: ONNX Runtime keeps one allocation plan per set of input shapes it has seen, and every
-sentence length is a new shape (40 lengths left 2.2 MiB behind; a 30-minute soak's streaming
-model grew 9 MiB at rest, then levelled off). Runs took no longer without them.
+sentence length is a new shape (40 new lengths left 2.2 MiB allocated with them, 0.2 MiB
+without). Runs took no longer without them.
 
 :func:`tune_heap` then tunes glibc for the process. Blocks up to 32 MiB stay in the heap and are
 reused within a run: mapping each large tensor anew and faulting its pages in took about 40 %
