@@ -62,9 +62,10 @@ def llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module")
-def llm(llm_dir: Path) -> Iterator[TorchSpeechLLM]:
-    model = TorchSpeechLLM(llm_dir, max_slots=2, max_seq_len=512)
+@pytest.fixture(scope="module", params=["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def llm(llm_dir: Path, request: pytest.FixtureRequest) -> Iterator[TorchSpeechLLM]:
+    """On a GPU host also on CUDA, where extend passes and decode steps replay recorded graphs."""
+    model = TorchSpeechLLM(llm_dir, device=request.param, max_slots=2, max_seq_len=512)
     yield model
     model.close()
 
@@ -209,21 +210,21 @@ def test_streams_ready_together_are_extended_in_one_pass(
     # positions and their inputs differ in length, and each still gets upstream's sequence.
     prompts = [(PROMPT_TEXT, PROMPT_SPEECH), (PROMPT_TEXT[:2], PROMPT_SPEECH[:45])]
     expected = [upstream_tokens(upstream, text, speech, TEXT) for text, speech in prompts]
-    decoder = llm.engine._decoder
+    engine = llm.engine
     rows_per_pass: list[int] = []
-    extend = decoder.extend
+    extend = engine._round_logits
 
-    def counted(ids: Any, starts: Any, first_slot: int) -> torch.Tensor:
-        rows_per_pass.append(len(ids))
-        return extend(ids, starts, first_slot)
+    def counted(first: int, handles: list[TextStreamHandle]) -> torch.Tensor:
+        rows_per_pass.append(len(handles))
+        return extend(first, handles)
 
-    monkeypatch.setattr(decoder, "extend", counted)
+    monkeypatch.setattr(engine, "_round_logits", counted)
     streams = [open_stream(llm, text, speech) for text, speech in prompts]
     for _, handle in streams:
         handle.add_text(TEXT[:16])
     assert all(0 < wait_idle(recorder) < TOKENS for recorder, _ in streams)
     # Both streams' text lands between two steps of the engine (its lock is reentrant).
-    with llm.engine._wake:
+    with engine._wake:
         for _, handle in streams:
             handle.add_text(TEXT[16:])
             handle.end_text()

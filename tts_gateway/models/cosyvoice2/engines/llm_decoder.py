@@ -177,44 +177,45 @@ class SlotDecoder:
         return self._head(last)
 
     @torch.inference_mode()
-    def extend(self, ids: Sequence[Sequence[int]], starts: Sequence[int], first_slot: int) -> Tensor:
-        """Append ``ids[r]`` to slot ``first_slot + r``, whose first ``starts[r]`` positions are cached, at
-        positions ``starts[r]..``, all rows in one forward pass; returns each row's logits (float32, sampled
-        columns) after its last id.
+    def extend(self, ids: Tensor, starts: Tensor, lengths: Tensor, slots: Tensor, span: int) -> Tensor:
+        """Append the first ``lengths[r]`` of ``ids[r]`` (``[rows, width]``) to slot ``slots[r]``, whose first
+        ``starts[r]`` positions are cached, all rows in one pass; returns each row's logits (float32, sampled
+        columns) after its last id. Attends to the first ``span`` positions, which must hold every row's input.
 
-        Text streams whose rounds start together are extended at once: one pass for the batch, not one each.
+        Shapes depend only on rows, width and span, and nothing waits for the host, so the engine records
+        this pass as a CUDA graph: text streams start a round at almost every step, and the same pass
+        launched eagerly held the engine's thread for most of its time. To fill a bucket, a row may name
+        the staging slot. Columns past a row's length write their keys into the staging slot, never past a
+        row's input: the row's next decode steps find its cache as they would after an exact pass.
         """
-        rows = len(ids)
-        lengths = [len(row) for row in ids]
-        # Keys are read up to a span, not to the last position: one attention shape per span, not per call.
-        end = self.span_for(max(start + length for start, length in zip(starts, lengths, strict=True)))
-        width = max(lengths)
-        padded = torch.zeros(rows, width, dtype=torch.int64)
-        for row, row_ids in enumerate(ids):
-            padded[row, : lengths[row]] = torch.tensor(row_ids, dtype=torch.int64)
-        length_of = torch.tensor(lengths, device=self.device)
-        positions = torch.tensor(starts, device=self.device).unsqueeze(1) + torch.arange(width, device=self.device)
-        # Each row sees its cache and its own ids up to each query's position (padding queries see as much,
-        # so that no row is all masked; their outputs are not read and their keys not written).
-        visible = (self._key_positions[:end].view(1, 1, end) <= positions.unsqueeze(2)).unsqueeze(1)
-        real = torch.arange(width, device=self.device).unsqueeze(0) < length_of.unsqueeze(1)
-        row_index, column_index = real.nonzero(as_tuple=True)
-        slot_index, position_index = row_index + first_slot, positions[row_index, column_index]
-        hidden = self._embed(padded.to(self.device))
+        rows, width = ids.shape
+        columns = self._key_positions[:width]
+        positions = starts.unsqueeze(1) + columns
+        real = columns.unsqueeze(0) < lengths.unsqueeze(1)
+        write_slots = torch.where(real, slots.unsqueeze(1), self.staging_slot)
+        write_positions = torch.where(real, positions, columns)
+        hidden = self._embed(ids)
         cos, sin = self._rotary(hidden, positions)
-        slots = slice(first_slot, first_slot + rows)
-        # Not cuDNN's attention: it builds a graph for every new shape, and the rows and lengths of
-        # text streams' rounds keep changing (it held the engine thread for most of each round).
+        # Each query sees the cache and its row's ids up to its own position; the query heads that share
+        # a key/value head are that head's query rows, as in a decode step.
+        hidden_keys = self._key_positions[:span].view(1, 1, span) > positions.unsqueeze(2)
+        mask = torch.zeros(hidden_keys.shape, device=self.device, dtype=self.dtype).masked_fill_(
+            hidden_keys, float("-inf")
+        )
+        mask = mask.repeat(1, self._groups, 1).unsqueeze(1)
+        # Not cuDNN's attention: it builds a graph for every new shape.
         with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
             for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
                 query, key, value = enter(hidden, cos, sin)
-                self.keys[index, slot_index, :, position_index] = key.transpose(1, 2)[row_index, column_index]
-                self.values[index, slot_index, :, position_index] = value.transpose(1, 2)[row_index, column_index]
-                keys = self.keys[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
-                values = self.values[index, slots, :, :end].repeat_interleave(self._groups, dim=1)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible)
-                hidden = leave(hidden, out)
-        return self._head(hidden[torch.arange(rows, device=self.device), length_of - 1])
+                layer_keys, layer_values = self.keys[index], self.values[index]
+                layer_keys[write_slots, :, write_positions] = key.transpose(1, 2)
+                layer_values[write_slots, :, write_positions] = value.transpose(1, 2)
+                grouped = query.reshape(rows, self.kv_heads, self._groups * width, self.head_dim)
+                out = F.scaled_dot_product_attention(
+                    grouped, layer_keys[slots, :, :span], layer_values[slots, :, :span], attn_mask=mask
+                )
+                hidden = leave(hidden, out.reshape(rows, self.heads, width, self.head_dim))
+        return self._head(hidden[torch.arange(rows, device=self.device), lengths - 1])
 
     def save_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """A copy of one slot's first ``length`` cached positions (keys, values)."""

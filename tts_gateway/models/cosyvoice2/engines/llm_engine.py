@@ -17,14 +17,20 @@ stays within the request's positions. On the CPU the same loop runs eagerly at t
 exact batch size.
 
 A text stream (:meth:`BatchingEngine.open_stream`) is a request whose text arrives while it
-generates, laid out as :mod:`.llm_bistream` says: each round's input (prompt, or 5 text tokens) is
-appended to its slot in one forward pass of its own, then the round decodes with the batch. When a
-round ends and its next text is not there yet, the stream leaves its slot: its cache positions are
-copied aside and the slot serves other requests until the text (or its end) arrives.
+generates, laid out as :mod:`.llm_bistream` says: its first input (the voice prompt) is a prefill,
+each later round's input (a few text tokens) is appended to its slot by an extend pass, recorded
+like the decode steps per batch-size bucket and span, for all streams whose round starts between
+the same two steps; then the round decodes with the batch. When a round ends and its next text is
+not there yet, the stream leaves its slot: its cache positions are copied aside and the slot serves
+other requests until the text (or its end) arrives.
+
+A prefill or extend pass is launched like a decode step: its first ids are copied out and handed out
+after the step in flight, so starting a request never waits for the GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import secrets
@@ -56,6 +62,9 @@ _SEED_LIMIT = 1 << 64
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Prompt lengths whose prefill (one request) is recorded as a CUDA graph; longer prompts run eagerly.
 PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
+# The widest input of a text stream's later rounds: the round's last speech id (owed to the cache),
+# the previous input again in the final round, then up to 5 text ids and <|task_id|>.
+EXTEND_WIDTH = 8
 
 
 class StepGate(Protocol):
@@ -217,14 +226,16 @@ class _Rows:
 
 @dataclass
 class _Launched:
-    """A decode step on its way: the requests of its rows (in row order) and where its ids land."""
+    """A pass on its way: the requests of its rows (in row order) and where their ids land."""
 
     handles: list[GenerationHandle]
     segments: list[int]
     drawn: Tensor
-    # On CUDA the events around the step (start, end); on the CPU the step already ran, in ``eager_s``.
+    # On CUDA the events around the pass (start, end); on the CPU the pass already ran, in ``eager_s``.
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
     eager_s: float
+    # A decode step (counted in its requests' traces), or the prefill or extend pass that starts rows.
+    decode: bool = True
 
 
 class BatchingEngine:
@@ -267,6 +278,11 @@ class BatchingEngine:
         self._prefill_ids = torch.zeros(1, prefill_width, dtype=torch.int64, device=self._device)
         self._prefill_length = torch.ones(1, dtype=torch.int64, device=self._device)
         self._prefill_logits = torch.zeros(1, len(COLUMN_IDS), device=self._device)
+        # An extend pass's inputs, one row each: ids, start, length, slot (a free row names the staging slot).
+        self._extend_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._extend_inputs = torch.zeros(self.slots, EXTEND_WIDTH + 3, dtype=torch.int64, device=self._device)
+        self._extend_inputs[:] = self._extend_row([], 0, decoder.staging_slot, EXTEND_WIDTH).to(self._device)
+        self._extend_logits = torch.zeros(self.slots, len(COLUMN_IDS), device=self._device)
         # Two host buffers for the drawn ids: step k+1 is copied out while step k's ids are read.
         self._cuda = self._device.type == "cuda"
         self._host_ids = [torch.zeros(self.slots, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
@@ -278,8 +294,8 @@ class BatchingEngine:
             started = time.monotonic()
             self._capture()
             _log.info(
-                "LLM decode steps and prefills recorded as %d CUDA graphs in %.1f s",
-                len(self._graphs) + len(self._prefill_graphs),
+                "LLM decode steps, extend passes and prefills recorded as %d CUDA graphs in %.1f s",
+                len(self._graphs) + len(self._extend_graphs) + len(self._prefill_graphs),
                 time.monotonic() - started,
             )
         self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
@@ -371,21 +387,23 @@ class BatchingEngine:
             try:
                 for stream in dropped:
                     self._close_stream(stream, None)
-                if resumed:
-                    self._extend(resumed)
+                # Passes that start rows; their first ids are handed out after the step in flight.
+                starting = self._extend(resumed) if resumed else []
                 if admitted:
-                    self._prefill(admitted)
+                    starting.append(self._prefill(admitted))
                 if self._live and self._gate is not None and self._gate.busy([h.produced for h in self._live]):
-                    # Hand out the step in flight before leaving the GPU to the other process.
-                    if launched is not None:
-                        self._land(launched)
-                        launched = None
+                    # Hand out the steps in flight before leaving the GPU to the other process.
+                    for step in [launched, *starting] if launched is not None else starting:
+                        self._land(step)
+                    launched, starting = None, []
                     if self._live:
                         # A request that arrives meanwhile ends the wait: its prefill goes first.
                         self._gate.wait(lambda: bool(self._waiting))
                 previous, launched = launched, self._launch() if self._live else None
                 if previous is not None:
                     self._land(previous)
+                for step in starting:
+                    self._land(step)
             except Exception as exc:
                 _log.exception("LLM engine step failed; failing the requests in flight")
                 launched = None
@@ -426,9 +444,12 @@ class BatchingEngine:
             self._streams.remove(stream)
         return dropped, resumed
 
-    def _extend(self, handles: list[TextStreamHandle]) -> None:
-        """Give each stream the next row and feed it its round's input, all in one forward pass (rounds of
-        many streams start at every step: one pass each would serialise them); their first ids are drawn at once."""
+    def _extend(self, handles: list[TextStreamHandle]) -> list[_Launched]:
+        """Give each stream the next row and feed it its round's input; their first ids are drawn at once.
+
+        Streams starting (their input is the voice prompt) are prefilled; the others, whose rounds start
+        between the same two steps, share one extend pass (one pass each would serialise them).
+        """
         fitting: list[TextStreamHandle] = []
         for handle in handles:
             if handle.cached + len(handle.feed) >= self._decoder.max_len:
@@ -437,30 +458,96 @@ class BatchingEngine:
                 )
             else:
                 fitting.append(handle)
-        if not fitting:
-            return
-        first = len(self._live)
-        now = time.monotonic()
-        for row, handle in enumerate(fitting, start=first):
-            if handle.admitted == 0.0:
-                handle.admitted = now
-            if handle.saved is not None:
-                self._decoder.restore_slot(row, handle.saved)
-                handle.saved = None
-            self._load_stream_row(row, handle)
-        logits = self._decoder.extend([h.feed for h in fitting], [h.cached for h in fitting], first)
-        for handle in fitting:
-            handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
-            handle.cached += len(handle.feed)
-            handle.origin = handle.cached
-            handle.launched = 0
-            handle.since_input = 0
-            handle.feed = []
-        stop = first + len(fitting)
-        self._rows.positions[first:stop] = torch.tensor([h.cached for h in fitting], device=self._device)
+        starting = [h for h in fitting if h.cached == 0]
+        rounds = [h for h in fitting if h.cached > 0]
+        launched: list[_Launched] = []
+        for group, pass_logits in ((starting, self._prompt_logits), (rounds, self._round_logits)):
+            if not group:
+                continue
+            first = len(self._live)
+            now = time.monotonic()
+            for row, handle in enumerate(group, start=first):
+                if handle.admitted == 0.0:
+                    handle.admitted = now
+                if handle.saved is not None:
+                    self._decoder.restore_slot(row, handle.saved)
+                    handle.saved = None
+                self._load_stream_row(row, handle)
+            logits = pass_logits(first, group)
+            for handle in group:
+                handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
+                handle.cached += len(handle.feed)
+                handle.origin = handle.cached
+                handle.launched = 0
+                handle.since_input = 0
+                handle.feed = []
+            launched.append(self._start_rows(group, first, logits))
+        return launched
+
+    def _prompt_logits(self, first: int, handles: Sequence[TextStreamHandle]) -> Tensor:
+        return self._prefill_rows(first, [h.feed for h in handles])
+
+    def _round_logits(self, first: int, handles: Sequence[TextStreamHandle]) -> Tensor:
+        """Extend rows ``first..`` by their streams' feeds, from a recorded pass where one fits."""
+        rows = len(handles)
+        width = max(EXTEND_WIDTH, *(len(h.feed) for h in handles))
+        span = self._decoder.span_for(max(h.cached + len(h.feed) for h in handles))
+        bucket = next(b for b in self._buckets if b >= rows)
+        graph = self._extend_graphs.get((bucket, span)) if width == EXTEND_WIDTH else None
+        inputs = [self._extend_row(h.feed, h.cached, row, width) for row, h in enumerate(handles, start=first)]
+        if graph is not None:
+            padding = self._extend_row([], 0, self._decoder.staging_slot, width)
+            host = torch.stack(inputs + [padding] * (bucket - rows))
+            self._extend_inputs[:bucket].copy_(host.pin_memory(), non_blocking=True)
+            graph.replay()
+            return self._extend_logits[:rows]
+        batch = self._to_device(torch.stack(inputs))
+        return self._decoder.extend(batch[:, :width], batch[:, width], batch[:, width + 1], batch[:, width + 2], span)
+
+    @staticmethod
+    def _extend_row(ids: Sequence[int], start: int, slot: int, width: int) -> Tensor:
+        """One row of an extend pass's inputs: ``width`` ids (zero-padded), start, length, slot."""
+        row = torch.zeros(width + 3, dtype=torch.int64)
+        row[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        row[width:] = torch.tensor([start, max(len(ids), 1), slot])
+        return row
+
+    def _extend_pass(self, rows: int, span: int) -> None:
+        """The extend pass over the first ``rows`` rows of the recorded inputs, into the recorded logits."""
+        inputs = self._extend_inputs[:rows]
+        w = EXTEND_WIDTH
+        logits = self._decoder.extend(inputs[:, :w], inputs[:, w], inputs[:, w + 1], inputs[:, w + 2], span)
+        self._extend_logits[:rows].copy_(logits)
+
+    def _to_device(self, host: Tensor) -> Tensor:
+        """``host`` on the model's device without waiting for the GPU (a pageable copy would)."""
+        return host.pin_memory().to(self._device, non_blocking=True) if self._cuda else host
+
+    def _start_rows(self, handles: Sequence[GenerationHandle], first: int, logits: Tensor) -> _Launched:
+        """Draw the first ids of rows ``first..`` (their cache filled, ``logits`` after their inputs), make
+        them live and queue the ids' copy to the host."""
+        stop = first + len(handles)
+        started = time.perf_counter()
+        positions = torch.tensor([h.origin for h in handles], dtype=torch.int64)
+        self._rows.positions[first:stop].copy_(self._to_device(positions), non_blocking=True)
         self._advance(logits, first, stop)
-        self._live.extend(fitting)
-        self._deliver(fitting, self._rows.drawn[first:stop].tolist(), [h.segment for h in fitting])
+        self._live.extend(handles)
+        if self._cuda:
+            drawn = torch.empty(len(handles), dtype=torch.int64, pin_memory=True)
+            drawn.copy_(self._rows.drawn[first:stop], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            events: tuple[torch.cuda.Event, torch.cuda.Event] | None = (done, done)
+        else:
+            drawn, events = self._rows.drawn[first:stop].clone(), None
+        return _Launched(
+            handles=list(handles),
+            segments=[h.segment for h in handles],
+            drawn=drawn,
+            events=events,
+            eager_s=time.perf_counter() - started,
+            decode=False,
+        )
 
     def _load_stream_row(self, row: int, handle: TextStreamHandle) -> None:
         """A stream's sampling row: a round may draw speech or the fill token, the final stage speech or a stop."""
@@ -485,39 +572,35 @@ class BatchingEngine:
             self._streams_open -= 1
         _finish(handle, error)
 
-    def _prefill(self, handles: list[GenerationHandle]) -> None:
+    def _prefill(self, handles: list[GenerationHandle]) -> _Launched:
         first = len(self._live)
         now = time.monotonic()
-        lengths = [len(h.request.input_ids) for h in handles]
         for row, handle in enumerate(handles):
             handle.admitted = now
             self._load_row(first + row, handle.request)
+        logits = self._prefill_rows(first, [h.request.input_ids for h in handles])
+        return self._start_rows(handles, first, logits)
+
+    def _prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> Tensor:
+        """Run prompts into rows ``first..`` (from recorded prefills where they fit); logits after each."""
         if self._prefill_graphs:
-            logits = torch.cat(
-                [self._replay_prefill(first + row, h.request.input_ids) for row, h in enumerate(handles)]
-            )
-        else:
-            ids = torch.zeros(len(handles), max(lengths), dtype=torch.int64)
-            for row, handle in enumerate(handles):
-                ids[row, : lengths[row]] = torch.tensor(handle.request.input_ids)
-            logits = self._decoder.prefill(
-                ids.to(self._device), torch.tensor(lengths, device=self._device), first_slot=first
-            )
-        r = self._rows
-        r.positions[first : first + len(handles)] = torch.tensor(lengths, device=self._device)
-        self._advance(logits, first, first + len(handles))
-        self._live.extend(handles)
-        self._deliver(handles, r.drawn[first : first + len(handles)].tolist(), [h.segment for h in handles])
+            return torch.cat([self._replay_prefill(first + row, tuple(ids)) for row, ids in enumerate(prompts)])
+        lengths = [len(ids) for ids in prompts]
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, : lengths[row]] = torch.tensor(prompt, dtype=torch.int64)
+        lengths_of = self._to_device(torch.tensor(lengths))
+        return self._decoder.prefill(self._to_device(ids), lengths_of, first_slot=first)
 
     def _replay_prefill(self, row: int, input_ids: tuple[int, ...]) -> Tensor:
         """One prompt's prefill from its recorded graph (staging slot, then copied to ``row``), else eagerly."""
         length = len(input_ids)
         bucket = next((b for b in sorted(self._prefill_graphs) if b >= length), None)
-        ids = torch.tensor(input_ids, dtype=torch.int64)
+        ids = self._to_device(torch.tensor(input_ids, dtype=torch.int64))
         if bucket is None:
-            lengths = torch.tensor([length], device=self._device)
-            return self._decoder.prefill(ids.to(self._device)[None], lengths, first_slot=row)
-        self._prefill_ids[0, :length] = ids.to(self._device)
+            lengths = self._to_device(torch.tensor([length]))
+            return self._decoder.prefill(ids[None], lengths, first_slot=row)
+        self._prefill_ids[0, :length] = ids
         self._prefill_length.fill_(length)
         self._prefill_graphs[bucket].replay()
         self._decoder.move_slot(self._decoder.staging_slot, row, length)
@@ -553,19 +636,19 @@ class BatchingEngine:
         s.top_k[row] = request.top_k
         s.top_p[row] = request.top_p
         s.penalty[row] = request.repetition_penalty
-        s.keys[row] = key
+        s.keys[row] = int(key)
         s.steps[row] = steps
         s.min_new[row] = 0
-        allowed = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
+        masks = torch.zeros(3, len(COLUMN_IDS), dtype=torch.bool)
+        allowed, stops, seen_row = masks
         allowed[:_SPEECH_COLUMNS] = True
         allowed[[_COLUMN_OF[i] for i in drawable]] = True
-        stops = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
         stops[[_COLUMN_OF[i] for i in stop_ids]] = True
-        seen_row = torch.zeros(len(COLUMN_IDS), dtype=torch.bool)
         seen_row[list(seen)] = True
-        s.allowed[row] = allowed.to(self._device)
-        s.stops[row] = stops.to(self._device)
-        s.seen[row] = seen_row.to(self._device)
+        allowed, stops, seen_row = self._to_device(masks)
+        s.allowed[row] = allowed
+        s.stops[row] = stops
+        s.seen[row] = seen_row
 
     def _advance(self, logits: Tensor, start: int, stop: int) -> None:
         """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
@@ -621,12 +704,11 @@ class BatchingEngine:
         if step.events is not None:
             started, done = step.events
             done.synchronize()
-            seconds = started.elapsed_time(done) / 1000.0
-        else:
-            seconds = step.eager_s
         waited = time.perf_counter() - waited
+        if step.decode:
+            seconds = started.elapsed_time(done) / 1000.0 if step.events is not None else step.eager_s
         for handle, segment in zip(step.handles, step.segments, strict=True):
-            if not handle.ended and handle.segment == segment:
+            if step.decode and not handle.ended and handle.segment == segment:
                 handle.steps += 1
                 handle.step_s += seconds
                 handle.wait_s += waited
@@ -719,7 +801,7 @@ class BatchingEngine:
                 self._decode(rows, self._decoder.spans[0])
                 ids = torch.zeros(rows, 2, dtype=torch.int64, device=self._device)
                 self._decoder.prefill(ids, torch.full((rows,), 2, device=self._device), first_slot=0)
-                self._decoder.extend([[0, 0]] * rows, [2] * rows, first_slot=0)
+                self._extend_pass(rows, self._decoder.spans[0])
         except Exception as exc:
             raise RuntimeError(
                 f"compiling the LLM with {backend!r} failed ({type(exc).__name__}: {exc}); "
@@ -732,22 +814,27 @@ class BatchingEngine:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Record one decode step per bucket and span and one prefill per prompt-length bucket, sharing one memory
-        pool."""
+        """Record one decode step and one extend pass per bucket and span and one prefill per prompt-length
+        bucket, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         saved = [tensor.clone() for tensor in self._rows.all()]
         staging = self._decoder.staging_slot
+
+        def record(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+            for _ in range(2):
+                run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                run()
+            return graph
+
         with torch.cuda.stream(stream):
             for bucket in sorted(self._buckets, reverse=True):
                 for span in sorted(self._decoder.spans, reverse=True):
-                    for _ in range(2):
-                        self._decode(bucket, span)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._decode(bucket, span)
-                    self._graphs[bucket, span] = graph
+                    self._graphs[bucket, span] = record(functools.partial(self._decode, bucket, span))
+                    self._extend_graphs[bucket, span] = record(functools.partial(self._extend_pass, bucket, span))
             for width in sorted((b for b in PREFILL_BUCKETS if b <= self._prefill_ids.shape[1]), reverse=True):
                 ids = self._prefill_ids[:, :width]
                 self._decoder.prefill(ids, self._prefill_length, first_slot=staging)

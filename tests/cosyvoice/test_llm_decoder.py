@@ -1,0 +1,91 @@
+"""The slot decoder's extend pass, as the engine records it: the cache and logits of a prefill of the whole input.
+
+The engine pads an extend pass to a bucket of rows (the extra rows name the staging slot) and each row's
+ids to a fixed width; neither may leave a trace in the rows' slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder
+from tts_gateway.models.cosyvoice2.engines.llm_engine import COLUMN_IDS
+
+pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
+
+SLOTS = 4
+MAX_LEN = 64
+WIDTH = 8
+SPAN = 32
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> SlotDecoder:
+    directory = tiny_frontend.write_tiny_llm(tmp_path_factory.mktemp("llm") / "cosyvoice2_llm")
+    model = Qwen2ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    columns = torch.tensor(COLUMN_IDS)
+    return SlotDecoder(model, slots=SLOTS, max_len=MAX_LEN, columns=columns, spans=(SPAN,))
+
+
+def sequence(seed: int, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 6000, (length,), generator=generator).tolist()
+
+
+def prefill(decoder: SlotDecoder, ids: list[list[int]]) -> torch.Tensor:
+    """Each row's ids into its slot, one prefill each (a padded batch writes keys past the shorter rows)."""
+    logits = [
+        decoder.prefill(torch.tensor([row_ids]), torch.tensor([len(row_ids)]), first_slot=row)
+        for row, row_ids in enumerate(ids)
+    ]
+    return torch.cat(logits)
+
+
+def test_an_extend_pass_leaves_what_a_prefill_of_the_whole_input_leaves(decoder: SlotDecoder) -> None:
+    # Rows cached to different lengths, extended by inputs of different lengths (one as wide as the pass).
+    cached = [sequence(1, 9), sequence(2, 17), sequence(3, 4)]
+    added = [sequence(4, 5), sequence(5, WIDTH), sequence(6, 1)]
+    whole = [c + a for c, a in zip(cached, added, strict=True)]
+    expected = prefill(decoder, whole)
+    expected_keys = [decoder.keys[:, row, :, : len(ids)].clone() for row, ids in enumerate(whole)]
+
+    decoder.keys.zero_()
+    decoder.values.zero_()
+    prefill(decoder, cached)
+    staging = decoder.staging_slot
+    # Four rows: the three streams and a row that pads the pass to its bucket.
+    ids = torch.zeros(4, WIDTH, dtype=torch.int64)
+    for row, row_ids in enumerate(added):
+        ids[row, : len(row_ids)] = torch.tensor(row_ids)
+    starts = torch.tensor([len(c) for c in cached] + [0])
+    lengths = torch.tensor([len(a) for a in added] + [1])
+    slots = torch.tensor([0, 1, 2, staging])
+    logits = decoder.extend(ids, starts, lengths, slots, SPAN)
+
+    torch.testing.assert_close(logits[:3], expected, rtol=1e-4, atol=1e-4)
+    for row, ids_of_row in enumerate(whole):
+        torch.testing.assert_close(decoder.keys[:, row, :, : len(ids_of_row)], expected_keys[row])
+        # Nothing written past a row's input: the padding columns went to the staging slot.
+        assert not decoder.keys[:, row, :, len(ids_of_row) :].any()
+    assert not decoder.keys[:, SLOTS - 1].any()
+
+
+def test_padding_rows_change_no_row_they_pad(decoder: SlotDecoder) -> None:
+    ids = torch.tensor([sequence(7, WIDTH)])
+    decoder.keys.zero_()
+    decoder.values.zero_()
+    alone = decoder.extend(ids, torch.tensor([0]), torch.tensor([WIDTH]), torch.tensor([0]), SPAN)
+    keys = decoder.keys[:, 0].clone()
+    staging = decoder.staging_slot
+    padded = decoder.extend(
+        torch.cat([ids, torch.zeros(3, WIDTH, dtype=torch.int64)]),
+        torch.tensor([0, 0, 0, 0]),
+        torch.tensor([WIDTH, 1, 1, 1]),
+        torch.tensor([0, staging, staging, staging]),
+        SPAN,
+    )
+    torch.testing.assert_close(padded[:1], alone)
+    torch.testing.assert_close(decoder.keys[:, 0], keys)
