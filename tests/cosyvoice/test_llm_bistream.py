@@ -53,13 +53,18 @@ class _IndexableCache(DynamicCache):
         return self.layers[layer].keys, self.layers[layer].values
 
 
-@pytest.fixture(scope="module")
-def llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tiny_frontend.write_tiny_llm(tmp_path_factory.mktemp("llm") / "cosyvoice2_llm")
+def write_llm_that_fills(directory: Path) -> Path:
+    """The tiny LLM with the fill row's bias raised: it ends its first round by itself (see above)."""
+    tiny_frontend.write_tiny_llm(directory)
     weights = load_file(directory / "model.safetensors")
     weights["lm_head.bias"][FILL_ID] = FILL_BIAS
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+@pytest.fixture(scope="module")
+def llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llm_that_fills(tmp_path_factory.mktemp("llm") / "cosyvoice2_llm")
 
 
 @pytest.fixture(scope="module", params=["cpu", *(["cuda"] if torch.cuda.is_available() else [])])

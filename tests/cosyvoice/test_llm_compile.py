@@ -6,16 +6,19 @@ tracing with symbolic shapes on the CPU, without generating kernels.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
+from tests.cosyvoice.test_llm_bistream import PROMPT_SPEECH, PROMPT_TEXT, TEXT, open_stream, write_llm_that_fills
 from tests.cosyvoice.test_llm_engine import GREEDY, SAMPLED, submit
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
+from tts_gateway.models.cosyvoice2.engines.llm_engine import TextStreamHandle
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -127,3 +130,31 @@ def test_logits_copied_out_of_a_recorded_prefill_compile_nothing_more(
 def test_a_compile_that_fails_says_how_to_run_without(llm_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="empty compile_backend runs it uncompiled"):
         TorchSpeechLLM(llm_dir, max_slots=1, max_seq_len=MAX_LEN, compile_backend="no-such-backend")
+
+
+def test_rounds_of_a_compiled_engine_compile_nothing_after_load(tmp_path: Path) -> None:
+    # Each round's first draw samples logits copied out of the extend pass's buffer (recorded on CUDA,
+    # the same buffer on the CPU): a sampler compiled again there would stall every round while serving.
+    llm_dir = write_llm_that_fills(tmp_path / "cosyvoice2_llm")
+    compiled = TorchSpeechLLM(llm_dir, max_slots=2, max_seq_len=512, compile_backend="aot_eager")
+    loaded = _compiled_graphs()
+    rounds: list[int] = []
+    extend = compiled.engine._round_logits
+
+    def counted(first: int, handles: Sequence[TextStreamHandle]) -> torch.Tensor:
+        rounds.append(len(handles))
+        return extend(first, handles)
+
+    compiled.engine._round_logits = counted  # type: ignore[method-assign]
+    try:
+        streams = [open_stream(compiled, PROMPT_TEXT, PROMPT_SPEECH) for _ in range(2)]
+        for _, handle in streams:
+            handle.add_text(TEXT)
+            handle.end_text()
+        for recorder, _ in streams:
+            assert recorder.done.wait(120)
+            assert recorder.error is None
+    finally:
+        compiled.close()
+    assert rounds
+    assert _compiled_graphs() == loaded

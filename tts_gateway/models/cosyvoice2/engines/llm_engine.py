@@ -492,17 +492,24 @@ class BatchingEngine:
         rows = len(handles)
         width = max(EXTEND_WIDTH, *(len(h.feed) for h in handles))
         span = self._decoder.span_for(max(h.cached + len(h.feed) for h in handles))
-        bucket = next(b for b in self._buckets if b >= rows)
-        graph = self._extend_graphs.get((bucket, span)) if width == EXTEND_WIDTH else None
         inputs = [self._extend_row(h.feed, h.cached, row, width) for row, h in enumerate(handles, start=first)]
+        if width > EXTEND_WIDTH:
+            batch = self._to_device(torch.stack(inputs))
+            starts, lengths, slots = batch[:, width], batch[:, width + 1], batch[:, width + 2]
+            return self._decoder.extend(batch[:, :width], starts, lengths, slots, span)
+        bucket = next(b for b in self._buckets if b >= rows)
+        graph = self._extend_graphs.get((bucket, span))
+        if graph is None:
+            bucket = rows
+        padding = self._extend_row([], 0, self._decoder.staging_slot, width)
+        self._extend_inputs[:bucket].copy_(self._to_device(torch.stack(inputs + [padding] * (bucket - rows))))
         if graph is not None:
-            padding = self._extend_row([], 0, self._decoder.staging_slot, width)
-            host = torch.stack(inputs + [padding] * (bucket - rows))
-            self._extend_inputs[:bucket].copy_(host.pin_memory(), non_blocking=True)
             graph.replay()
-            return self._extend_logits[:rows]
-        batch = self._to_device(torch.stack(inputs))
-        return self._decoder.extend(batch[:, :width], batch[:, width], batch[:, width + 1], batch[:, width + 2], span)
+        else:
+            self._extend_pass(rows, span)
+        # A copy made on this thread, in inference mode, as the sampler was traced: a view of the
+        # recorded buffer would make dynamo compile it again while serving.
+        return self._extend_logits[:rows].clone()
 
     @staticmethod
     def _extend_row(ids: Sequence[int], start: int, slot: int, width: int) -> Tensor:
@@ -615,8 +622,8 @@ class BatchingEngine:
             drawable=request.stop_ids,
             stop_ids=request.stop_ids,
             seen=[_COLUMN_OF[i] for i in request.input_ids if i in _COLUMN_OF],
+            min_new=request.min_new_tokens,
         )
-        self._rows.sampling.min_new[row] = request.min_new_tokens
 
     def _write_row(
         self,
@@ -628,17 +635,19 @@ class BatchingEngine:
         drawable: Iterable[int],
         stop_ids: Iterable[int],
         seen: Iterable[int],
+        min_new: int = 0,
     ) -> None:
         """Load a sampling row: speech tokens and ``drawable`` ids may be drawn, ``stop_ids`` only after
-        ``min_new`` steps; ``seen`` are the columns the repetition penalty applies to."""
+        ``min_new`` steps; ``seen`` are the columns the repetition penalty applies to.
+
+        Values go to the device in one pinned copy per dtype: a Python number written into a CUDA
+        tensor is a pageable copy, which waits for the whole stream (the step in flight) each time.
+        """
         s = self._rows.sampling
-        s.temperature[row] = request.temperature
-        s.top_k[row] = request.top_k
-        s.top_p[row] = request.top_p
-        s.penalty[row] = request.repetition_penalty
-        s.keys[row] = int(key)
-        s.steps[row] = steps
-        s.min_new[row] = 0
+        floats = self._to_device(torch.tensor([request.temperature, request.top_p, request.repetition_penalty]))
+        s.temperature[row], s.top_p[row], s.penalty[row] = floats
+        counts = self._to_device(torch.tensor([request.top_k, int(key), steps, min_new]))
+        s.top_k[row], s.keys[row], s.steps[row], s.min_new[row] = counts
         masks = torch.zeros(3, len(COLUMN_IDS), dtype=torch.bool)
         allowed, stops, seen_row = masks
         allowed[:_SPEECH_COLUMNS] = True

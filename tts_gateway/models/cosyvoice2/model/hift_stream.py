@@ -8,6 +8,7 @@ on plain signals; when to emit a chunk is :mod:`tts_gateway.models.cosyvoice2.or
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -111,7 +112,15 @@ class HiftStreamState:
 
     def _crossfade(self, speech: Tensor, tail: Tensor) -> Tensor:
         overlap = tail.shape[0]
-        fade_in, fade_out = hamming_crossfade(overlap, normalized=self.normalized_crossfade)
+        fade_in, fade_out = _ramps(overlap, self.normalized_crossfade, speech.device)
         joined = speech.clone()
-        joined[:overlap] = speech[:overlap] * fade_in.to(speech.device) + tail * fade_out.to(speech.device)
+        joined[:overlap] = speech[:overlap] * fade_in + tail * fade_out
         return joined
+
+
+@functools.cache
+def _ramps(overlap: int, normalized: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """:func:`hamming_crossfade` on ``device``, made once: copied from the host at every join, the ramps
+    made the GPU's stream wait each time (two pageable copies per chunk of every stream)."""
+    fade_in, fade_out = hamming_crossfade(overlap, normalized=normalized)
+    return fade_in.to(device), fade_out.to(device)
