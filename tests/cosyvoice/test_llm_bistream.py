@@ -268,6 +268,24 @@ def test_cancelling_a_generating_stream_frees_its_slot(llm: TorchSpeechLLM) -> N
         assert len(other.tokens) == TOKENS
 
 
+def test_a_stream_closed_while_it_waits_never_comes_back(llm: TorchSpeechLLM) -> None:
+    # The engine closes the streams of a pass that failed; one of them may have parked again by then.
+    engine = llm.engine
+    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
+    handle.add_text(TEXT[:4])
+    produced = wait_idle(recorder)
+    with engine._wake:
+        open_before = engine._streams_open
+        engine._close_stream(handle, RuntimeError("the pass failed"))
+    handle.add_text(TEXT[4:])
+    handle.end_text()
+    time.sleep(0.5)
+    assert isinstance(recorder.error, RuntimeError)
+    assert len(recorder.tokens) == produced
+    assert handle not in engine._live
+    assert engine._streams_open == open_before - 1
+
+
 def test_text_after_its_end_is_refused(llm: TorchSpeechLLM) -> None:
     recorder, handle = open_stream(llm, [], [])
     handle.end_text()

@@ -183,8 +183,8 @@ class SlotDecoder:
         columns) after its last id. Attends to the first ``span`` positions, which must hold every row's input.
 
         Shapes depend only on rows, width and span, and nothing waits for the host, so the engine records
-        this pass as a CUDA graph: text streams start a round at almost every step, and the same pass
-        launched eagerly held the engine's thread for most of its time. To fill a bucket, a row may name
+        this pass as a CUDA graph: text streams start a round at almost every step, and launched eagerly
+        from Python the pass would hold the engine's thread between steps. To fill a bucket, a row may name
         the staging slot. Columns past a row's length write their keys into the staging slot, never past a
         row's input: the row's next decode steps find its cache as they would after an exact pass.
         """

@@ -62,8 +62,9 @@ _SEED_LIMIT = 1 << 64
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Prompt lengths whose prefill (one request) is recorded as a CUDA graph; longer prompts run eagerly.
 PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
-# The widest input of a text stream's later rounds: the round's last speech id (owed to the cache),
-# the previous input again in the final round, then up to 5 text ids and <|task_id|>.
+# Ids an extend pass takes per row. A round's input is the round's last speech id (owed to the cache)
+# and 5 text ids; the final one feeds the last input again, the rest of the text and <|task_id|>, within 8
+# unless the round before drew the fill at once (then its whole input is fed again: an eager pass).
 EXTEND_WIDTH = 8
 
 
@@ -231,7 +232,8 @@ class _Launched:
     handles: list[GenerationHandle]
     segments: list[int]
     drawn: Tensor
-    # On CUDA the events around the pass (start, end); on the CPU the pass already ran, in ``eager_s``.
+    # On CUDA the events around a decode step (start, end; the same untimed event twice after a pass that
+    # starts rows); on the CPU the pass already ran, a decode step in ``eager_s``.
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
     eager_s: float
     # A decode step (counted in its requests' traces), or the prefill or extend pass that starts rows.
@@ -388,21 +390,21 @@ class BatchingEngine:
                 for stream in dropped:
                     self._close_stream(stream, None)
                 # Passes that start rows; their first ids are handed out after the step in flight.
-                starting = self._extend(resumed) if resumed else []
+                first_draws = self._extend(resumed) if resumed else []
                 if admitted:
-                    starting.append(self._prefill(admitted))
+                    first_draws.append(self._prefill(admitted))
                 if self._live and self._gate is not None and self._gate.busy([h.produced for h in self._live]):
                     # Hand out the steps in flight before leaving the GPU to the other process.
-                    for step in [launched, *starting] if launched is not None else starting:
+                    for step in [launched, *first_draws] if launched is not None else first_draws:
                         self._land(step)
-                    launched, starting = None, []
+                    launched, first_draws = None, []
                     if self._live:
                         # A request that arrives meanwhile ends the wait: its prefill goes first.
                         self._gate.wait(lambda: bool(self._waiting))
                 previous, launched = launched, self._launch() if self._live else None
                 if previous is not None:
                     self._land(previous)
-                for step in starting:
+                for step in first_draws:
                     self._land(step)
             except Exception as exc:
                 _log.exception("LLM engine step failed; failing the requests in flight")
@@ -577,6 +579,9 @@ class BatchingEngine:
         handle.saved = None
         with self._wake:
             self._streams_open -= 1
+            # A stream that failed with its pass may have parked again already: it must not come back.
+            if handle in self._streams:
+                self._streams.remove(handle)
         _finish(handle, error)
 
     def _prefill(self, handles: list[GenerationHandle]) -> _Launched:

@@ -120,7 +120,7 @@ class HiftStreamState:
 
 @functools.cache
 def _ramps(overlap: int, normalized: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """:func:`hamming_crossfade` on ``device``, made once: copied from the host at every join, the ramps
-    made the GPU's stream wait each time (two pageable copies per chunk of every stream)."""
+    """:func:`hamming_crossfade` on ``device``, made once per length: a copy from the host at every join
+    is a pageable copy, which waits for the device's stream (two per chunk of every stream)."""
     fade_in, fade_out = hamming_crossfade(overlap, normalized=normalized)
     return fade_in.to(device), fade_out.to(device)
