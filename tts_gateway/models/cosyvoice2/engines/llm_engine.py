@@ -496,9 +496,7 @@ class BatchingEngine:
         span = self._decoder.span_for(max(h.cached + len(h.feed) for h in handles))
         inputs = [self._extend_row(h.feed, h.cached, row, width) for row, h in enumerate(handles, start=first)]
         if width > EXTEND_WIDTH:
-            batch = self._to_device(torch.stack(inputs))
-            starts, lengths, slots = batch[:, width], batch[:, width + 1], batch[:, width + 2]
-            return self._decoder.extend(batch[:, :width], starts, lengths, slots, span)
+            return self._extend_batch(self._to_device(torch.stack(inputs)), span)
         bucket = next(b for b in self._buckets if b >= rows)
         graph = self._extend_graphs.get((bucket, span))
         if graph is None:
@@ -523,10 +521,12 @@ class BatchingEngine:
 
     def _extend_pass(self, rows: int, span: int) -> None:
         """The extend pass over the first ``rows`` rows of the recorded inputs, into the recorded logits."""
-        inputs = self._extend_inputs[:rows]
-        w = EXTEND_WIDTH
-        logits = self._decoder.extend(inputs[:, :w], inputs[:, w], inputs[:, w + 1], inputs[:, w + 2], span)
-        self._extend_logits[:rows].copy_(logits)
+        self._extend_logits[:rows].copy_(self._extend_batch(self._extend_inputs[:rows], span))
+
+    def _extend_batch(self, batch: Tensor, span: int) -> Tensor:
+        """An extend pass over rows laid out by :meth:`_extend_row` (ids, then start, length, slot)."""
+        width = batch.shape[1] - 3
+        return self._decoder.extend(batch[:, :width], batch[:, width], batch[:, width + 1], batch[:, width + 2], span)
 
     def _to_device(self, host: Tensor) -> Tensor:
         """``host`` on the model's device without waiting for the GPU (a pageable copy would)."""
