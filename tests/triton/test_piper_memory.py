@@ -92,3 +92,35 @@ _NEW_LENGTHS_PROBE = _IN_USE + textwrap.dedent(
 def test_sentences_of_ever_new_lengths_leave_nothing_per_length() -> None:
     result = subprocess.run([sys.executable, "-c", _NEW_LENGTHS_PROBE], capture_output=True, text=True, check=True)
     assert int(result.stdout.strip()) < NEW_LENGTHS_LIMIT
+
+
+# Python objects a request may leave behind, on average: piper's own phonemizer kept two per clause
+# (12 for the text below), ONNX Runtime settles near 0.1 a run once warm.
+OBJECTS_PER_REQUEST_LIMIT = 1.0
+
+_OBJECTS_PROBE = textwrap.dedent(
+    """
+    import gc
+    import sys
+
+    from tts_gateway.models.piper import PiperEngine
+
+    engine = PiperEngine()
+    text = "Wait, the train is late; nobody minded. Then, at noon: it left! Why?"
+
+    def requests(count):
+        for _ in range(count):
+            assert sum(chunk.size for chunk in engine.synthesize(text)) > 0
+        gc.collect()
+
+    requests(30)
+    before = sys.getallocatedblocks()
+    requests(100)
+    print((sys.getallocatedblocks() - before) / 100)
+    """
+)
+
+
+def test_requests_leave_no_python_objects_behind() -> None:
+    result = subprocess.run([sys.executable, "-c", _OBJECTS_PROBE], capture_output=True, text=True, check=True)
+    assert float(result.stdout.strip()) < OBJECTS_PER_REQUEST_LIMIT

@@ -14,6 +14,7 @@ from numpy.typing import NDArray
 from piper import PiperVoice, SynthesisConfig
 from piper.config import PiperConfig
 
+from tts_gateway.models.piper import espeak_phonemes
 from tts_gateway.models.piper.onnx_memory import session_options
 from tts_gateway.models.piper.tempo import proportional_tempo
 
@@ -37,6 +38,7 @@ class PiperEngine:
             graph.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]
         )
         self._voice = PiperVoice(session=self.session, config=config)
+        espeak_phonemes.install()  # piper's own phonemizer keeps every clause it reads (see there)
         self.sample_rate: int = int(config.sample_rate)
 
     def synthesize(self, text: str, speed: float = 1.0) -> Iterator[NDArray[np.float32]]:
