@@ -1,15 +1,20 @@
-"""Memory over a long run of the embedded CPU default (``tts-gateway serve``, Piper).
+"""Memory over a long run of the embedded CPU default, or of a CosyVoice2 profile on its own Triton.
 
-Starts the gateway as users run it (it starts its own Triton on the ``cpu`` profile), sends
-requests at ``--concurrency`` for ``--minutes``, inputs of mixed length up to 4,096 characters
-in every response format, streamed and whole, and samples the resident memory of every process:
-the gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the
-part shared with Triton). The load pauses for a rest after the warm-up (``--warmup`` minutes) and
-at the end; the report is each process's RSS at those two rests, the growth between (the target:
-under 1 %), and its peak under load. Under load the RSS follows the longest sentences being
-synthesised at that moment, so only memory at rest tells growth from work in progress.
+Starts the gateway as users run it (on the embedded CPU default it starts its own Triton on the
+``cpu`` profile; with ``--profile`` a Triton is started here on that CosyVoice2 profile over a random
+checkpoint, ``benchmarks/cosyvoice2_triton.py``, and the gateway is pointed at it), sends requests
+at ``--concurrency`` for ``--minutes``, inputs of mixed length up to 4,096 characters in every
+response format, streamed and whole, and samples the resident memory of every process: the
+gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the part
+shared with Triton; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses for a
+rest after the warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
+at those two rests, the growth between (the target: under 1 %), and its peak under load. Under
+load the RSS follows the longest sentences being synthesised at that moment, so only memory at
+rest tells growth from work in progress.
 
     python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2]
+    # CosyVoice2 on one GPU, 64 streams:
+    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 35 --warmup 5
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
+import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,9 +37,9 @@ import aiohttp
 
 from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
+from benchmarks.cosyvoice2_triton import cosyvoice2_triton
 from benchmarks.cpu_default import pinned_cores
 
-MODEL = "piper"
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
 MAX_CHARS = 4096
 SAMPLE_EVERY_S = 5.0
@@ -49,23 +57,27 @@ _SENTENCES = (
 )
 
 
-def soak_text(rng: random.Random) -> str:
-    """Sentences up to a length drawn log-uniformly between 20 and 4,096 characters."""
-    limit = int(20 * (MAX_CHARS / 20) ** rng.random())
+def soak_text(rng: random.Random, max_chars: int = MAX_CHARS) -> str:
+    """Sentences up to a length drawn log-uniformly between 20 and ``max_chars`` characters."""
+    limit = int(20 * (max_chars / 20) ** rng.random())
     text = rng.choice(_SENTENCES)
     while len(text) < limit:
         text += " " + rng.choice(_SENTENCES)
-    return text[:MAX_CHARS]
+    return text[:max_chars]
 
 
-def process_tree(root: int) -> dict[str, int]:
-    """Label -> pid of ``root`` and its descendants: gateway, tritonserver, stub:MODEL."""
+def process_tree(root: int, label: str) -> dict[str, int]:
+    """Label -> pid of ``root`` (as ``label``) and its descendants: tritonserver, stub:MODEL."""
     labels: dict[str, int] = {}
-    pending = [(root, "gateway")]
+    pending = [(root, label)]
     while pending:
         pid, label = pending.pop()
-        labels[label] = pid
-        for child in children(pid):
+        # A gateway's worker processes share a name: numbered in the order of their pids.
+        unique, copy = label, 2
+        while unique in labels:
+            unique, copy = f"{label} {copy}", copy + 1
+        labels[unique] = pid
+        for child in sorted(children(pid)):
             try:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             except FileNotFoundError:
@@ -91,13 +103,35 @@ def rss_mib(pid: int) -> dict[str, float]:
     return found
 
 
-async def _load(url: str, concurrency: int, until: float, rng: random.Random, counts: dict[str, int]) -> None:
+def cuda_mib() -> dict[int, float]:
+    """Pid -> MiB of CUDA memory, from ``nvidia-smi``; empty where there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    answer = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    held: dict[int, float] = {}
+    for row in answer.stdout.splitlines():
+        pid, _, used = row.partition(",")
+        if pid.strip().isdigit() and used.strip().isdigit():
+            held[int(pid)] = held.get(int(pid), 0.0) + float(used)
+    return held
+
+
+async def _load(
+    url: str, speech: tuple[str, str, int], concurrency: int, until: float, rng: random.Random, counts: dict[str, int]
+) -> None:
+    model, voice, max_chars = speech
+
     async def worker(http: aiohttp.ClientSession) -> None:
         while time.monotonic() < until:
             body = {
-                "model": MODEL,
-                "voice": "alloy",
-                "input": soak_text(rng),
+                "model": model,
+                "voice": voice,
+                "input": soak_text(rng, max_chars),
                 "response_format": rng.choice(FORMATS),
             }
             if rng.random() < 0.5:
@@ -115,30 +149,36 @@ async def _load(url: str, concurrency: int, until: float, rng: random.Random, co
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
 
 
-async def _sample(root: int, phase: list[str], samples: list[dict[str, Any]]) -> None:
+async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[str, Any]]) -> None:
     started = time.monotonic()
     while True:
         row: dict[str, Any] = {"t_s": round(time.monotonic() - started, 1), "phase": phase[0]}
-        for label, pid in process_tree(root).items():
-            try:
-                memory = rss_mib(pid)
-            except FileNotFoundError:
-                continue
-            row.update({label + suffix: round(mib, 1) for suffix, mib in memory.items()})
+        cuda = await asyncio.to_thread(cuda_mib)
+        for root, root_label in roots.items():
+            for label, pid in process_tree(root, root_label).items():
+                try:
+                    memory = rss_mib(pid)
+                except FileNotFoundError:
+                    continue
+                if pid in cuda:
+                    memory[" cuda"] = cuda[pid]
+                row.update({label + suffix: round(mib, 1) for suffix, mib in memory.items()})
         samples.append(row)
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 
-async def _soak(gateway: GatewayServer, minutes: float, warmup: float, concurrency: int) -> dict[str, Any]:
+async def _soak(
+    url: str, roots: dict[int, str], speech: tuple[str, str, int], minutes: float, warmup: float, concurrency: int
+) -> dict[str, Any]:
     """Load for ``warmup`` minutes, rest, load for the remaining minutes, rest; sampling throughout."""
     samples: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     rng = random.Random(0)
     phase = ["warmup"]
-    sampler = asyncio.create_task(_sample(gateway.pid, phase, samples))
+    sampler = asyncio.create_task(_sample(roots, phase, samples))
     for name, load_minutes in (("warmup", warmup), ("soak", minutes - warmup)):
         phase[0] = name
-        await _load(gateway.url, concurrency, time.monotonic() + load_minutes * 60, rng, counts)
+        await _load(url, speech, concurrency, time.monotonic() + load_minutes * 60, rng, counts)
         phase[0] = f"{name} rest"
         await asyncio.sleep(REST_S)
     sampler.cancel()
@@ -165,14 +205,37 @@ def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return report
 
 
-def measure(workdir: Path, minutes: float, warmup: float, concurrency: int, cores: int) -> dict[str, Any]:
-    with GatewayServer(workdir, {"TTS_TRITON_URL": ""}, cores=pinned_cores(cores)) as gateway:
-        result = asyncio.run(_soak(gateway, minutes, warmup, concurrency))
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The soak as ``args`` ask; ``workdir`` holds the gateway's files (and the Triton's, with a profile)."""
+    cores = pinned_cores(args.cores) if args.cores else None
+    with contextlib.ExitStack() as stack:
+        if args.profile:
+            server, setup = stack.enter_context(
+                cosyvoice2_triton(workdir / "triton", args.profile, args.set, startup_timeout=args.startup_timeout)
+            )
+            if server.pid is None:
+                raise RuntimeError("the Triton for the profile did not start")
+            roots = {server.pid: "tritonserver"}
+            env = {
+                "TTS_TRITON_URL": server.grpc_url,
+                "TTS_WORKERS": str(args.gateway_workers),
+                "TTS_MAX_CONCURRENT_SPEECH": str(2 * args.concurrency),
+            }
+            speech = ("tts-1", args.voice or "lumen", args.max_chars)
+            stack_setup: dict[str, Any] | None = dataclasses.asdict(setup)
+        else:
+            roots, env, stack_setup = {}, {"TTS_TRITON_URL": ""}, None
+            speech = ("piper", args.voice or "alloy", args.max_chars)
+        gateway = stack.enter_context(GatewayServer(workdir / "gateway", env, cores=cores))
+        roots[gateway.pid] = "gateway"
+        result = asyncio.run(_soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency))
     return {
-        "minutes": minutes,
-        "warmup_minutes": warmup,
-        "concurrency": concurrency,
-        "cores": cores,
+        "minutes": args.minutes,
+        "warmup_minutes": args.warmup,
+        "concurrency": args.concurrency,
+        "cores": args.cores,
+        "stack": stack_setup,
+        "speech": {"model": speech[0], "voice": speech[1], "max_chars": speech[2]},
         "requests": result["requests"],
         "processes": growth(result["samples"]),
         "samples": result["samples"],
@@ -184,11 +247,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="length of the run")
     parser.add_argument("--warmup", type=float, default=5.0, help="minutes before growth is counted")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway and its Triton may use")
+    parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway (and its Triton) may use; 0: all")
     parser.add_argument("--output", type=Path, help="write the full report (with every sample) here as JSON")
+    parser.add_argument(
+        "--profile", help="start a Triton on this CosyVoice2 profile (random checkpoint), then a gateway"
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE", help="profile overrides")
+    parser.add_argument("--max-chars", type=int, default=MAX_CHARS, help="longest input (at most 4,096)")
+    parser.add_argument("--voice", help="voice (default: alloy on the embedded default, else lumen)")
+    parser.add_argument("--gateway-workers", type=int, default=4, help="gateway processes, with --profile")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the stack to start")
+    parser.add_argument(
+        "--workdir", type=Path, help="with --profile: checkpoint and repository, kept and reused (default: temporary)"
+    )
     args = parser.parse_args(argv)
+    if args.set and not args.profile:
+        parser.error("--set goes with --profile")
     with tempfile.TemporaryDirectory() as tmp:
-        report = measure(Path(tmp), args.minutes, args.warmup, args.concurrency, args.cores)
+        report = measure(args, (args.workdir or Path(tmp)).resolve())
     if args.output:
         args.output.write_text(json.dumps(report, indent=2))
     print(json.dumps({key: value for key, value in report.items() if key != "samples"}, indent=2))
