@@ -107,8 +107,10 @@ def embedded_triton(
 def children(pid: int) -> list[int]:
     """The direct children of ``pid`` (of each of its threads), from ``/proc``."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
+    with contextlib.suppress(FileNotFoundError):  # the process, or one of its threads, ended meanwhile
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                found += [int(child) for child in (task / "children").read_text().split()]
     return found
 
 
