@@ -37,7 +37,6 @@ import aiohttp
 
 from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
-from benchmarks.cosyvoice2_triton import cosyvoice2_triton
 from benchmarks.cpu_default import pinned_cores
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
@@ -72,15 +71,15 @@ def process_tree(root: int, label: str) -> dict[str, int]:
     pending = [(root, label)]
     while pending:
         pid, label = pending.pop()
-        # A gateway's worker processes share a name: numbered in the order of their pids.
+        # A gateway's worker processes share a name: numbered from the lowest pid (a respawned one renumbers).
         unique, copy = label, 2
         while unique in labels:
             unique, copy = f"{label} {copy}", copy + 1
         labels[unique] = pid
-        for child in sorted(children(pid)):
+        for child in sorted(children(pid), reverse=True):  # popped lowest first
             try:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
                 continue
             name = Path(argv[0].decode(errors="replace")).name
             if name == "triton_python_backend_stub":
@@ -107,12 +106,16 @@ def cuda_mib() -> dict[int, float]:
     """Pid -> MiB of CUDA memory, from ``nvidia-smi``; empty where there is none."""
     if shutil.which("nvidia-smi") is None:
         return {}
-    answer = subprocess.run(
-        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    try:
+        answer = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+    except subprocess.TimeoutExpired:
+        return {}
     held: dict[int, float] = {}
     for row in answer.stdout.splitlines():
         pid, _, used = row.partition(",")
@@ -158,7 +161,7 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
             for label, pid in process_tree(root, root_label).items():
                 try:
                     memory = rss_mib(pid)
-                except FileNotFoundError:
+                except (FileNotFoundError, ProcessLookupError):
                     continue
                 if pid in cuda:
                     memory[" cuda"] = cuda[pid]
@@ -178,6 +181,8 @@ async def _soak(
     sampler = asyncio.create_task(_sample(roots, phase, samples))
     for name, load_minutes in (("warmup", warmup), ("soak", minutes - warmup)):
         phase[0] = name
+        if sampler.done():  # it failed: say so now rather than after the run
+            sampler.result()
         await _load(url, speech, concurrency, time.monotonic() + load_minutes * 60, rng, counts)
         phase[0] = f"{name} rest"
         await asyncio.sleep(REST_S)
@@ -210,6 +215,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cores = pinned_cores(args.cores) if args.cores else None
     with contextlib.ExitStack() as stack:
         if args.profile:
+            # Imported here: it needs torch (the CosyVoice2 extra), which the CPU default's soak does not.
+            from benchmarks.cosyvoice2_triton import cosyvoice2_triton
+
             server, setup = stack.enter_context(
                 cosyvoice2_triton(workdir / "triton", args.profile, args.set, startup_timeout=args.startup_timeout)
             )
@@ -263,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.set and not args.profile:
         parser.error("--set goes with --profile")
+    if not 20 <= args.max_chars <= MAX_CHARS:
+        parser.error(f"--max-chars must be within 20..{MAX_CHARS}")
     with tempfile.TemporaryDirectory() as tmp:
         report = measure(args, (args.workdir or Path(tmp)).resolve())
     if args.output:

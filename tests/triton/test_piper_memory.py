@@ -95,7 +95,7 @@ def test_sentences_of_ever_new_lengths_leave_nothing_per_length() -> None:
 
 
 # Python objects a request may leave behind, on average: piper's own phonemizer kept two per clause
-# (12 for the text below), ONNX Runtime settles near 0.1 a run once warm.
+# (14 for the seven clauses below), ONNX Runtime settles near 0.1 a run once warm.
 OBJECTS_PER_REQUEST_LIMIT = 1.0
 
 _OBJECTS_PROBE = textwrap.dedent(

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable
-from typing import Final
+from typing import Final, cast
 
 from piper import espeakbridge
+
+logger = logging.getLogger(__name__)
 
 # espeak-ng's speak_lib.h: input encoding detected, phonemes written in IPA.
 _CHARS_AUTO: Final = 0
@@ -55,8 +58,10 @@ def clause_phonemes(text: str) -> list[tuple[str, str, bool]]:
     clauses = []
     while cursor.value is not None:
         phonemes = text_to_phonemes(ctypes.byref(cursor), _CHARS_AUTO, _PHONEMES_IPA, ctypes.byref(terminator))
+        if phonemes is None:  # espeak-ng could not read the text and left the cursor where it was
+            raise RuntimeError("espeak-ng returned no phonemes")
         code = terminator.value & _CODE_MASK
-        clauses.append(((phonemes or b"").decode("utf-8"), _TERMINATORS.get(code, ""), code & _SENTENCE == _SENTENCE))
+        clauses.append((phonemes.decode("utf-8"), _TERMINATORS.get(code, ""), code & _SENTENCE == _SENTENCE))
     return clauses
 
 
@@ -64,6 +69,7 @@ def install() -> bool:
     """Make piper phonemize through :func:`clause_phonemes` in this process; ``False`` (piper left as it
     is) where its extension does not export espeak-ng's call."""
     if _espeak_text_to_phonemes() is None:
+        logger.warning("piper's espeakbridge exports no espeak-ng call: its phonemizer keeps every clause it reads")
         return False
     espeakbridge.get_phonemes = clause_phonemes
     return True
@@ -79,4 +85,4 @@ def _espeak_text_to_phonemes() -> _TextToPhonemes | None:
         return None
     function.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
     function.restype = ctypes.c_char_p
-    return function  # type: ignore[no-any-return]
+    return cast("_TextToPhonemes", function)
