@@ -61,6 +61,7 @@ from tritonclient.utils import InferenceServerException
 
 from benchmarks import cosyvoice2_triton, gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer, children
+from benchmarks.gpu_query import nvidia_smi
 from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded_fleet import EmbeddedFleet, embedded_servers
@@ -275,7 +276,7 @@ class GpuMemoryPeak:
 
     def _sample(self) -> None:
         while True:
-            used = [int(row[0]) for row in gpu_sanity.nvidia_smi("gpu=memory.used")]
+            used = [int(row[0]) for row in nvidia_smi("gpu=memory.used")]
             self.peak_mib = [max(pair) for pair in zip(self.peak_mib or [0] * len(used), used, strict=True)]
             if self._stop.wait(self._interval_s):
                 return
@@ -765,7 +766,7 @@ def run(args: argparse.Namespace) -> bool:
 
     device = "CPU rehearsal"
     if gpu:
-        device = ", ".join(gpu_sanity.nvidia_smi("gpu=name,driver_version,memory.total")[0]) + " MiB"
+        device = ", ".join(nvidia_smi("gpu=name,driver_version,memory.total")[0]) + " MiB"
         if args.gpus > 1:
             device = f"{args.gpus} x {device}"
     idle_mib = gpu_sanity.gpu_memory_used() if gpu else None

@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
+from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
@@ -231,16 +232,6 @@ def dump_stub_stacks(repository: Path, settle_s: float = 2.0) -> None:
         time.sleep(settle_s)
 
 
-def nvidia_smi(query: str) -> list[list[str]]:
-    answer = subprocess.run(
-        ["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return [[field.strip() for field in row.split(",")] for row in answer.stdout.splitlines() if row.strip()]
-
-
 def gpu_memory_used() -> int:
     """MiB in use on GPU 0."""
     return int(nvidia_smi("gpu=memory.used")[0][0])
@@ -252,9 +243,9 @@ def cuda_memory_by_model(repository: Path, server_pid: int | None) -> dict[str, 
     if server_pid is not None:
         stubs[server_pid] = "tritonserver"
     held: dict[str, int] = {}
-    for pid, memory in nvidia_smi("compute-apps=pid,used_memory"):
-        name = stubs.get(int(pid), f"pid {pid} (not a stub)")
-        held[name] = held.get(name, 0) + int(memory or 0)
+    for pid, memory in cuda_mib_by_pid().items():
+        name = stubs.get(pid, f"pid {pid} (not a stub)")
+        held[name] = held.get(name, 0) + memory
     return held
 
 

@@ -38,6 +38,7 @@ import aiohttp
 from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.cpu_default import pinned_cores
+from benchmarks.gpu_query import cuda_mib_by_pid
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
 MAX_CHARS = 4096
@@ -102,26 +103,14 @@ def rss_mib(pid: int) -> dict[str, float]:
     return found
 
 
-def cuda_mib() -> dict[int, float]:
-    """Pid -> MiB of CUDA memory, from ``nvidia-smi``; empty where there is none."""
+def cuda_mib() -> dict[int, int]:
+    """Pid -> MiB of CUDA memory; empty where ``nvidia-smi`` is missing or does not answer."""
     if shutil.which("nvidia-smi") is None:
         return {}
     try:
-        answer = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
-        )
-    except subprocess.TimeoutExpired:
+        return cuda_mib_by_pid(timeout_s=30)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return {}
-    held: dict[int, float] = {}
-    for row in answer.stdout.splitlines():
-        pid, _, used = row.partition(",")
-        if pid.strip().isdigit() and used.strip().isdigit():
-            held[int(pid)] = held.get(int(pid), 0.0) + float(used)
-    return held
 
 
 async def _load(

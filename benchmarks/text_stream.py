@@ -82,7 +82,8 @@ from tritonclient.utils import InferenceServerException
 from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cosyvoice2_triton import cosyvoice2_triton
-from benchmarks.gpu_sanity import nvidia_smi, print_server_errors
+from benchmarks.gpu_query import nvidia_smi
+from benchmarks.gpu_sanity import print_server_errors
 
 UTTERANCES = (
     "Thanks for calling. Your order shipped this morning and should arrive on Thursday. "

@@ -1,0 +1,30 @@
+"""What ``nvidia-smi`` says about the GPUs and the processes on them, for the benchmarks.
+
+Kept apart from the CUDA benchmarks' own modules so that a tool which only samples memory (the
+memory soak) does not import their model-side dependencies.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+
+def nvidia_smi(query: str, timeout_s: float | None = None) -> list[list[str]]:
+    """Rows of ``nvidia-smi --query-QUERY`` as CSV fields, without units."""
+    answer = subprocess.run(
+        ["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=timeout_s,
+    )
+    return [[field.strip() for field in row.split(",")] for row in answer.stdout.splitlines() if row.strip()]
+
+
+def cuda_mib_by_pid(timeout_s: float | None = None) -> dict[int, int]:
+    """Pid -> MiB of CUDA memory the process holds (rows without a figure are left out)."""
+    held: dict[int, int] = {}
+    for pid, used in nvidia_smi("compute-apps=pid,used_memory", timeout_s):
+        if pid.isdigit() and used.isdigit():
+            held[int(pid)] = held.get(int(pid), 0) + int(used)
+    return held
