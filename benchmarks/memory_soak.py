@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -55,6 +55,14 @@ _SENTENCES = (
     "By noon the sky had cleared, and the river shone like a ribbon of silver between the hills,"
     " winding past farms, mills and the old stone bridge that nobody crossed any more.",
 )
+
+
+class Speech(NamedTuple):
+    """What the load asks for: the model and voice, and the longest input."""
+
+    model: str
+    voice: str
+    max_chars: int
 
 
 def soak_text(rng: random.Random, max_chars: int = MAX_CHARS) -> str:
@@ -114,16 +122,14 @@ def cuda_mib() -> dict[int, int]:
 
 
 async def _load(
-    url: str, speech: tuple[str, str, int], concurrency: int, until: float, rng: random.Random, counts: dict[str, int]
+    url: str, speech: Speech, concurrency: int, until: float, rng: random.Random, counts: dict[str, int]
 ) -> None:
-    model, voice, max_chars = speech
-
     async def worker(http: aiohttp.ClientSession) -> None:
         while time.monotonic() < until:
             body = {
-                "model": model,
-                "voice": voice,
-                "input": soak_text(rng, max_chars),
+                "model": speech.model,
+                "voice": speech.voice,
+                "input": soak_text(rng, speech.max_chars),
                 "response_format": rng.choice(FORMATS),
             }
             if rng.random() < 0.5:
@@ -160,7 +166,7 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
 
 
 async def _soak(
-    url: str, roots: dict[int, str], speech: tuple[str, str, int], minutes: float, warmup: float, concurrency: int
+    url: str, roots: dict[int, str], speech: Speech, minutes: float, warmup: float, concurrency: int
 ) -> dict[str, Any]:
     """Load for ``warmup`` minutes, rest, load for the remaining minutes, rest; sampling throughout."""
     samples: list[dict[str, Any]] = []
@@ -218,11 +224,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 "TTS_WORKERS": str(args.gateway_workers),
                 "TTS_MAX_CONCURRENT_SPEECH": str(2 * args.concurrency),
             }
-            speech = ("tts-1", args.voice or "lumen", args.max_chars)
+            speech = Speech("tts-1", args.voice or "lumen", args.max_chars)
             stack_setup: dict[str, Any] | None = dataclasses.asdict(setup)
         else:
             roots, env, stack_setup = {}, {"TTS_TRITON_URL": ""}, None
-            speech = ("piper", args.voice or "alloy", args.max_chars)
+            speech = Speech("piper", args.voice or "alloy", args.max_chars)
         gateway = stack.enter_context(GatewayServer(workdir / "gateway", env, cores=cores))
         roots[gateway.pid] = "gateway"
         result = asyncio.run(_soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency))
@@ -232,7 +238,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "cores": args.cores,
         "stack": stack_setup,
-        "speech": {"model": speech[0], "voice": speech[1], "max_chars": speech[2]},
+        "speech": speech._asdict(),
         "requests": result["requests"],
         "processes": growth(result["samples"]),
         "samples": result["samples"],
