@@ -11,7 +11,7 @@ import pytest
 from piper import espeakbridge
 
 from tts_gateway.models.piper import PiperEngine
-from tts_gateway.models.piper.espeak_phonemes import clause_phonemes
+from tts_gateway.models.piper.espeak_phonemes import VoiceOnce, clause_phonemes
 
 TEXTS = (
     "",
@@ -64,3 +64,28 @@ def test_a_voice_phonemizes_through_it(engine: PiperEngine) -> None:
 def test_a_null_character_is_refused_as_by_the_bridge(engine: PiperEngine) -> None:
     with pytest.raises(ValueError, match="null character"):
         clause_phonemes("one\0two")
+
+
+def test_the_voice_is_set_only_when_it_changes(engine: PiperEngine) -> None:
+    assert isinstance(espeakbridge.set_voice, VoiceOnce)
+    calls: list[str] = []
+    set_voice = VoiceOnce(calls.append)
+    for voice in ("en-us", "en-us", "de", "de", "en-us"):
+        set_voice(voice)
+    assert calls == ["en-us", "de", "en-us"]
+
+
+def test_a_voice_espeak_refused_is_set_again_next_time() -> None:
+    attempts: list[str] = []
+
+    def refuse_once(voice: str) -> None:
+        attempts.append(voice)
+        if len(attempts) == 1:
+            raise RuntimeError("espeak-ng could not load the voice")
+
+    set_voice = VoiceOnce(refuse_once)
+    with pytest.raises(RuntimeError):
+        set_voice("xx")
+    set_voice("xx")
+    set_voice("xx")
+    assert attempts == ["xx", "xx"]

@@ -8,6 +8,11 @@ them cannot be given back either. :func:`install` puts :func:`clause_phonemes` i
 same espeak-ng call (the extension links espeak-ng in and exports its API), made through ctypes,
 with the result owned by Python alone. piper calls it under its own lock, as it calls the original;
 espeak-ng keeps one state per process and is not safe to enter from two threads at once.
+
+piper also sets the espeak-ng voice before every text it phonemizes, and espeak-ng's
+``espeak_SetVoiceByName`` keeps about 1.3 KB each time it is called, even for the voice already
+set: a process that speaks a few thousand sentences an hour grows by megabytes an hour.
+:func:`install` also wraps ``set_voice`` so that espeak-ng is only called when the voice changes.
 """
 
 from __future__ import annotations
@@ -65,13 +70,33 @@ def clause_phonemes(text: str) -> list[tuple[str, str, bool]]:
     return clauses
 
 
+class VoiceOnce:
+    """``set_voice`` that calls espeak-ng only when the voice differs from the one it set last.
+
+    Called, as piper calls the original, under piper's phonemizer lock: espeak-ng's voice is only
+    ever changed through here once installed.
+    """
+
+    def __init__(self, set_voice: Callable[[str], object]) -> None:
+        self.set_voice = set_voice
+        self.current: str | None = None
+
+    def __call__(self, voice: str) -> None:
+        if voice != self.current:
+            self.current = None  # unknown until espeak-ng has taken it: a failure sets it again next time
+            self.set_voice(voice)
+            self.current = voice
+
+
 def install() -> bool:
-    """Make piper phonemize through :func:`clause_phonemes` in this process; ``False`` (piper left as it
-    is) where its extension does not export espeak-ng's call."""
+    """Make piper phonemize through :func:`clause_phonemes` and set espeak-ng's voice only when it changes,
+    in this process; ``False`` (piper left as it is) where its extension does not export espeak-ng's call."""
     if _espeak_text_to_phonemes() is None:
         logger.warning("piper's espeakbridge exports no espeak-ng call: its phonemizer keeps every clause it reads")
         return False
     espeakbridge.get_phonemes = clause_phonemes
+    if not isinstance(espeakbridge.set_voice, VoiceOnce):
+        espeakbridge.set_voice = VoiceOnce(espeakbridge.set_voice)
     return True
 
 
