@@ -59,7 +59,7 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from benchmarks import cosyvoice2_triton, gpu_sanity, gpu_stages
+from benchmarks import cosyvoice2_triton, gpu_floors, gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.gpu_query import nvidia_smi
 from benchmarks.gpu_sanity import ROOT, Voice
@@ -543,6 +543,7 @@ def markdown(report: dict[str, Any]) -> str:
             "Tokens of a stream's first chunk, mean (min-max; it grows while streams wait long for their second): "
             f"{hops}.",
         ]
+        lines += floor_lines(report, staged)
     lines += [
         "",
         f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "
@@ -565,6 +566,36 @@ def markdown(report: dict[str, Any]) -> str:
     if setup.get("command"):
         lines += ["", f"Command: `{setup['command']}`."]
     return "\n".join(lines) + "\n"
+
+
+def floor_lines(report: dict[str, Any], staged: list[dict[str, Any]]) -> list[str]:
+    """The stages against their floors on this device (:mod:`benchmarks.gpu_floors`), p50 ms."""
+    floored = [item for item in staged if item.get("floors")]
+    if not floored:
+        return []
+    lines = [
+        "",
+        "### Distance from the floor (p50 ms: measured / floor, and how many times the floor)",
+        "",
+        "| stage | " + " | ".join(f"{item['target']}, {item['concurrency']} streams" for item in floored) + " |",
+        "|---|" + "---|" * len(floored),
+    ]
+    for stage, floor, meaning in gpu_floors.FLOORS:
+        cells = []
+        for item in floored:
+            measured, least = item["stages"].get(stage), item["floors"].get(floor)
+            if measured is None or least is None or least["p50"] <= 0:
+                cells.append("-")
+                continue
+            cells.append(f"{measured['p50']:.1f} / {least['p50']:.2f} ({measured['p50'] / least['p50']:.0f}x)")
+        lines.append(f"| {meaning} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Floors: {report['setup'].get('floors')}. The flow's floor counts its group's rows and frames (voice "
+        "prompt included) at every solver step; a decode step's counts the pass's streams per GPU as rows, each at "
+        "its request's prompt plus half its speech tokens.",
+    ]
+    return lines
 
 
 def scale_out(report: dict[str, Any]) -> list[str]:
@@ -770,6 +801,9 @@ def run(args: argparse.Namespace) -> bool:
         if args.gpus > 1:
             device = f"{args.gpus} x {device}"
     idle_mib = gpu_sanity.gpu_memory_used() if gpu else None
+    # Measured while the GPU is idle, before the servers start.
+    size = full_size()
+    floors = gpu_floors.measure(torch.device("cuda"), size.model.flow.decoder.estimator, size.llm) if gpu else None
     trace_dir = workdir / "stage_trace"
     shutil.rmtree(trace_dir, ignore_errors=True)
     os.environ[stage_trace.ENV_VAR] = str(trace_dir)
@@ -796,6 +830,9 @@ def run(args: argparse.Namespace) -> bool:
         instances = instance_counts(repository)
         log(f"{len(servers)} tritonserver(s) ready in {startup_s:.1f} s (instances {instances}; log {triton.log_path})")
         params, llm_params = model_parameters(triton.grpc_url)
+        if floors is not None:
+            steps = config_parameters(triton.grpc_url, "token2wav").get("n_timesteps") or floors.n_timesteps
+            floors = replace(floors, n_timesteps=int(steps))
         jobs = make_jobs(texts, voices, tokenizer, params)
         audio = [job.expected_tokens / 25 for job in jobs]
         report: dict[str, Any] = {
@@ -831,6 +868,7 @@ def run(args: argparse.Namespace) -> bool:
                 "startup_s": round(startup_s, 1),
                 "load_timeline": load_timeline(Path(triton.log_path).read_text(encoding="utf-8", errors="replace")),
                 "warmup_s": 0.0,
+                "floors": None if floors is None else floors.describe(),
             },
             "passes": [],
         }
@@ -870,6 +908,9 @@ def run(args: argparse.Namespace) -> bool:
                 trace_dir=trace_dir,
             )
         )
+        if floors is not None:
+            slots = report["setup"]["llm_slots"]
+            add_floors(report, trace_dir, floors, slots if isinstance(slots, int) else None)
         if gpu:
             report["cuda_memory_by_process_mib"] = gpu_sanity.cuda_memory_by_model(repository, triton.pid)
         for url in fleet.grpc_urls:
@@ -927,18 +968,29 @@ def gateway_env(triton_url: str, mode: str, levels: list[int], timeout_s: float,
 
 def model_parameters(url: str) -> tuple[dict[str, str], dict[str, str]]:
     """Config parameters of the offline orchestrator (its length bounds say how long each request is) and the LLM."""
-    client = grpcclient.InferenceServerClient(url)
+    orchestrator = config_parameters(url, MODEL)
+    # An LLM on its own server (llm_urls) has no model in Triton.
+    return orchestrator, config_parameters(url, orchestrator["llm_model"]) if orchestrator["llm_model"] else {}
 
-    def parameters(model: str) -> dict[str, str]:
+
+def config_parameters(url: str, model: str) -> dict[str, str]:
+    """A served model's config parameters."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
         config = client.get_model_config(model, as_json=True)["config"]
         return {key: value.get("string_value", "") for key, value in config["parameters"].items()}
-
-    try:
-        orchestrator = parameters(MODEL)
-        # An LLM on its own server (llm_urls) has no model in Triton.
-        return orchestrator, parameters(orchestrator["llm_model"]) if orchestrator["llm_model"] else {}
     finally:
         client.close()
+
+
+def add_floors(report: dict[str, Any], trace_dir: Path, floors: gpu_floors.Floors, llm_slots: int | None) -> None:
+    """Each streamed pass's floors (:mod:`benchmarks.gpu_floors`), its decode steps taken at its streams per GPU."""
+    for item in report["passes"]:
+        if item.get("mode") != "stream" or not item.get("per_request"):
+            continue
+        sent = {r["request_id"]: (r["sent"], r["first_at"]) for r in item["per_request"] if r["error"] is None}
+        rows = item["concurrency"] // item.get("gpus", 1)
+        item["floors"] = gpu_floors.stage_floors(trace_dir, sent, floors, min(rows, llm_slots or rows))
 
 
 def llm_server_overrides() -> list[str]:

@@ -153,6 +153,7 @@ class _Sink:
             self._request_id,
             submitted=handle.submitted,
             admitted=handle.admitted,
+            prompt_tokens=len(handle.request.input_ids),
             first_token=handle.first_token,
             last_token=handle.last_token,
             tokens=handle.produced,
