@@ -591,9 +591,9 @@ def floor_lines(report: dict[str, Any], staged: list[dict[str, Any]]) -> list[st
         lines.append(f"| {meaning} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Floors: {report['setup'].get('floors')}. The flow's floor counts its group's rows and frames (voice "
-        "prompt included) at every solver step; a decode step's counts the pass's streams per GPU as rows, each at "
-        "its request's prompt plus half its speech tokens.",
+        f"Floors: {report['setup'].get('floors')}. The flow's floor counts the estimator over its group's rows and "
+        "frames (voice prompt included) at every solver step, not the encoder; a decode step's counts the pass's "
+        "streams per GPU as rows (up to the LLM's slots), each at its request's prompt plus half its speech tokens.",
     ]
     return lines
 
@@ -827,7 +827,8 @@ def run(args: argparse.Namespace) -> bool:
         instances = instance_counts(repository)
         log(f"{len(servers)} tritonserver(s) ready in {startup_s:.1f} s (instances {instances}; log {triton.log_path})")
         params, llm_params = model_parameters(triton.grpc_url)
-        n_timesteps = int(config_parameters(triton.grpc_url, "token2wav").get("n_timesteps") or 10)
+        token2wav = config_parameters(triton.grpc_url, params["token2wav_model"])
+        n_timesteps = int(token2wav.get("n_timesteps") or 10)
         jobs = make_jobs(texts, voices, tokenizer, params)
         audio = [job.expected_tokens / 25 for job in jobs]
         report: dict[str, Any] = {

@@ -7,7 +7,8 @@ device was measured to reach:
   ``FlopCounterMode`` on the project's own modules, for the group's rows and frames, both halves of
   the classifier-free-guidance pair, every solver step) at the device's fp16 matmul rate;
 - a decode step of the LLM: reading the transformer's weights once and the KV cache of every row in
-  the step (at each row's position) at the device's copy bandwidth.
+  the step at the device's copy bandwidth (the pass's streams per GPU as rows, up to the LLM's slots, each
+  row as long as the request measured: its prompt and half the tokens it produced).
 
 Real kernels reach neither (elementwise work between the matrix products, small matrices, launches),
 so the ratio says how much faster kernels could win at most, not what they will.
