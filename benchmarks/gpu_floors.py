@@ -26,6 +26,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2Model
 
+from benchmarks.bench_stats import percentiles_ms
 from tts_gateway.models.cosyvoice2.model.config import EstimatorConfig
 from tts_gateway.models.cosyvoice2.model.flow_decoder import CausalConditionalDecoder
 from tts_gateway.models.stage_trace import read_traces
@@ -168,14 +169,12 @@ def measure(device: torch.device, estimator: EstimatorConfig, llm: Qwen2Config, 
 
 def stage_floors(
     trace_dir: Path, sent: Mapping[str, tuple[float, float]], floors: Floors, rows: int
-) -> dict[str, dict[str, float]]:
-    """Per floor, p50 and p90 in ms over the streamed requests in ``sent``: the flow of each request's first
+) -> dict[str, dict[str, float | None]]:
+    """Per floor, percentiles in ms over the streamed requests in ``sent``: the flow of each request's first
     group (its rows and frames from token2wav's trace) and its decode steps (``rows`` rows, at the
     request's mean position: its prompt and half the tokens it produced)."""
     events = read_traces(trace_dir)
-    sessions = {
-        str(e["key"]): str(e["request"]) for e in events if e["stage"] == "orchestrator" and e.get("request") in sent
-    }
+    sessions = {str(e["key"]) for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
     samples: dict[str, list[float]] = {"flow_floor": [], "llm_step_floor": []}
     first_groups: set[str] = set()
     for event in events:
@@ -188,9 +187,4 @@ def stage_floors(
         elif event["stage"] == "llm" and event.get("prompt_tokens") is not None:
             position = float(event["prompt_tokens"]) + float(event["tokens"]) / 2  # type: ignore[arg-type]
             samples["llm_step_floor"].append(floors.step_s(rows, position))
-    result = {}
-    for name, values in samples.items():
-        if values:
-            p50, p90 = np.percentile(values, [50, 90])
-            result[name] = {"p50": round(1000.0 * float(p50), 2), "p90": round(1000.0 * float(p90), 2)}
-    return result
+    return {name: percentiles_ms(values) for name, values in samples.items() if values}
