@@ -22,13 +22,31 @@ logger = logging.getLogger(__name__)
 # mallopt(3) parameters, from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD: Final = -1
 _M_MMAP_THRESHOLD: Final = -3
+_M_ARENA_MAX: Final = -8
 MMAP_THRESHOLD: Final = 4 * 1024 * 1024
 TRIM_THRESHOLD: Final = 32 * 1024 * 1024
+GATEWAY_ARENAS: Final = 1
 
 
 def keep_audio_buffers_in_heap() -> bool:
     """Set the thresholds for this process; ``False`` where the C library has no glibc ``mallopt``."""
     return set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
+
+
+def limit_malloc_arenas(arenas: int = GATEWAY_ARENAS) -> bool:
+    """Let glibc create at most ``arenas`` heaps for this process's threads.
+
+    glibc gives each thread that allocates a heap of its own, up to 8 per core. :func:`release_free_memory`
+    returns the free pages inside every heap, but the free top of the main heap only: a thread's heap
+    keeps its top (up to the trim threshold, 32 MiB here) and the fragments of the audio-sized blocks
+    that passed through it. The gateway's resident memory at rest then followed which of its threads
+    (gRPC's, the encoders', the normaliser's) had handled the last responses, and crept up from one
+    batch of requests to the next. With one heap all of it is within the trim's reach; the gateway's
+    Python code runs one thread at a time anyway. The limit binds once glibc first counts its heaps
+    (after the eighth thread's): call it early. ``False`` where the C library has no glibc ``mallopt``.
+    """
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(_M_ARENA_MAX, arenas))
 
 
 def set_malloc_thresholds(*, mmap_threshold: int, trim_threshold: int | None = None) -> bool:
@@ -37,12 +55,9 @@ def set_malloc_thresholds(*, mmap_threshold: int, trim_threshold: int | None = N
     A fixed threshold also stops glibc from raising it as large blocks are freed. ``False`` where
     the C library has no glibc ``mallopt`` or it refused a value.
     """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
     applied = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
     if trim_threshold is not None:
         applied = applied and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
@@ -59,6 +74,17 @@ def release_free_memory() -> bool:
     """
     malloc_trim = _malloc_trim()
     return malloc_trim is not None and bool(malloc_trim(0))
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return cast("Callable[[int, int], int]", mallopt)
 
 
 @functools.cache

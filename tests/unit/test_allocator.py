@@ -1,5 +1,6 @@
-"""The heap tuning: the gateway keeps audio-sized blocks in its heap; the Piper stub keeps tensor-sized
-blocks in its heap too, and gives the pages of the freed ones back when a request ends."""
+"""The heap tuning: the gateway keeps audio-sized blocks in its heap and few heaps for its threads; the
+Piper stub keeps tensor-sized blocks in its heap too, and gives the pages of the freed ones back when a
+request ends."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tts_gateway.allocator import MMAP_THRESHOLD
+from tts_gateway.allocator import GATEWAY_ARENAS, MMAP_THRESHOLD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
@@ -107,3 +108,57 @@ def _kept_kib(tuning: str) -> int:
 def test_the_piper_stub_gives_freed_pages_back_from_every_thread() -> None:
     assert _kept_kib("keep-top") >= 12 * 1024, "a 32 MiB trim threshold keeps a thread's freed 16 MiB"
     assert _kept_kib("piper") < 4 * 1024
+
+
+# In a fresh interpreter: twelve threads, alive at once, each allocate through the C library (glibc
+# gives each new thread a heap of its own while it may create more); prints the number of heaps
+# glibc's malloc_info then lists.
+_ARENA_PROBE = textwrap.dedent(
+    """
+    import ctypes
+    import sys
+    import tempfile
+    import threading
+    from tts_gateway.allocator import limit_malloc_arenas
+
+    if sys.argv[1] == "gateway":
+        assert limit_malloc_arenas()
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = (ctypes.c_size_t,)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.fclose.argtypes = (ctypes.c_void_p,)
+    together = threading.Barrier(13)
+
+    def allocate():
+        libc.malloc(4096)  # never freed: the block keeps its heap in use
+        together.wait()
+        together.wait()
+
+    threads = [threading.Thread(target=allocate) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    together.wait()
+    with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+        stream = libc.fopen(report.name.encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        heaps = open(report.name).read().count("<heap nr=")
+    together.wait()
+    for thread in threads:
+        thread.join()
+    print(heaps)
+    """
+)
+
+
+def _heaps(tuning: str) -> int:
+    result = subprocess.run([sys.executable, "-c", _ARENA_PROBE, tuning], capture_output=True, text=True, check=True)
+    return int(result.stdout)
+
+
+def test_the_gateways_threads_share_few_heaps() -> None:
+    assert _heaps("default") > GATEWAY_ARENAS + 4, "glibc gives each of the first eight threads a heap by default"
+    assert _heaps("gateway") <= GATEWAY_ARENAS

@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
 
-from tts_gateway.allocator import keep_audio_buffers_in_heap
+from tts_gateway.allocator import keep_audio_buffers_in_heap, limit_malloc_arenas
 from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.auth import ApiKeyMiddleware
 from tts_gateway.gateway.dependencies import Services
@@ -42,6 +42,7 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     keep_audio_buffers_in_heap()
+    limit_malloc_arenas()
     metrics = GatewayMetrics()
 
     @asynccontextmanager
