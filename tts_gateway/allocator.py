@@ -42,8 +42,8 @@ def limit_malloc_arenas(arenas: int = GATEWAY_ARENAS) -> bool:
     that passed through it. The gateway's resident memory at rest then followed which of its threads
     (gRPC's, the encoders', the normaliser's) had handled the last responses, and crept up from one
     batch of requests to the next. With one heap all of it is within the trim's reach; the gateway's
-    Python code runs one thread at a time anyway. The limit binds once glibc first counts its heaps
-    (after the eighth thread's): call it early. ``False`` where the C library has no glibc ``mallopt``.
+    Python code runs one thread at a time anyway. glibc fixes its limit for good once it has made more
+    than eight heaps: call this early. ``False`` where the C library has no glibc ``mallopt``.
     """
     mallopt = _mallopt()
     return mallopt is not None and bool(mallopt(_M_ARENA_MAX, arenas))
