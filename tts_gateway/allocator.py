@@ -1,4 +1,4 @@
-"""glibc ``malloc`` thresholds for processes that move audio-sized buffers: the gateway and model stubs.
+"""glibc ``malloc`` settings for processes that move audio-sized buffers: the gateway and model stubs.
 
 A 5 s response passes through a ~0.5 MB float32 array and ~0.25 MB of bytes several times. By default
 glibc serves blocks above its mmap threshold (128 KiB at start, raised as such blocks are freed) with
