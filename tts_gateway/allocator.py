@@ -1,4 +1,4 @@
-"""glibc ``malloc`` settings for processes that move audio-sized buffers: the gateway and model stubs.
+"""glibc ``malloc`` settings for processes that move audio-sized buffers: the gateway, tritonserver, model stubs.
 
 A 5 s response passes through a ~0.5 MB float32 array and ~0.25 MB of bytes several times. By default
 glibc serves blocks above its mmap threshold (128 KiB at start, raised as such blocks are freed) with
@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final, cast
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,18 @@ _M_ARENA_MAX: Final = -8
 MMAP_THRESHOLD: Final = 4 * 1024 * 1024
 TRIM_THRESHOLD: Final = 32 * 1024 * 1024
 GATEWAY_ARENAS: Final = 1
+# tritonserver (Triton's C++, which this project cannot make call ``mallopt``) takes glibc's settings
+# from its environment. By default glibc serves every buffer up to the largest one freed so far from
+# a heap, one per thread up to 8 per core, and returns a heap's free top only once it passes twice
+# that size: the server's memory at rest followed the longest responses of the last minutes (68-73 MiB
+# on the CPU default under the memory soak's load, moving by a few MiB from one rest to the next).
+# Output buffers from 1 MiB up mapped on their own and two heaps kept it at 46-47 MiB. The model stubs
+# inherit these; Piper's set their own thresholds when they load (``onnx_memory``).
+SERVER_MALLOC_ENV: Final[Mapping[str, str]] = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(4 * 1024 * 1024),
+}
 
 
 def keep_audio_buffers_in_heap() -> bool:

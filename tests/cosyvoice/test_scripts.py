@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.unit.test_cuda_mps import calls, stand_in
+from tts_gateway.allocator import SERVER_MALLOC_ENV
 from tts_gateway.gateway.cuda_mps import PIPE_VARIABLE
 from tts_gateway.models import contract
 from tts_gateway.tools import hub_download, model_prep, trtllm_engine
@@ -370,12 +371,14 @@ def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) ->
     )
     assert result.stdout.split() == [
         f"{contract.OWN_GRPC_URL_ENV}=127.0.0.1:9001",
+        *(f"{name}={value}" for name, value in SERVER_MALLOC_ENV.items()),
         "tritonserver",
         f"--model-repository={tmp_path / 'repo'}",
         "--http-port=8000",
         "--grpc-port=9001",
         "--metrics-port=8002",
         "--exit-on-error=true",
+        "--grpc-infer-allocation-pool-size=0",
     ]
     assert (tmp_path / "repo" / "llm" / "config.pbtxt").is_file()
 
@@ -391,6 +394,18 @@ def test_launch_tells_the_server_its_own_grpc_address_unless_one_is_set(tmp_path
     preset = {**env, contract.OWN_GRPC_URL_ENV: "triton-llm:8001"}
     kept = subprocess.run(command, check=True, capture_output=True, text=True, env=preset)
     assert kept.stdout.strip() == "url=triton-llm:8001"
+
+
+def test_launch_gives_the_server_the_allocators_settings_unless_the_operator_set_them(tmp_path: Path) -> None:
+    server = tmp_path / "fake-tritonserver"
+    server.write_text("#!/bin/sh\nenv | grep ^MALLOC_ | sort\n")
+    server.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    command = launch_command(tmp_path / "repo", "--tritonserver", str(server))
+    told = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    assert told.stdout.split() == sorted(f"{name}={value}" for name, value in SERVER_MALLOC_ENV.items())
+    told = subprocess.run(command, check=True, capture_output=True, text=True, env={**env, "MALLOC_ARENA_MAX": "8"})
+    assert "MALLOC_ARENA_MAX=8" in told.stdout.split()
 
 
 def test_launch_starts_the_servers_cuda_mps_daemon_and_execs_the_server_under_it(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from typing import IO, Final, Self
 
 import numpy
 
+from tts_gateway.allocator import SERVER_MALLOC_ENV
 from tts_gateway.gateway.cuda_mps import CudaMps
 from tts_gateway.models import contract
 
@@ -52,6 +53,13 @@ _PORT_TAKEN: Final = re.compile(r"failed to start \w+ service: .*already in use"
 # Where the Python backend keeps the shared memory it exchanges with each model's stub process.
 _SHM_DIR: Final = Path("/dev/shm")
 _SHM_PREFIX: Final = b"triton_python_backend_shm_region_"
+
+
+# Triton's gRPC endpoint keeps up to 8 finished requests' response objects for reuse by default, each
+# with the capacity of the largest output it carried: the server's own memory at rest then held the
+# last few long responses (over 100 MiB more after 2-16 MiB outputs eight at a time, tests/triton/
+# test_server_memory.py). A new object per request costs nothing next to synthesising its audio.
+SERVER_MEMORY_OPTIONS: Final = ("--grpc-infer-allocation-pool-size=0",)
 
 
 class EmbeddedTritonError(RuntimeError):
@@ -246,6 +254,7 @@ class EmbeddedTriton:
             "--exit-on-error=true",
             "--log-verbose=0",
             "--allow-gpu-metrics=false",
+            *SERVER_MEMORY_OPTIONS,
             f"--grpc-address={self.host}",
             f"--grpc-port={ports[0]}",
             f"--http-address={self.host}",
@@ -253,7 +262,8 @@ class EmbeddedTriton:
             f"--metrics-address={self.host}",
             f"--metrics-port={ports[2]}",
         ]
-        env = {**os.environ, **self._env}
+        # The allocator's settings are defaults: an operator's own values win.
+        env = {**SERVER_MALLOC_ENV, **os.environ, **self._env}
         # Where a model reaches another model of this server over gRPC (see tts_gateway.models.contract).
         env[contract.OWN_GRPC_URL_ENV] = f"{_connect_host(self.host)}:{ports[0]}"
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))

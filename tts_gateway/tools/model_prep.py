@@ -30,8 +30,9 @@ from pathlib import Path
 
 import httpx
 
+from tts_gateway.allocator import SERVER_MALLOC_ENV
 from tts_gateway.gateway.cuda_mps import CudaMps
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded_triton import SERVER_MEMORY_OPTIONS, EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.model_repository import (
     PROFILE_ROOT,
@@ -147,6 +148,7 @@ def tritonserver_command(args: argparse.Namespace, server: str) -> list[str]:
         f"--grpc-port={args.grpc_port}",
         f"--metrics-port={args.metrics_port}",
         "--exit-on-error=true",
+        *SERVER_MEMORY_OPTIONS,
     ]
 
 
@@ -177,8 +179,11 @@ def cmd_launch(args: argparse.Namespace) -> None:
     # The orchestrator streams the LLM's tokens over this server's gRPC endpoint (llm_grpc.py); a value
     # already set (a proxy in front, another address) is kept.
     own_url = os.environ.setdefault(contract.OWN_GRPC_URL_ENV, f"127.0.0.1:{args.grpc_port}")
+    # glibc's settings for the server's memory (tts_gateway.allocator); an operator's own values win.
+    allocator = {name: os.environ.setdefault(name, value) for name, value in SERVER_MALLOC_ENV.items()}
     if args.dry_run:
-        sys.stdout.write(f"{contract.OWN_GRPC_URL_ENV}={own_url} " + " ".join(command) + "\n")
+        assignments = {contract.OWN_GRPC_URL_ENV: own_url, **allocator}
+        sys.stdout.write(" ".join([*(f"{name}={value}" for name, value in assignments.items()), *command]) + "\n")
         return
     mps = CudaMps.for_mode(args.cuda_mps, MPS_DIR, profile_asks=profile.cuda_mps)
     if wheel:
