@@ -108,10 +108,11 @@ class GatewayTarget:
         return Sample(text.name, time.perf_counter() - started, first, audio)
 
 
-def gateway_session(connections: int, timeout: float) -> aiohttp.ClientSession:
-    """A client session keeping up to ``connections`` connections to the gateway open."""
+def gateway_session(connections: int, timeout: float, *, keep_alive: bool = True) -> aiohttp.ClientSession:
+    """A client session keeping up to ``connections`` connections to the gateway open (with ``keep_alive``)
+    or opening one per request."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections),
+        connector=aiohttp.TCPConnector(limit=connections, force_close=not keep_alive),
         timeout=aiohttp.ClientTimeout(total=timeout),
         auto_decompress=False,
     )

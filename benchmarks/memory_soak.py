@@ -6,7 +6,9 @@ checkpoint, ``benchmarks/cosyvoice2_triton.py``, and the gateway is pointed at i
 at ``--concurrency`` for ``--minutes``, inputs of mixed length up to 4,096 characters in every
 response format, streamed and whole, and samples the resident memory of every process: the
 gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the part
-shared with Triton; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses for a
+shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
+largest tensors in flight at once; `` own``: the rest; `` cuda``: CUDA memory, where ``nvidia-smi``
+answers). The load pauses for a
 rest after the warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
 at those two rests, the growth between (the target: under 1 %), and its peak under load. Under
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at
@@ -101,13 +103,16 @@ def process_tree(root: int, label: str) -> dict[str, int]:
 
 
 def rss_mib(pid: int) -> dict[str, float]:
-    """``VmRSS`` of ``pid``, and the part of it that is shared memory (a stub's tensors with Triton)."""
+    """``VmRSS`` of ``pid``, the part of it that is shared memory (a stub's tensors with Triton), and the
+    rest, the process's own."""
     fields = {"VmRSS": "", "RssShmem": " shmem"}
     found = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in fields:
             found[fields[key]] = int(value.split()[0]) / 1024
+    if found.keys() == {"", " shmem"}:
+        found[" own"] = found[""] - found[" shmem"]
     return found
 
 
@@ -143,7 +148,9 @@ async def _load(
                 outcome = type(exc).__name__
             counts[outcome] = counts.get(outcome, 0) + 1
 
-    async with gateway_session(concurrency, REQUEST_TIMEOUT_S) as http:
+    # A connection per request: kept-alive connections stay with the gateway worker that accepted them,
+    # and the warm-up's could all land on two of four workers, leaving the others unmeasured until later.
+    async with gateway_session(concurrency, REQUEST_TIMEOUT_S, keep_alive=False) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
 
 
