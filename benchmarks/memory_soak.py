@@ -14,21 +14,29 @@ at those two rests, the growth between (the target: under 1 %), and its peak und
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at
 rest tells growth from work in progress.
 
-    python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2]
+    python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2] [--out DIR --name NAME]
     # CosyVoice2 on one GPU, 64 streams:
     python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 35 --warmup 5
+
+With ``--out``, writes ``NAME.md`` (the table) and ``NAME.json`` (with every sample) there.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
+import datetime
 import json
+import os
+import platform
 import random
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -40,7 +48,7 @@ import aiohttp
 from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.cpu_default import pinned_cores
-from benchmarks.gpu_query import cuda_mib_by_pid
+from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
 MAX_CHARS = 4096
@@ -92,14 +100,23 @@ def process_tree(root: int, label: str) -> dict[str, int]:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
                 continue
-            name = Path(argv[0].decode(errors="replace")).name
-            if name == "triton_python_backend_stub":
-                # argv: stub, model path, shm region, ... ; the model path ends in NAME/VERSION/model.py
-                model = Path(argv[1].decode(errors="replace")).parent.parent.name
-                pending.append((child, f"stub:{model}"))
-            else:
-                pending.append((child, name or str(child)))
+            pending.append((child, _child_label(label, [arg.decode(errors="replace") for arg in argv]) or str(child)))
     return labels
+
+
+def _child_label(parent: str, argv: Sequence[str]) -> str:
+    """tritonserver, stub:MODEL, or the parent's label and the child's role: its worker processes, the
+    resource tracker of Python's multiprocessing, inductor's compile workers."""
+    name = Path(argv[0]).name
+    if name == "triton_python_backend_stub":
+        # argv: stub, model path, shm region, ... ; the model path ends in NAME/VERSION/model.py
+        return f"stub:{Path(argv[1]).parent.parent.name}"
+    if name == "tritonserver" or not name.startswith("python"):
+        return name
+    command = " ".join(argv)
+    roles = {"resource_tracker": "resource tracker", "compile_worker": "compile worker", "spawn_main": "worker"}
+    role = next((role for marker, role in roles.items() if marker in command), name)
+    return f"{parent} {role}"
 
 
 def rss_mib(pid: int) -> dict[str, float]:
@@ -240,6 +257,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         roots[gateway.pid] = "gateway"
         result = asyncio.run(_soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency))
     return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
         "minutes": args.minutes,
         "warmup_minutes": args.warmup,
         "concurrency": args.concurrency,
@@ -252,13 +271,59 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def machine() -> str:
+    """This machine in a line: processor, CPUs, Python, and the GPUs where ``nvidia-smi`` answers."""
+    line = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    try:
+        gpus = [row[0] for row in nvidia_smi("name", timeout_s=30)] if shutil.which("nvidia-smi") else []
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        gpus = []
+    return line + "".join(f", {count} x {name}" for name, count in collections.Counter(gpus).items())
+
+
+def report(results: dict[str, Any], command: str) -> str:
+    """The soak as Markdown: the run, then each process's memory at the two rests and its peak."""
+    requests = ", ".join(f"{count} {outcome}" for outcome, count in sorted(results["requests"].items()))
+    lines = [
+        "# Memory over a long run",
+        "",
+        f"`{command}`",
+        "",
+        f"{results['date']}, {results['machine']}. {results['minutes']:g} minutes at concurrency "
+        f"{results['concurrency']} ({results['speech']['model']}, voice {results['speech']['voice']}, inputs up to "
+        f"{results['speech']['max_chars']:,} characters, every response format, streamed and whole): {requests}.",
+        "",
+        f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
+        "have passed, and at the end; the target is growth under 1 %. *own*: resident memory less the shared part "
+        "(*shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, which keeps the size "
+        "of the largest tensors in flight at once); *CUDA*: the process's GPU memory. Peaks are under load.",
+        "",
+        "| process | memory | first MiB | rest after warm-up MiB | rest at end MiB | growth | peak MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    kinds = {"": "RSS", " own": "own", " shmem": "shared", " cuda": "CUDA"}
+    processes = results["processes"]
+    for label in sorted(name for name in processes if not name.endswith(tuple(k for k in kinds if k))):
+        for suffix, kind in kinds.items():
+            row = processes.get(label + suffix)
+            if row is None or (suffix == " shmem" and row["rss_peak_mib"] == 0):
+                continue
+            lines.append(
+                f"| {label} | {kind} | {row['rss_first_mib']:g} | {row['rss_rest_after_warmup_mib']:g} "
+                f"| {row['rss_rest_at_end_mib']:g} | {row['growth_after_warmup_pct']:+.2f} % "
+                f"| {row['rss_peak_mib']:g} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="length of the run")
     parser.add_argument("--warmup", type=float, default=5.0, help="minutes before growth is counted")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway (and its Triton) may use; 0: all")
-    parser.add_argument("--output", type=Path, help="write the full report (with every sample) here as JSON")
+    parser.add_argument("--out", type=Path, help="write NAME.md and NAME.json (with every sample) here")
+    parser.add_argument("--name", default="memory-soak", help="the report's name in --out")
     parser.add_argument(
         "--profile", help="start a Triton on this CosyVoice2 profile (random checkpoint), then a gateway"
     )
@@ -276,10 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 20 <= args.max_chars <= MAX_CHARS:
         parser.error(f"--max-chars must be within 20..{MAX_CHARS}")
     with tempfile.TemporaryDirectory() as tmp:
-        report = measure(args, (args.workdir or Path(tmp)).resolve())
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=2))
-    print(json.dumps({key: value for key, value in report.items() if key != "samples"}, indent=2))
+        results = measure(args, (args.workdir or Path(tmp)).resolve())
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+        command = shlex.join(["python", "-m", "benchmarks.memory_soak", *(sys.argv[1:] if argv is None else argv)])
+        (args.out / f"{args.name}.md").write_text(report(results, command))
+    print(json.dumps({key: value for key, value in results.items() if key != "samples"}, indent=2))
     return 0
 
 

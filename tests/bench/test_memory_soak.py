@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from benchmarks.memory_soak import growth, rss_mib
+from benchmarks.memory_soak import _child_label, growth, report, rss_mib
 
 
 def test_a_process_own_memory_leaves_out_what_it_shares() -> None:
@@ -38,3 +38,50 @@ def test_growth_compares_the_rests_and_ignores_the_load_between() -> None:
             "growth_after_warmup_pct": 1.67,
         }
     }
+
+
+def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() -> None:
+    row = {
+        "rss_first_mib": 10.0,
+        "rss_rest_after_warmup_mib": 20.0,
+        "rss_rest_at_end_mib": 20.1,
+        "rss_peak_mib": 30.0,
+        "growth_after_warmup_pct": 0.5,
+    }
+    results = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "machine": "x86_64, 2 CPUs",
+        "minutes": 30.0,
+        "warmup_minutes": 5.0,
+        "concurrency": 8,
+        "speech": {"model": "piper", "voice": "alloy", "max_chars": 4096},
+        "requests": {"ok": 500},
+        "processes": {
+            "tritonserver": row,
+            "tritonserver own": row,
+            "tritonserver shmem": row,
+            "gateway": row,
+            "gateway shmem": {**row, "rss_peak_mib": 0.0},
+        },
+    }
+    table = [line for line in report(results, "python -m benchmarks.memory_soak").splitlines() if line.startswith("| ")]
+    assert table[1:] == [
+        "| gateway | RSS | 10 | 20 | 20.1 | +0.50 % | 30 |",
+        "| tritonserver | RSS | 10 | 20 | 20.1 | +0.50 % | 30 |",
+        "| tritonserver | own | 10 | 20 | 20.1 | +0.50 % | 30 |",
+        "| tritonserver | shared | 10 | 20 | 20.1 | +0.50 % | 30 |",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("parent", "argv", "label"),
+    [
+        ("tritonserver", ["/b/triton_python_backend_stub", "/r/token2wav/1/model.py", "shm"], "stub:token2wav"),
+        ("gateway", ["/w/bin/tritonserver", "--model-repository=/r"], "tritonserver"),
+        ("gateway", ["python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()"], "gateway worker"),
+        ("gateway", ["python3", "-c", "from multiprocessing.resource_tracker import main"], "gateway resource tracker"),
+        ("stub:llm", ["python3", "/t/torch/_inductor/compile_worker/__main__.py"], "stub:llm compile worker"),
+    ],
+)
+def test_child_processes_are_labelled_by_their_role(parent: str, argv: list[str], label: str) -> None:
+    assert _child_label(parent, argv) == label
