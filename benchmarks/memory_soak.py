@@ -7,7 +7,8 @@ at ``--concurrency`` for ``--minutes``, inputs of mixed length up to 4,096 chara
 response format, streamed and whole, and samples the resident memory of every process: the
 gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the part
 shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
-largest tensors in flight at once; `` own``: the rest; `` cuda``: CUDA memory, where ``nvidia-smi``
+largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
+files; `` cuda``: CUDA memory, where ``nvidia-smi``
 answers). The load pauses for a
 rest after the warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
 at those two rests, the growth between (the target: under 1 %), and its peak under load. Under
@@ -111,7 +112,7 @@ def _child_label(parent: str, argv: Sequence[str]) -> str:
     if name == "triton_python_backend_stub":
         # argv: stub, model path, shm region, ... ; the model path ends in NAME/VERSION/model.py
         return f"stub:{Path(argv[1]).parent.parent.name}"
-    if name == "tritonserver" or not name.startswith("python"):
+    if not name.startswith("python"):
         return name
     command = " ".join(argv)
     roles = {"resource_tracker": "resource tracker", "compile_worker": "compile worker", "spawn_main": "worker"}
@@ -120,16 +121,14 @@ def _child_label(parent: str, argv: Sequence[str]) -> str:
 
 
 def rss_mib(pid: int) -> dict[str, float]:
-    """``VmRSS`` of ``pid``, the part of it that is shared memory (a stub's tensors with Triton), and the
-    rest, the process's own."""
-    fields = {"VmRSS": "", "RssShmem": " shmem"}
+    """``VmRSS`` of ``pid``, its own anonymous memory, and the part that is shared memory (a stub's
+    tensors with Triton)."""
+    fields = {"VmRSS": "", "RssAnon": " own", "RssShmem": " shmem"}
     found = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in fields:
             found[fields[key]] = int(value.split()[0]) / 1024
-    if found.keys() == {"", " shmem"}:
-        found[" own"] = found[""] - found[" shmem"]
     return found
 
 
@@ -273,7 +272,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def machine() -> str:
     """This machine in a line: processor, CPUs, Python, and the GPUs where ``nvidia-smi`` answers."""
-    line = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    line = f"{model or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     try:
         gpus = [row[0] for row in nvidia_smi("name", timeout_s=30)] if shutil.which("nvidia-smi") else []
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
@@ -294,9 +295,10 @@ def report(results: dict[str, Any], command: str) -> str:
         f"{results['speech']['max_chars']:,} characters, every response format, streamed and whole): {requests}.",
         "",
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
-        "have passed, and at the end; the target is growth under 1 %. *own*: resident memory less the shared part "
-        "(*shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, which keeps the size "
-        "of the largest tensors in flight at once); *CUDA*: the process's GPU memory. Peaks are under load.",
+        "have passed, and at the end; the target is growth under 1 %. *own*: anonymous memory, neither shared nor "
+        "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
+        "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
+        "are under load.",
         "",
         "| process | memory | first MiB | rest after warm-up MiB | rest at end MiB | growth | peak MiB |",
         "|---|---|---|---|---|---|---|",

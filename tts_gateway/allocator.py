@@ -31,18 +31,37 @@ GATEWAY_ARENAS: Final = 1
 # a heap, one per thread up to 8 per core, and returns a heap's free top only once it passes twice
 # that size: the server's memory at rest followed the longest responses of the last minutes (68-73 MiB
 # on the CPU default under the memory soak's load, moving by a few MiB from one rest to the next).
-# Output buffers from 1 MiB up mapped on their own and two heaps kept it at 46-47 MiB. The model stubs
-# inherit these; Piper's set their own thresholds when they load (``onnx_memory``).
+# Output buffers from 1 MiB up mapped on their own and two heaps kept it at 46-47 MiB. The trim
+# threshold stays at glibc's starting value: with 4 MiB free at a heap's top the memory at rest still
+# moved by half a MiB from one rest to the next (+1.2 % in a 30-minute soak), with 128 KiB +0.3 %.
 SERVER_MALLOC_ENV: Final[Mapping[str, str]] = {
     "MALLOC_ARENA_MAX": "2",
     "MALLOC_MMAP_THRESHOLD_": str(1024 * 1024),
-    "MALLOC_TRIM_THRESHOLD_": str(4 * 1024 * 1024),
+    "MALLOC_TRIM_THRESHOLD_": str(128 * 1024),
 }
+# The model processes inherit the server's environment. With a 1 MiB mmap threshold a model on the CPU
+# would map and fault in every tensor of a MiB or more anew (Piper's voice took about 40 % more CPU per
+# sentence that way); the values glibc's own thresholds rise to for such blocks keep them in the heap.
+MODEL_MMAP_THRESHOLD: Final = 32 * 1024 * 1024
+MODEL_TRIM_THRESHOLD: Final = 64 * 1024 * 1024
+
+
+def server_malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings of :data:`SERVER_MALLOC_ENV` that ``environ`` leaves open: an operator's own values
+    win, and an operator who tunes ``malloc`` through ``GLIBC_TUNABLES`` gets none of them."""
+    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return {}
+    return {name: value for name, value in SERVER_MALLOC_ENV.items() if name not in environ}
 
 
 def keep_audio_buffers_in_heap() -> bool:
     """Set the thresholds for this process; ``False`` where the C library has no glibc ``mallopt``."""
     return set_malloc_thresholds(mmap_threshold=MMAP_THRESHOLD, trim_threshold=TRIM_THRESHOLD)
+
+
+def keep_tensors_in_heap() -> bool:
+    """Set a model process's thresholds (:data:`MODEL_MMAP_THRESHOLD`); ``False`` without glibc ``mallopt``."""
+    return set_malloc_thresholds(mmap_threshold=MODEL_MMAP_THRESHOLD, trim_threshold=MODEL_TRIM_THRESHOLD)
 
 
 def limit_malloc_arenas(arenas: int = GATEWAY_ARENAS) -> bool:

@@ -361,7 +361,11 @@ def launch_command(repo: Path, *options: str) -> list[str]:
 
 
 def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) -> None:
-    env = {key: value for key, value in os.environ.items() if key != contract.OWN_GRPC_URL_ENV}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key != contract.OWN_GRPC_URL_ENV and not key.startswith("MALLOC_") and key != "GLIBC_TUNABLES"
+    }
     result = subprocess.run(
         launch_command(tmp_path / "repo", "--grpc-port", "9001", "--dry-run"),
         check=True,
@@ -400,12 +404,15 @@ def test_launch_gives_the_server_the_allocators_settings_unless_the_operator_set
     server = tmp_path / "fake-tritonserver"
     server.write_text("#!/bin/sh\nenv | grep ^MALLOC_ | sort\n")
     server.chmod(0o755)
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_") and key != "GLIBC_TUNABLES"}
     command = launch_command(tmp_path / "repo", "--tritonserver", str(server))
     told = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
     assert told.stdout.split() == sorted(f"{name}={value}" for name, value in SERVER_MALLOC_ENV.items())
     told = subprocess.run(command, check=True, capture_output=True, text=True, env={**env, "MALLOC_ARENA_MAX": "8"})
     assert "MALLOC_ARENA_MAX=8" in told.stdout.split()
+    tunables = {**env, "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
+    told = subprocess.run(command, check=True, capture_output=True, text=True, env=tunables)
+    assert told.stdout.split() == []
 
 
 def test_launch_starts_the_servers_cuda_mps_daemon_and_execs_the_server_under_it(tmp_path: Path) -> None:

@@ -1,16 +1,19 @@
 """The heap tuning: the gateway keeps audio-sized blocks in its heap and few heaps for its threads; the
 Piper stub keeps tensor-sized blocks in its heap too, and gives the pages of the freed ones back when a
-request ends."""
+request ends; tritonserver's environment maps large blocks on their own and limits the heaps, and a
+model process that inherits it keeps its tensors in the heap again."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Mapping
 
 import pytest
 
-from tts_gateway.allocator import GATEWAY_ARENAS, MMAP_THRESHOLD
+from tts_gateway.allocator import GATEWAY_ARENAS, MMAP_THRESHOLD, SERVER_MALLOC_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
@@ -21,13 +24,15 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 _PROBE = textwrap.dedent(
     """
     import sys
-    from tts_gateway.allocator import keep_audio_buffers_in_heap
+    from tts_gateway.allocator import keep_audio_buffers_in_heap, keep_tensors_in_heap
     from tts_gateway.models.piper.onnx_memory import tune_heap
 
     if sys.argv[1] == "gateway":
         assert keep_audio_buffers_in_heap()
     elif sys.argv[1] == "piper":
         assert tune_heap()
+    elif sys.argv[1] == "model":
+        assert keep_tensors_in_heap()
 
     def mappings():
         lines = open("/proc/self/maps").read().splitlines()
@@ -47,17 +52,32 @@ _PROBE = textwrap.dedent(
 )
 
 
-def _own_mapping(tuning: str, history: str = "fresh", mib: int = 2) -> bool:
+def _own_mapping(tuning: str, history: str = "fresh", mib: int = 2, env: Mapping[str, str] | None = None) -> bool:
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE, tuning, history, str(mib)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PROBE, tuning, history, str(mib)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**_glibc_defaults(), **(env or {})},
     )
     return result.stdout.strip() == "True"
+
+
+def _glibc_defaults() -> dict[str, str]:
+    """This environment without any malloc settings of its own."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
 
 
 def test_an_audio_sized_block_comes_from_the_heap_once_tuned() -> None:
     assert MMAP_THRESHOLD > 2 * 1024 * 1024
     assert _own_mapping("default"), "glibc's default threshold (128 KiB) should map a 2 MiB block by itself"
     assert not _own_mapping("gateway")
+
+
+def test_the_servers_environment_maps_large_blocks_and_a_model_process_takes_them_back_into_its_heap() -> None:
+    assert not _own_mapping("default", "after-free", mib=4), "glibc's default threshold rises as blocks are freed"
+    assert _own_mapping("default", "after-free", mib=4, env=SERVER_MALLOC_ENV)
+    assert not _own_mapping("model", "after-free", mib=4, env=SERVER_MALLOC_ENV)
 
 
 def test_the_piper_stub_keeps_tensor_sized_blocks_in_its_heap() -> None:
@@ -154,11 +174,21 @@ _ARENA_PROBE = textwrap.dedent(
 )
 
 
-def _heaps(tuning: str) -> int:
-    result = subprocess.run([sys.executable, "-c", _ARENA_PROBE, tuning], capture_output=True, text=True, check=True)
+def _heaps(tuning: str, env: Mapping[str, str] | None = None) -> int:
+    result = subprocess.run(
+        [sys.executable, "-c", _ARENA_PROBE, tuning],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**_glibc_defaults(), **(env or {})},
+    )
     return int(result.stdout)
 
 
 def test_the_gateways_threads_share_few_heaps() -> None:
     assert _heaps("default") > GATEWAY_ARENAS + 4, "glibc gives each of the first eight threads a heap by default"
     assert _heaps("gateway") <= GATEWAY_ARENAS
+
+
+def test_the_servers_threads_share_two_heaps() -> None:
+    assert _heaps("default", env=SERVER_MALLOC_ENV) <= int(SERVER_MALLOC_ENV["MALLOC_ARENA_MAX"])

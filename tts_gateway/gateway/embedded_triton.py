@@ -36,7 +36,7 @@ from typing import IO, Final, Self
 
 import numpy
 
-from tts_gateway.allocator import SERVER_MALLOC_ENV
+from tts_gateway.allocator import server_malloc_env
 from tts_gateway.gateway.cuda_mps import CudaMps
 from tts_gateway.models import contract
 
@@ -262,8 +262,8 @@ class EmbeddedTriton:
             f"--metrics-address={self.host}",
             f"--metrics-port={ports[2]}",
         ]
-        # The allocator's settings are defaults: an operator's own values win.
-        env = {**SERVER_MALLOC_ENV, **os.environ, **self._env}
+        env = {**os.environ, **self._env}
+        env.update(server_malloc_env(env))
         # Where a model reaches another model of this server over gRPC (see tts_gateway.models.contract).
         env[contract.OWN_GRPC_URL_ENV] = f"{_connect_host(self.host)}:{ports[0]}"
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))

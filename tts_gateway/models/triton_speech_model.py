@@ -30,6 +30,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from numpy.typing import NDArray
 
+from tts_gateway.allocator import keep_tensors_in_heap
 from tts_gateway.models import contract
 from tts_gateway.models.request_parsing import (
     ContractError,
@@ -47,6 +48,8 @@ class SpeechContractModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         enable_stack_dumps()
+        # Before setup, so that a model with thresholds of its own (Piper's) sets them last.
+        keep_tensors_in_heap()
         config = json.loads(args["model_config"])
         # Triton's JSON leaves out empty string values, hence the default.
         params = {key: value.get("string_value", "") for key, value in config["parameters"].items()}

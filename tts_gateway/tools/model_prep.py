@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from tts_gateway.allocator import SERVER_MALLOC_ENV
+from tts_gateway.allocator import server_malloc_env
 from tts_gateway.gateway.cuda_mps import CudaMps
 from tts_gateway.gateway.embedded_triton import SERVER_MEMORY_OPTIONS, EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
@@ -179,8 +179,9 @@ def cmd_launch(args: argparse.Namespace) -> None:
     # The orchestrator streams the LLM's tokens over this server's gRPC endpoint (llm_grpc.py); a value
     # already set (a proxy in front, another address) is kept.
     own_url = os.environ.setdefault(contract.OWN_GRPC_URL_ENV, f"127.0.0.1:{args.grpc_port}")
-    # glibc's settings for the server's memory (tts_gateway.allocator); an operator's own values win.
-    allocator = {name: os.environ.setdefault(name, value) for name, value in SERVER_MALLOC_ENV.items()}
+    # glibc's settings for the server's memory (tts_gateway.allocator), where the operator set none.
+    allocator = server_malloc_env(os.environ)
+    os.environ.update(allocator)
     if args.dry_run:
         assignments = {contract.OWN_GRPC_URL_ENV: own_url, **allocator}
         sys.stdout.write(" ".join([*(f"{name}={value}" for name, value in assignments.items()), *command]) + "\n")

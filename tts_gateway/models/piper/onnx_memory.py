@@ -14,7 +14,8 @@ without). Runs took no longer without them.
 reused within a run: mapping each large tensor anew and faulting its pages in took about 40 %
 more CPU per sentence. :func:`~tts_gateway.allocator.release_free_memory`, called when a request
 ends, gives the free pages inside the heaps back, and the main heap's free top; the free top of a
-thread's own heap (glibc gives each thread that allocates an arena of its own, up to 8 per core)
+thread's own heap (glibc gives threads that allocate heaps of their own, two at most as the server
+starts it: ``SERVER_MALLOC_ENV``)
 is out of its reach, and goes back as blocks are freed once it passes the trim threshold, kept
 small for that reason (a larger one saved ~4 % of the CPU).
 """

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import triton_python_backend_utils as pb_utils
 
+from tts_gateway.allocator import keep_tensors_in_heap
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns, YieldToFirstChunks
@@ -35,6 +36,7 @@ from tts_gateway.models.triton_logging import enable_stack_dumps, forward_to_tri
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         enable_stack_dumps()
+        keep_tensors_in_heap()
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self.name = args["model_name"]

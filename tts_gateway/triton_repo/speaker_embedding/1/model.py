@@ -8,6 +8,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
+from tts_gateway.allocator import keep_tensors_in_heap
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.model.frontend import SpeakerEmbedder
@@ -17,6 +18,7 @@ from tts_gateway.models.triton_logging import enable_stack_dumps
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         enable_stack_dumps()
+        keep_tensors_in_heap()
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         providers = contract.parse_list(params["providers"])
         self._embedder = SpeakerEmbedder(Path(params["model_dir"]) / params["onnx_file"], list(providers))

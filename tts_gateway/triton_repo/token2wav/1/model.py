@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from tts_gateway.allocator import keep_tensors_in_heap
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns
 from tts_gateway.models.cosyvoice2.engines.playback_guard import PlaybackGuard
@@ -38,6 +39,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         enable_stack_dumps()
+        keep_tensors_in_heap()
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config["parameters"].items()}
         self._name = args["model_name"]
