@@ -8,9 +8,8 @@ response format, streamed and whole, and samples the resident memory of every pr
 gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the part
 shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
 largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
-files; `` cuda``: CUDA memory, where ``nvidia-smi``
-answers). The load pauses for a
-rest after the warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
+files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses for a rest after the
+warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
 at those two rests, the growth between (the target: under 1 %), and its peak under load. Under
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at
 rest tells growth from work in progress.
@@ -31,8 +30,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import os
-import platform
 import random
 import shlex
 import shutil
@@ -46,6 +43,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
+from benchmarks import bench
 from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.cpu_default import pinned_cores
@@ -272,9 +270,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def machine() -> str:
     """This machine in a line: processor, CPUs, Python, and the GPUs where ``nvidia-smi`` answers."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    line = f"{model or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    host = bench.machine()
+    line = f"{host['cpu']}, {host['cpus']} CPUs, Python {host['python']}"
     try:
         gpus = [row[0] for row in nvidia_smi("name", timeout_s=30)] if shutil.which("nvidia-smi") else []
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):

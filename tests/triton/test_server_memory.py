@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from benchmarks.memory_soak import rss_mib
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
@@ -43,12 +44,6 @@ def write_sized_output_model(repository: Path) -> None:
     )
 
 
-def own_memory_mib(pid: int) -> float:
-    """The process's resident memory less files and the shared memory it maps (``RssAnon``)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("RssAnon:")).split()[1]) / 1024
-
-
 def ask(url: str, mib: int) -> int:
     with grpcclient.InferenceServerClient(url) as client:
         x = grpcclient.InferInput("x", [1], "FP32")
@@ -66,9 +61,9 @@ def test_large_responses_leave_the_servers_own_memory_where_it_was(tmp_path: Pat
         assert server.pid is not None
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(lambda _: ask(server.grpc_url, 1), range(8))) == [1] * 8
-            before = own_memory_mib(server.pid)
+            before = rss_mib(server.pid)[" own"]
             for _ in range(3):
                 assert list(pool.map(lambda mib: ask(server.grpc_url, mib), SIZES_MIB)) == list(SIZES_MIB)
-        after = own_memory_mib(server.pid)
+        after = rss_mib(server.pid)[" own"]
     # Measured: +0 MiB; +50 MiB with glibc's defaults, +157 MiB with Triton's pool of response objects.
     assert after - before < 8, f"tritonserver's own memory {before:.1f} -> {after:.1f} MiB"
