@@ -1,17 +1,21 @@
 """The slot decoder's extend pass, as the engine records it: the cache and logits of a prefill of the whole input.
 
 The engine pads an extend pass to a bucket of rows (the extra rows name the staging slot) and each row's
-ids to a fixed width; neither may leave a trace in the rows' slots.
+ids to a fixed width; neither may leave a trace in the rows' slots. Also: the projections the decoder
+joins into one product compute what they did, on the model's own weights, held once.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from torch import nn
 from transformers import Qwen2ForCausalLM
 
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
-from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder
+from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder, joined
 from tts_gateway.models.cosyvoice2.engines.llm_engine import COLUMN_IDS
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
@@ -89,3 +93,38 @@ def test_padding_rows_change_no_row_they_pad(decoder: SlotDecoder) -> None:
     )
     torch.testing.assert_close(padded[:1], alone)
     torch.testing.assert_close(decoder.keys[:, 0], keys)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_joined_projections_compute_what_they_did_on_the_same_weights(bias: bool) -> None:
+    torch.manual_seed(0)
+    query, key, value = nn.Linear(8, 6, bias=bias), nn.Linear(8, 2, bias=bias), nn.Linear(8, 2, bias=bias)
+    inputs = torch.randn(3, 5, 8)
+    separate = torch.cat([query(inputs), key(inputs), value(inputs)], dim=-1)
+
+    layer = joined(query, key, value)
+
+    torch.testing.assert_close(layer(inputs), separate)
+    torch.testing.assert_close(torch.cat([query(inputs), key(inputs), value(inputs)], dim=-1), separate)
+    # The model's layers are views of the joined weights: nothing is held twice.
+    storage = layer.weight.untyped_storage().data_ptr()
+    assert {linear.weight.untyped_storage().data_ptr() for linear in (query, key, value)} == {storage}
+    assert value.weight.data_ptr() == layer.weight[8:].data_ptr()
+    if bias:
+        assert layer.bias is not None and value.bias is not None
+        assert value.bias.data_ptr() == layer.bias[8:].data_ptr()
+    else:
+        assert layer.bias is None
+
+
+def test_the_decoder_holds_each_weight_of_the_model_once(tmp_path: Path) -> None:
+    directory = tiny_frontend.write_tiny_llm(tmp_path / "cosyvoice2_llm")
+    model = Qwen2ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    held = sum(p.numel() for p in model.parameters())
+
+    decoder = SlotDecoder(model, slots=1, max_len=16, columns=torch.tensor(COLUMN_IDS), spans=(16,))
+
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    for region in (*decoder._inputs, *decoder._outputs):
+        storages.update({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in region.parameters()})
+    assert sum(storages.values()) == held * 4

@@ -3,8 +3,9 @@
 Continuous batching needs every row of a decoding batch at its own position: transformers'
 ``StaticCache`` writes one shared ``cache_position`` for the whole batch, and its paged continuous
 batching measured about five times slower per step on an H100 without flash-attention. So this
-module keeps the model's own modules (embedding, RMSNorms, projections, rotary embedding, MLPs: the
-Hugging Face ``Qwen2ForCausalLM`` loaded as usual) and replaces only the cache and the attention around them:
+module keeps the model's own weights and modules (embedding, RMSNorms, projections, rotary embedding,
+activation: the Hugging Face ``Qwen2ForCausalLM`` loaded as usual) and replaces the cache, the attention
+around it and how the projections are grouped:
 
 - keys and values live in two preallocated tensors ``[layers, slots, kv_heads, max_len, head_dim]``;
   decoding batch row ``r`` is slot ``r`` (the engine keeps live requests in the leading slots), and
@@ -13,6 +14,9 @@ Hugging Face ``Qwen2ForCausalLM`` loaded as usual) and replaces only the cache a
   (one token each), so grouped-query attention reads the cache without repeating it;
 - the output head is cut to the columns that can be sampled (speech tokens and the ids after
   them), a 24th of the vocabulary;
+- the query, key and value projections are one matrix product, and so are the MLP's gate and
+  up projections (:func:`joined`): three kernels fewer of about nineteen a layer, and a recorded
+  decode step on an H200 took 1.12 instead of 1.40 ms at one row, 1.51 instead of 1.79 at 64;
 - a decode step attends to the first ``span`` positions of the cache only, the smallest of a few
   spans that holds every row's position, instead of all ``max_len``.
 
@@ -23,7 +27,8 @@ What lies between two cache operations (a layer's input norm, projections and ro
 its output projection, residual and MLP; the final norm and head) is a module of its own, a
 region that :meth:`SlotDecoder.compile` compiles. Replayed from CUDA graphs, an uncompiled step
 launches about 40 small kernels a layer; inductor fuses the norms, rotary embedding and
-activations into a few, and the step is bound by those launches, not by arithmetic.
+activations into a few, and the step is still bound by those launches (about 450 kernels of a few
+microseconds each at Qwen2-0.5B's 24 layers), not by arithmetic.
 """
 
 from __future__ import annotations
@@ -45,6 +50,29 @@ DEFAULT_SPANS: Final = (512, 1024, 2048)
 _ATTENTION_WITHOUT_CUDNN: Final = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def joined(*linears: nn.Linear) -> nn.Linear:
+    """One linear layer computing what ``linears``, which read the same input, compute, their outputs side by side.
+
+    The given layers' weights (and biases) become views of the joined ones, so the model still holds
+    each weight once and its own modules compute what they did.
+    """
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases if b is not None])
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return layer
+
+
 class AttentionInput(nn.Module):
     """A decoder layer up to its attention: input norm, query/key/value projections, rotary embedding."""
 
@@ -52,34 +80,39 @@ class AttentionInput(nn.Module):
         super().__init__()
         attention = layer.self_attn
         self.norm = layer.input_layernorm
-        self.q_proj, self.k_proj, self.v_proj = attention.q_proj, attention.k_proj, attention.v_proj
+        self.qkv_proj = joined(attention.q_proj, attention.k_proj, attention.v_proj)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self._widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``hidden`` ``[rows, length, width]`` to query, key and value ``[rows, heads, length, head_dim]``."""
         rows, length, _ = hidden.shape
-        normed = self.norm(hidden)
-        query = self.q_proj(normed).view(rows, length, self.heads, self.head_dim).transpose(1, 2)
-        key = self.k_proj(normed).view(rows, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        value = self.v_proj(normed).view(rows, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        query, key, value = (
+            projected.view(rows, length, -1, self.head_dim).transpose(1, 2)
+            for projected in self.qkv_proj(self.norm(hidden)).split(self._widths, dim=-1)
+        )
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         return query, key, value
 
 
 class LayerOutput(nn.Module):
-    """A decoder layer after its attention: output projection and residual, post-attention norm, MLP."""
+    """A decoder layer after its attention: output projection and residual, post-attention norm, gated MLP."""
 
     def __init__(self, layer: Any) -> None:
         super().__init__()
+        mlp = layer.mlp
         self.o_proj = layer.self_attn.o_proj
         self.norm = layer.post_attention_layernorm
-        self.mlp = layer.mlp
+        self.gate_up_proj = joined(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
 
     def forward(self, hidden: Tensor, attended: Tensor) -> Tensor:
         """The layer's output for its input ``hidden`` and the attention's ``[rows, heads, length, head_dim]``."""
         rows, _, length, _ = attended.shape
         hidden = hidden + self.o_proj(attended.transpose(1, 2).reshape(rows, length, -1))
-        return hidden + self.mlp(self.norm(hidden))
+        gate, up = self.gate_up_proj(self.norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(self.act_fn(gate) * up)
 
 
 class SampledHead(nn.Module):
