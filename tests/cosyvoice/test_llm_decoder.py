@@ -54,10 +54,9 @@ def test_an_extend_pass_leaves_what_a_prefill_of_the_whole_input_leaves(decoder:
     added = [sequence(4, 5), sequence(5, WIDTH), sequence(6, 1)]
     whole = [c + a for c, a in zip(cached, added, strict=True)]
     expected = prefill(decoder, whole)
-    expected_keys = [decoder.keys[:, row, :, : len(ids)].clone() for row, ids in enumerate(whole)]
+    expected_cache = [decoder.cache[:, :, row, :, : len(ids)].clone() for row, ids in enumerate(whole)]
 
-    decoder.keys.zero_()
-    decoder.values.zero_()
+    decoder.cache.zero_()
     prefill(decoder, cached)
     staging = decoder.staging_slot
     # Four rows: the three streams and a row that pads the pass to its bucket.
@@ -71,18 +70,17 @@ def test_an_extend_pass_leaves_what_a_prefill_of_the_whole_input_leaves(decoder:
 
     torch.testing.assert_close(logits[:3], expected, rtol=1e-4, atol=1e-4)
     for row, ids_of_row in enumerate(whole):
-        torch.testing.assert_close(decoder.keys[:, row, :, : len(ids_of_row)], expected_keys[row])
+        torch.testing.assert_close(decoder.cache[:, :, row, :, : len(ids_of_row)], expected_cache[row])
         # Nothing written past a row's input: the padding columns went to the staging slot.
-        assert not decoder.keys[:, row, :, len(ids_of_row) :].any()
-    assert not decoder.keys[:, SLOTS - 1].any()
+        assert not decoder.cache[:, :, row, :, len(ids_of_row) :].any()
+    assert not decoder.cache[:, :, SLOTS - 1].any()
 
 
 def test_padding_rows_change_no_row_they_pad(decoder: SlotDecoder) -> None:
     ids = torch.tensor([sequence(7, WIDTH)])
-    decoder.keys.zero_()
-    decoder.values.zero_()
+    decoder.cache.zero_()
     alone = decoder.extend(ids, torch.tensor([0]), torch.tensor([WIDTH]), torch.tensor([0]), SPAN)
-    keys = decoder.keys[:, 0].clone()
+    cached = decoder.cache[:, :, 0].clone()
     staging = decoder.staging_slot
     padded = decoder.extend(
         torch.cat([ids, torch.zeros(3, WIDTH, dtype=torch.int64)]),
@@ -92,7 +90,7 @@ def test_padding_rows_change_no_row_they_pad(decoder: SlotDecoder) -> None:
         SPAN,
     )
     torch.testing.assert_close(padded[:1], alone)
-    torch.testing.assert_close(decoder.keys[:, 0], keys)
+    torch.testing.assert_close(decoder.cache[:, :, 0], cached)
 
 
 @pytest.mark.parametrize("bias", [True, False])

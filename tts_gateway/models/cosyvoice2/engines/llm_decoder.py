@@ -7,9 +7,10 @@ module keeps the model's own weights and modules (embedding, RMSNorms, projectio
 activation: the Hugging Face ``Qwen2ForCausalLM`` loaded as usual) and replaces the cache, the attention
 around it and how the projections are grouped:
 
-- keys and values live in two preallocated tensors ``[layers, slots, kv_heads, max_len, head_dim]``;
+- keys and values live in one preallocated tensor ``[layers, 2, slots, kv_heads, max_len, head_dim]``;
   decoding batch row ``r`` is slot ``r`` (the engine keeps live requests in the leading slots), and
-  each row writes its new key and value at its own position;
+  each row writes its new key and value at its own position, both in one write (one kernel a layer
+  fewer than two writes);
 - decode attention treats the query heads that share a key/value head as that head's query rows
   (one token each), so grouped-query attention reads the cache without repeating it;
 - the output head is cut to the columns that can be sampled (speech tokens and the ids after
@@ -84,15 +85,16 @@ class AttentionInput(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self._widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``hidden`` ``[rows, length, width]`` to query, key and value ``[rows, heads, length, head_dim]``."""
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``hidden`` ``[rows, length, width]`` to the query ``[rows, heads, length, head_dim]`` and the key
+        and value stacked, ``[rows, 2, kv_heads, length, head_dim]``, as the cache holds them."""
         rows, length, _ = hidden.shape
         query, key, value = (
             projected.view(rows, length, -1, self.head_dim).transpose(1, 2)
             for projected in self.qkv_proj(self.norm(hidden)).split(self._widths, dim=-1)
         )
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        return query, key, value
+        return query, torch.stack((key, value), dim=1)
 
 
 class LayerOutput(nn.Module):
@@ -160,9 +162,8 @@ class SlotDecoder:
         )
         # One slot more than requests: the staging slot that recorded prefills write into.
         self.staging_slot = slots
-        shape = (len(layers), slots + 1, self.kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        shape = (len(layers), 2, slots + 1, self.kv_heads, max_len, self.head_dim)
+        self.cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self._key_positions = torch.arange(max_len, device=self.device)
 
     def compile(self, backend: str) -> None:
@@ -183,7 +184,7 @@ class SlotDecoder:
 
     @property
     def cache_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return self.cache.numel() * self.cache.element_size()
 
     @torch.inference_mode()
     def prefill(self, ids: Tensor, lengths: Tensor, first_slot: int) -> Tensor:
@@ -199,11 +200,9 @@ class SlotDecoder:
         cos, sin = self._rotary(hidden, positions)
         slots = slice(first_slot, first_slot + rows)
         for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
-            query, key, value = enter(hidden, cos, sin)
-            self.keys[index, slots, :, :length] = key
-            self.values[index, slots, :, :length] = value
-            key = key.repeat_interleave(self._groups, dim=1)
-            value = value.repeat_interleave(self._groups, dim=1)
+            query, key_value = enter(hidden, cos, sin)
+            self.cache[index, :, slots, :, :length] = key_value.transpose(0, 1)
+            key, value = key_value.repeat_interleave(self._groups, dim=2).unbind(1)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible)
             hidden = leave(hidden, out)
         last = hidden[torch.arange(rows, device=self.device), lengths - 1]
@@ -239,26 +238,23 @@ class SlotDecoder:
         # Not cuDNN's attention: it builds a graph for every new shape.
         with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
             for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
-                query, key, value = enter(hidden, cos, sin)
-                layer_keys, layer_values = self.keys[index], self.values[index]
-                layer_keys[write_slots, :, write_positions] = key.transpose(1, 2)
-                layer_values[write_slots, :, write_positions] = value.transpose(1, 2)
+                query, key_value = enter(hidden, cos, sin)
+                layer = self.cache[index]
+                layer[:, write_slots, :, write_positions] = key_value.permute(0, 3, 1, 2, 4)
                 grouped = query.reshape(rows, self.kv_heads, self._groups * width, self.head_dim)
                 out = F.scaled_dot_product_attention(
-                    grouped, layer_keys[slots, :, :span], layer_values[slots, :, :span], attn_mask=mask
+                    grouped, layer[0, slots, :, :span], layer[1, slots, :, :span], attn_mask=mask
                 )
                 hidden = leave(hidden, out.reshape(rows, self.heads, width, self.head_dim))
         return self._head(hidden[torch.arange(rows, device=self.device), lengths - 1])
 
-    def save_slot(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
-        """A copy of one slot's first ``length`` cached positions (keys, values)."""
-        return self.keys[:, slot, :, :length].clone(), self.values[:, slot, :, :length].clone()
+    def save_slot(self, slot: int, length: int) -> Tensor:
+        """A copy of one slot's first ``length`` cached positions (keys and values)."""
+        return self.cache[:, :, slot, :, :length].clone()
 
-    def restore_slot(self, slot: int, saved: tuple[Tensor, Tensor]) -> None:
+    def restore_slot(self, slot: int, saved: Tensor) -> None:
         """Write a :meth:`save_slot` copy back, into ``slot``."""
-        keys, values = saved
-        self.keys[:, slot, :, : keys.shape[2]] = keys
-        self.values[:, slot, :, : values.shape[2]] = values
+        self.cache[:, :, slot, :, : saved.shape[-2]] = saved
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, span: int) -> Tensor:
@@ -279,17 +275,15 @@ class SlotDecoder:
         )[:, None, None, :]
         row_index = torch.arange(rows, device=self.device)
         for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
-            query, key, value = enter(hidden, cos, sin)
-            keys, values = self.keys[index, :rows, :, :span], self.values[index, :rows, :, :span]
-            keys[row_index, :, positions] = key[:, :, 0]
-            values[row_index, :, positions] = value[:, :, 0]
+            query, key_value = enter(hidden, cos, sin)
+            layer = self.cache[index, :, :rows, :, :span]
+            layer[:, row_index, :, positions] = key_value[:, :, :, 0]
             grouped = query.reshape(rows, self.kv_heads, self._groups, self.head_dim)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+            out = F.scaled_dot_product_attention(grouped, layer[0], layer[1], attn_mask=mask)
             hidden = leave(hidden, out.reshape(rows, self.heads, 1, self.head_dim))
         return self._head(hidden[:, 0])
 
     def move_slot(self, source: int, target: int, length: int | None = None) -> None:
         """Copy one slot's cache (its first ``length`` positions, default all) over another's."""
         end = self.max_len if length is None else length
-        self.keys[:, target, :, :end] = self.keys[:, source, :, :end]
-        self.values[:, target, :, :end] = self.values[:, source, :, :end]
+        self.cache[:, :, target, :, :end] = self.cache[:, :, source, :, :end]

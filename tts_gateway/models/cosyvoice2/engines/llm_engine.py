@@ -160,7 +160,7 @@ class TextStreamHandle(GenerationHandle):
     drawn: int = 0
     since_input: int = 0
     seen: set[int] = field(default_factory=set)
-    saved: tuple[Tensor, Tensor] | None = None
+    saved: Tensor | None = None
     feed: list[int] = field(default_factory=list)
 
     def add_text(self, ids: Sequence[int]) -> None:
