@@ -28,7 +28,7 @@ What lies between two cache operations (a layer's input norm, projections and ro
 its output projection, residual and MLP; the final norm and head) is a module of its own, a
 region that :meth:`SlotDecoder.compile` compiles. Replayed from CUDA graphs, an uncompiled step
 launches about 40 small kernels a layer; inductor fuses the norms, rotary embedding and
-activations into a few, and the step is still bound by those launches (about 450 kernels of a few
+activations into a few, and the step is still bound by those launches (a few hundred kernels of a few
 microseconds each at Qwen2-0.5B's 24 layers), not by arithmetic.
 """
 
