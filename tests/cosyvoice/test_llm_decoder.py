@@ -7,6 +7,7 @@ joins into one product compute what they did, on the model's own weights, held o
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,48 @@ def test_the_decoder_holds_each_weight_of_the_model_once(tmp_path: Path) -> None
     for region in (*decoder._inputs, *decoder._outputs):
         storages.update({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in region.parameters()})
     assert sum(storages.values()) == held * 4
+
+
+def test_joining_refuses_layers_of_which_only_some_have_a_bias() -> None:
+    with pytest.raises(ValueError, match="all have a bias or all have none"):
+        joined(nn.Linear(8, 4), nn.Linear(8, 4, bias=False))
+
+
+def test_grouped_heads_keep_their_own_keys_and_values() -> None:
+    """Two key/value heads for four query heads, with drawn q/k/v biases (the tiny checkpoint has one key/value
+    head, where a key and value swapped between heads could not show): prefill, extend and decode give the
+    model's own logits."""
+    torch.manual_seed(0)
+    config = tiny_frontend.qwen2_config(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                projection.bias.normal_()
+    reference = copy.deepcopy(model)
+    columns = torch.tensor(COLUMN_IDS)
+    decoder = SlotDecoder(model, slots=3, max_len=MAX_LEN, columns=columns, spans=(SPAN,))
+
+    def expected(rows: list[list[int]]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.stack([reference(input_ids=torch.tensor([ids])).logits[0, -1, columns] for ids in rows])
+
+    texts = [sequence(10 + row, 16) for row in range(3)]
+    torch.testing.assert_close(prefill(decoder, [text[:5] for text in texts]), expected([t[:5] for t in texts]))
+    # The rows then stand at different positions: extended by 1, 3 and 6 ids, then one token each.
+    added = [1, 3, 6]
+    ids = torch.zeros(3, WIDTH, dtype=torch.int64)
+    for row, count in enumerate(added):
+        ids[row, :count] = torch.tensor(texts[row][5 : 5 + count])
+    extended = decoder.extend(ids, torch.full((3,), 5), torch.tensor(added), torch.arange(3), SPAN)
+    torch.testing.assert_close(extended, expected([t[: 5 + n] for t, n in zip(texts, added, strict=True)]))
+    tokens = torch.tensor([t[5 + n] for t, n in zip(texts, added, strict=True)])
+    decoded = decoder.decode(tokens, torch.tensor([5 + n for n in added]), SPAN)
+    torch.testing.assert_close(decoded, expected([t[: 6 + n] for t, n in zip(texts, added, strict=True)]))

@@ -55,11 +55,14 @@ def joined(*linears: nn.Linear) -> nn.Linear:
     """One linear layer computing what ``linears``, which read the same input, compute, their outputs side by side.
 
     The given layers' weights (and biases) become views of the joined ones, so the model still holds
-    each weight once and its own modules compute what they did.
+    each weight once and its own modules compute what they did. The joined layer is not one of the
+    model's modules: the model is on its device and in its dtype before it is joined, not moved after.
     """
-    weight = torch.cat([linear.weight.detach() for linear in linears])
     biases = [linear.bias for linear in linears]
-    bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases if b is not None])
+    if len({b is None for b in biases}) > 1:
+        raise ValueError("joined linear layers must all have a bias or all have none")
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
