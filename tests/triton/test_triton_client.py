@@ -10,7 +10,7 @@ import pytest
 from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 from tts_gateway.gateway.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
-from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.gateway.triton_client import Readiness, TritonClient
 from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton
@@ -42,12 +42,30 @@ async def test_rejections_are_invalid_requests_offline_and_streamed(cpu_triton: 
     assert "[INVALID_ARG]" not in info.value.message
 
 
+async def test_readiness_tells_a_ready_server_from_one_that_does_not_answer(cpu_triton: EmbeddedTriton) -> None:
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # accepts, never answers: a server too busy or hung to serve the probe
+        writer.close()
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    clients = [
+        TritonClient(cpu_triton.grpc_url, timeout=5),
+        TritonClient(f"127.0.0.1:{silent.sockets[0].getsockname()[1]}", timeout=5),
+    ]
+    try:
+        assert [await client.readiness() for client in clients] == [Readiness.READY, Readiness.SILENT]
+    finally:
+        for client in clients:
+            await client.close()
+        silent.close()
+
+
 async def test_a_server_that_is_not_there_is_unavailable() -> None:
     from tests.e2e.gateway_process import free_port
 
     client = TritonClient(f"127.0.0.1:{free_port()}", timeout=5)
     try:
-        assert not await client.is_ready()
+        assert await client.readiness() is Readiness.NOT_READY
         with pytest.raises(BackendUnavailableError):
             await client.infer("piper", {contract.TARGET_TEXT: "hi"}, request_id="d")
     finally:

@@ -1,4 +1,5 @@
-"""Which server takes a call, and what a Triton address names (no server: nothing is called)."""
+"""Which server takes a call, which stay in rotation, and what a Triton address names (no Triton server: the
+readiness probes meet a port with nothing behind it and a socket that never answers)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ import socket
 
 import pytest
 
+from tests.e2e.gateway_process import free_port
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.triton_client import TritonClient, TritonModelConfig
-from tts_gateway.gateway.triton_pool import TritonPool, _addresses, join_target, split_target
+from tts_gateway.gateway.triton_pool import (
+    SILENT_PROBES_TOLERATED,
+    TritonPool,
+    _addresses,
+    join_target,
+    split_target,
+)
 
 
 def _pool(*addresses: str) -> TritonPool:
@@ -50,6 +58,28 @@ async def test_a_call_is_counted_while_it_runs() -> None:
         raise RuntimeError("failed")
     assert server.outstanding == 0
     await pool.close()
+
+
+async def test_a_server_that_does_not_answer_its_probe_stays_in_rotation_for_a_while() -> None:
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    pool = await _ready_pool(f"127.0.0.1:{silent.sockets[0].getsockname()[1]}", f"127.0.0.1:{free_port()}")
+    busy, gone = pool.servers
+    try:
+        await pool.refresh()
+        # Refused: out at once. No answer in time: still serving, up to the tolerated probes in a row.
+        assert not gone.ready and pool.pick("piper") is busy
+        for _ in range(SILENT_PROBES_TOLERATED - 1):
+            await pool.refresh()
+        assert pool.pick("piper") is busy and busy.silent_probes == SILENT_PROBES_TOLERATED
+        await pool.refresh()
+        assert pool.pick("piper") is None
+    finally:
+        await pool.close()
+        silent.close()
 
 
 async def test_addresses_of_a_name_prefer_ipv4() -> None:

@@ -14,10 +14,11 @@ tritonclient's exceptions are translated here, once, into gateway errors.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import numpy as np
@@ -115,6 +116,20 @@ _NUMPY_DTYPES: dict[str, type[np.generic]] = {
 }
 
 
+_PROBE_TIMEOUT_S: Final = 2.0
+
+
+class Readiness(enum.Enum):
+    """What one readiness probe learned of a server."""
+
+    READY = "ready"
+    NOT_READY = "not ready"
+    """It answered that it is not ready, or refused the connection (not running)."""
+    SILENT = "no answer in time"
+    """Busy (a CPU server converting speech can keep its gRPC threads waiting past the probe's timeout) or hung:
+    one probe cannot tell which."""
+
+
 class TritonClient:
     def __init__(self, url: str, *, timeout: float, chunk_timeout: float | None = None) -> None:
         self.url = url
@@ -130,11 +145,13 @@ class TritonClient:
     async def close(self) -> None:
         await self._client.close()
 
-    async def is_ready(self) -> bool:
+    async def readiness(self) -> Readiness:
+        """Probe the server once (:class:`Readiness`)."""
         try:
-            return bool(await self._client.is_server_ready(client_timeout=2.0))
-        except InferenceServerException:
-            return False
+            ready = await self._client.is_server_ready(client_timeout=_PROBE_TIMEOUT_S)
+        except InferenceServerException as exc:
+            return Readiness.SILENT if exc.status() == "StatusCode.DEADLINE_EXCEEDED" else Readiness.NOT_READY
+        return Readiness.READY if ready else Readiness.NOT_READY
 
     async def model_configs(self) -> list[TritonModelConfig]:
         """Configs of every READY model in the repository."""

@@ -18,6 +18,13 @@ to another ready server: before its first audio nothing was lost; after it, a st
 only when its caller asks for it (:class:`Failover`), since the audio already sent cannot be
 taken back. A server that is down is taken out of rotation at once; the listeners given to
 :meth:`TritonPool.on_change` hear of it (the model catalog follows the ready set).
+
+Readiness is probed every few seconds. A server in rotation that answers the probe "not ready" or
+refuses the connection goes out at once; one that does not answer in time stays in for
+:data:`SILENT_PROBES_TOLERATED` probes in a row. A server converting speech on its CPUs can keep
+the probe waiting past its timeout, and taking the only server out for that failed every text
+stream on it at its next piece of text; a server that is truly gone fails its calls, which take
+it out at once.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import logging
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
@@ -38,12 +45,13 @@ from numpy.typing import NDArray
 
 from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError, ModelUnavailableError
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.triton_client import TritonClient, TritonModelConfig
+from tts_gateway.gateway.triton_client import Readiness, TritonClient, TritonModelConfig
 from tts_gateway.models import contract
 
 logger = logging.getLogger(__name__)
 
 _RESOLVE_TIMEOUT = 5.0
+SILENT_PROBES_TOLERATED: Final = 2
 # Failures worth another server: it is down or broke, not the request (a 400) or a slow model (a 504).
 _FAILOVER = (BackendUnavailableError, BackendError)
 # How often a call that waits for a ready server looks again (the watcher refreshes the ready set).
@@ -63,6 +71,8 @@ class TritonServer:
     configs: tuple[TritonModelConfig, ...] = ()
     outstanding: int = 0
     models: frozenset[str] = field(default=frozenset())
+    silent_probes: int = 0
+    """Readiness probes in a row that got no answer in time while the server was in rotation."""
 
     def set_configs(self, configs: Sequence[TritonModelConfig]) -> None:
         self.configs = tuple(configs)
@@ -159,11 +169,22 @@ class TritonPool:
                 self._servers[address] = TritonServer(address, entry, self._client_factory(address))
 
     async def _check(self, server: TritonServer) -> None:
-        if not await server.client.is_ready():
+        readiness = await server.client.readiness()
+        if readiness is Readiness.SILENT and server.ready and server.silent_probes < SILENT_PROBES_TOLERATED:
+            # Busy, most likely: taking the server out would fail every session on it that asks for more.
+            server.silent_probes += 1
+            logger.warning(
+                "Triton server %s did not answer its readiness probe in time (%d in a row); kept in rotation",
+                server.address,
+                server.silent_probes,
+            )
+            return
+        if readiness is not Readiness.READY:
             if server.ready:
-                logger.warning("Triton server %s is not ready", server.address)
+                logger.warning("Triton server %s is not ready (%s)", server.address, readiness.value)
             self.mark_down(server)
             return
+        server.silent_probes = 0
         # Read again while no speech model is known: one that reports ready before loading its
         # models (model control "explicit") is picked up once they load.
         if not server.ready or not any(_is_speech_model(c) for c in server.configs):
