@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS
+from tests.fixtures.silent_server import silent_server
 from tts_gateway.gateway.embedded_triton import EmbeddedTriton
 from tts_gateway.gateway.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
 from tts_gateway.gateway.triton_client import Readiness, TritonClient
@@ -43,21 +44,13 @@ async def test_rejections_are_invalid_requests_offline_and_streamed(cpu_triton: 
 
 
 async def test_readiness_tells_a_ready_server_from_one_that_does_not_answer(cpu_triton: EmbeddedTriton) -> None:
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()  # accepts, never answers: a server too busy or hung to serve the probe
-        writer.close()
-
-    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
-    clients = [
-        TritonClient(cpu_triton.grpc_url, timeout=5),
-        TritonClient(f"127.0.0.1:{silent.sockets[0].getsockname()[1]}", timeout=5),
-    ]
-    try:
-        assert [await client.readiness() for client in clients] == [Readiness.READY, Readiness.SILENT]
-    finally:
-        for client in clients:
-            await client.close()
-        silent.close()
+    async with silent_server() as silent:
+        clients = [TritonClient(cpu_triton.grpc_url, timeout=5), TritonClient(silent, timeout=5)]
+        try:
+            assert [await client.readiness() for client in clients] == [Readiness.READY, Readiness.SILENT]
+        finally:
+            for client in clients:
+                await client.close()
 
 
 async def test_a_server_that_is_not_there_is_unavailable() -> None:

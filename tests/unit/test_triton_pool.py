@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from tests.e2e.gateway_process import free_port
+from tests.fixtures.silent_server import silent_server
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.triton_client import TritonClient, TritonModelConfig
 from tts_gateway.gateway.triton_pool import (
@@ -61,25 +62,20 @@ async def test_a_call_is_counted_while_it_runs() -> None:
 
 
 async def test_a_server_that_does_not_answer_its_probe_stays_in_rotation_for_a_while() -> None:
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()
-        writer.close()
-
-    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
-    pool = await _ready_pool(f"127.0.0.1:{silent.sockets[0].getsockname()[1]}", f"127.0.0.1:{free_port()}")
-    busy, gone = pool.servers
-    try:
-        await pool.refresh()
-        # Refused: out at once. No answer in time: still serving, up to the tolerated probes in a row.
-        assert not gone.ready and pool.pick("piper") is busy
-        for _ in range(SILENT_PROBES_TOLERATED - 1):
+    async with silent_server() as silent:
+        pool = await _ready_pool(silent, f"127.0.0.1:{free_port()}")
+        busy, gone = pool.servers
+        try:
             await pool.refresh()
-        assert pool.pick("piper") is busy and busy.silent_probes == SILENT_PROBES_TOLERATED
-        await pool.refresh()
-        assert pool.pick("piper") is None
-    finally:
-        await pool.close()
-        silent.close()
+            # Refused: out at once. No answer in time: still serving, up to the tolerated probes in a row.
+            assert not gone.ready and pool.pick("piper") is busy
+            for _ in range(SILENT_PROBES_TOLERATED - 1):
+                await pool.refresh()
+            assert pool.pick("piper") is busy and busy.silent_probes == SILENT_PROBES_TOLERATED
+            await pool.refresh()
+            assert pool.pick("piper") is None
+        finally:
+            await pool.close()
 
 
 async def test_addresses_of_a_name_prefer_ipv4() -> None:

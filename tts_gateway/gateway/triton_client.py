@@ -150,7 +150,8 @@ class TritonClient:
         try:
             ready = await self._client.is_server_ready(client_timeout=_PROBE_TIMEOUT_S)
         except InferenceServerException as exc:
-            return Readiness.SILENT if exc.status() == "StatusCode.DEADLINE_EXCEEDED" else Readiness.NOT_READY
+            timed_out = isinstance(translate_error(exc, "<readiness>"), BackendTimeoutError)
+            return Readiness.SILENT if timed_out else Readiness.NOT_READY
         return Readiness.READY if ready else Readiness.NOT_READY
 
     async def model_configs(self) -> list[TritonModelConfig]:

@@ -22,9 +22,9 @@ taken back. A server that is down is taken out of rotation at once; the listener
 Readiness is probed every few seconds. A server in rotation that answers the probe "not ready" or
 refuses the connection goes out at once; one that does not answer in time stays in for
 :data:`SILENT_PROBES_TOLERATED` probes in a row. A server converting speech on its CPUs can keep
-the probe waiting past its timeout, and taking the only server out for that failed every text
-stream on it at its next piece of text; a server that is truly gone fails its calls, which take
-it out at once.
+the probe waiting past its timeout, and taking the only server out for that would fail every
+text stream on it at its next piece of text; a server that is truly gone fails its calls, which
+take it out at once.
 """
 
 from __future__ import annotations
@@ -171,7 +171,6 @@ class TritonPool:
     async def _check(self, server: TritonServer) -> None:
         readiness = await server.client.readiness()
         if readiness is Readiness.SILENT and server.ready and server.silent_probes < SILENT_PROBES_TOLERATED:
-            # Busy, most likely: taking the server out would fail every session on it that asks for more.
             server.silent_probes += 1
             logger.warning(
                 "Triton server %s did not answer its readiness probe in time (%d in a row); kept in rotation",
