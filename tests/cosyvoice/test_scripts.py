@@ -25,6 +25,7 @@ from tests.unit.test_cuda_mps import calls, stand_in
 from tts_gateway.allocator import SERVER_MALLOC_ENV
 from tts_gateway.gateway.cuda_mps import PIPE_VARIABLE
 from tts_gateway.models import contract
+from tts_gateway.paths import TRITON_REPOSITORY
 from tts_gateway.tools import hub_download, model_prep, trtllm_engine
 
 pytestmark = pytest.mark.cosyvoice
@@ -315,28 +316,41 @@ def test_checkpoint_fingerprint_follows_config_and_weights(tmp_path: Path) -> No
     assert trtllm_engine.checkpoint_fingerprint(tmp_path) != first
 
 
-def test_render_moves_model_paths_under_the_given_root(tmp_path: Path) -> None:
-    dest = tmp_path / "repo"
-    code = model_prep.main(
-        [
-            "render",
-            "--profile",
-            "gpu-trtllm",
-            "--dest",
-            str(dest),
-            "--models-root",
-            str(tmp_path / "models"),
-            "--set",
-            "cosyvoice2.max_output_tokens=600",
-        ]
-    )
-    assert code == 0
-    root = (tmp_path / "models").resolve()
+def tts_models(*arguments: str) -> list[str]:
+    """The ``tts-models`` command line."""
+    return [sys.executable, "-m", "tts_gateway.tools.model_prep", *arguments]
+
+
+def test_render_moves_model_paths_under_the_given_root_read_from_the_starting_directory(tmp_path: Path) -> None:
+    (tmp_path / "templates").symlink_to(TRITON_REPOSITORY)
+    command = tts_models("render", "--profile", "gpu-trtllm", "--dest", "out/repo", "--source", "templates")
+    command += ["--models-root", "models", "--set", "cosyvoice2.max_output_tokens=600"]
+    command += ["--set", "token2wav.model_dir=checkpoints/cosy"]
+    subprocess.run(command, check=True, capture_output=True, cwd=tmp_path)
+    dest, root = tmp_path / "out" / "repo", tmp_path / "models"
     assert f'"{root}/cosyvoice2_llm"' in (dest / "cosyvoice2" / "config.pbtxt").read_text()
     assert f'"{root}/engines/cosyvoice2_llm-bfloat16"' in (dest / "tensorrt_llm" / "config.pbtxt").read_text()
-    assert f'"{root}/CosyVoice2-0.5B"' in (dest / "token2wav" / "config.pbtxt").read_text()
+    assert f'"{tmp_path}/checkpoints/cosy"' in (dest / "token2wav" / "config.pbtxt").read_text()
     assert '"600"' in (dest / "cosyvoice2" / "config.pbtxt").read_text()
     assert '"600"' not in (dest / "cosyvoice2_stream" / "config.pbtxt").read_text()
+
+
+def test_build_engine_reads_its_directories_from_the_starting_directory(tmp_path: Path) -> None:
+    command = tts_models("build-engine", "--models-root", "models", "--engine-dir", "engines/llm", "--dry-run")
+    printed = subprocess.run(command, check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    convert, build = (line.split() for line in printed.splitlines())
+    assert convert[convert.index("--model_dir") + 1] == f"{tmp_path}/models/{model_prep.LLM_DIR}"
+    staging = trtllm_engine.staging_dir(tmp_path / "engines" / "llm")
+    assert build[build.index("--output_dir") + 1] == str(staging / "engine")
+
+
+@pytest.mark.parametrize("command", ["download", "tiny", "random-full"])
+def test_model_roots_are_read_from_the_starting_directory(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = model_prep.parser().parse_args([command, "--models-root", "var/models"])
+    assert args.models_root == tmp_path / "var" / "models"
 
 
 def test_bad_override_is_reported_not_raised(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -384,6 +398,23 @@ def test_launch_dry_run_renders_and_prints_the_server_command(tmp_path: Path) ->
         "--exit-on-error=true",
         "--grpc-infer-allocation-pool-size=0",
     ]
+    assert (tmp_path / "repo" / "llm" / "config.pbtxt").is_file()
+
+
+def test_launch_runs_a_server_named_by_a_relative_path_or_on_path_with_the_repository_it_rendered(
+    tmp_path: Path,
+) -> None:
+    server = tmp_path / "bin" / "fake-tritonserver"
+    server.parent.mkdir()
+    server.write_text('#!/bin/sh\necho "$0" "$@"\n')
+    server.chmod(0o755)
+    env = {**os.environ, "PATH": f"{server.parent}{os.pathsep}{os.environ['PATH']}"}
+    expected = [str(server), f"--model-repository={tmp_path / 'repo'}"]
+    # A path is read from the starting directory; a bare name is a program on PATH, as to a shell.
+    for named in ("bin/fake-tritonserver", "fake-tritonserver"):
+        command = launch_command(Path("repo"), "--tritonserver", named)
+        launched = subprocess.run(command, check=True, capture_output=True, text=True, cwd=tmp_path, env=env)
+        assert launched.stdout.split()[:2] == expected, named
     assert (tmp_path / "repo" / "llm" / "config.pbtxt").is_file()
 
 

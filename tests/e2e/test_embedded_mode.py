@@ -15,6 +15,7 @@ from openai import OpenAI
 
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import free_port, processes_under
+from tts_gateway.paths import REFERENCE_VOICES, TRITON_REPOSITORY
 
 pytestmark = pytest.mark.triton
 
@@ -24,14 +25,24 @@ def test_serve_starts_and_stops_embedded_triton(tmp_path: Path) -> None:
     assert executable, "the console script is installed with the package"
     port = free_port()
     workdir = tmp_path / "embedded"
+    # Every path setting as a user writes it, relative to where the gateway starts (Triton runs elsewhere).
+    (tmp_path / "templates").symlink_to(TRITON_REPOSITORY)
+    (tmp_path / "refs").mkdir()
+    for suffix in (".wav", ".txt"):
+        shutil.copy(REFERENCE_VOICES / f"lumen{suffix}", tmp_path / "refs" / f"porch{suffix}")
     env = {
         **os.environ,
-        "TTS_EMBEDDED_WORKDIR": str(workdir),
-        "TTS_VOICES_DIR": str(tmp_path / "voices"),
+        "TTS_EMBEDDED_WORKDIR": "embedded",
+        "TTS_VOICES_DIR": "voices",
+        "TTS_REF_AUDIOS_DIR": "refs",
+        "TTS_TRITON_REPOSITORY": "templates",
+        "TTS_MODELS_ROOT": "models",
     }
     env.pop("TTS_TRITON_URL", None)
     with (tmp_path / "serve.log").open("wb") as log:
-        process = subprocess.Popen([executable, "serve", "--port", str(port)], env=env, stdout=log, stderr=log)
+        process = subprocess.Popen(
+            [executable, "serve", "--port", str(port)], env=env, stdout=log, stderr=log, cwd=tmp_path
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -51,6 +62,16 @@ def test_serve_starts_and_stops_embedded_triton(tmp_path: Path) -> None:
         audio = decode(client.audio.speech.create(model="tts-1", voice="alloy", input=text).content, "mp3")
         assert_speech(audio, expected_seconds=audio.duration)
         assert 1.5 < audio.duration < 6.0
+        listed = httpx.get(f"{url}/v1/audio/voices?all=true").json()["voices"]
+        assert "porch" in {voice["id"] for voice in listed}
+        upload = httpx.post(
+            f"{url}/v1/audio/voices",
+            data={"name": "stoop", "transcript": (tmp_path / "refs" / "porch.txt").read_text()},
+            files={"audio_sample": ("stoop.wav", (tmp_path / "refs" / "porch.wav").read_bytes(), "audio/wav")},
+            timeout=60,
+        )
+        assert upload.status_code == 201, upload.text
+        assert (tmp_path / "voices" / f"{upload.json()['id']}.wav").is_file()
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)

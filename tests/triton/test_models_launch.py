@@ -16,6 +16,7 @@ import tritonclient.http as httpclient
 
 from tests.e2e.gateway_process import free_ports, processes_under
 from tts_gateway.models import contract
+from tts_gateway.paths import TRITON_REPOSITORY
 
 pytestmark = pytest.mark.triton
 
@@ -31,13 +32,14 @@ def _environment_without_tritonserver() -> dict[str, str]:
 
 def test_launch_serves_the_cpu_profile_with_the_wheels_server_and_stops_on_sigterm(tmp_path: Path) -> None:
     grpc, http, metrics = free_ports(3)
-    repo = tmp_path / "repo"
-    command = [str(TTS_MODELS), "launch", "--profile", "cpu", "--repo", str(repo)]
+    # As a user types it, in a fresh directory: the paths relative to it, the server running in another.
+    (tmp_path / "templates").symlink_to(TRITON_REPOSITORY)
+    command = [str(TTS_MODELS), "launch", "--profile", "cpu", "--repo", "repo", "--source", "templates"]
     command += ["--grpc-port", str(grpc), "--http-port", str(http), "--metrics-port", str(metrics)]
     log = tmp_path / "launch.log"
     with log.open("wb") as out:
         launch = subprocess.Popen(
-            command, env=_environment_without_tritonserver(), stdout=out, stderr=subprocess.STDOUT
+            command, env=_environment_without_tritonserver(), stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path
         )
     try:
         deadline = time.monotonic() + 180

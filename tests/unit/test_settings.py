@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
 from tts_gateway.gateway.settings import OPENAI_VOICE_NAMES, Settings
+from tts_gateway.models.model_repository import parse_overrides
+from tts_gateway.paths import TRITON_REPOSITORY
 
 
 def test_voice_aliases_from_the_environment_merge_over_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,3 +85,31 @@ def test_public_endpoints_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
     assert Settings().public_endpoints == ["/health", "/metrics"]
     monkeypatch.setenv("TTS_PUBLIC_ENDPOINTS", "")
     assert Settings().public_endpoints == []
+
+
+def test_path_settings_are_read_from_the_directory_the_gateway_started_in(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    relative = {
+        "triton_repository": "templates",
+        "models_root": "../models",
+        "embedded_workdir": "work/embedded",
+        "ref_audios_dir": "./refs",
+        "voices_dir": "voices",
+    }
+    for field, value in relative.items():
+        monkeypatch.setenv(f"TTS_{field.upper()}", value)
+    (tmp_path / ".env").write_text('TTS_EMBEDDED_OVERRIDES=["token2wav.model_dir=checkpoints/cosy"]\n')
+    settings = Settings()
+    for field, value in relative.items():
+        assert getattr(settings, field) == Path(os.path.normpath(tmp_path / value)), field
+    # A path among the template overrides too; other values stay as written.
+    assert parse_overrides(settings.embedded_overrides) == {"token2wav": {"model_dir": f"{tmp_path}/checkpoints/cosy"}}
+    assert parse_overrides(["cosyvoice2.llm_model=llm"]) == {"cosyvoice2": {"llm_model": "llm"}}
+    # Defaults too: uploaded voices go under the starting directory, the shipped files stay where they are.
+    for field in relative:
+        monkeypatch.delenv(f"TTS_{field.upper()}")
+    defaults = Settings()
+    assert defaults.voices_dir == tmp_path / "data" / "voices"
+    assert defaults.triton_repository == TRITON_REPOSITORY

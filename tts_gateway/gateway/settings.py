@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tts_gateway.gateway import gpu_devices
 from tts_gateway.gateway.cuda_mps import MpsMode
 from tts_gateway.models.model_repository import parse_overrides
-from tts_gateway.paths import REFERENCE_VOICES, TRITON_REPOSITORY
+from tts_gateway.paths import REFERENCE_VOICES, TRITON_REPOSITORY, invocation_path
 
 # OpenAI's model and voice names, so clients that only know those (Pipecat, LiveKit,
 # Home Assistant) work unchanged. Models map to the default model; voices map to
@@ -37,6 +37,8 @@ OPENAI_VOICE_NAMES = (
 )
 _DEFAULT_VOICE_ALIASES = {name: ("harbor" if index % 2 else "lumen") for index, name in enumerate(OPENAI_VOICE_NAMES)}
 _GRPC_URL = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+# A path setting, relative to the directory the gateway was started in (defaults included).
+UserPath = Annotated[Path, AfterValidator(invocation_path)]
 
 
 class Settings(BaseSettings):
@@ -71,12 +73,12 @@ class Settings(BaseSettings):
     triton_resolve_interval: float = Field(
         10.0, gt=0, description="seconds between DNS lookups of the Triton names (servers that come and go)"
     )
-    triton_repository: Path = Field(TRITON_REPOSITORY, description="source model repository (templates + profiles)")
+    triton_repository: UserPath = Field(TRITON_REPOSITORY, description="source model repository (templates + profiles)")
     embedded_profile: str = Field("cpu", description="profile rendered for the embedded server")
     embedded_overrides: list[str] = Field(
         default_factory=list, description="MODEL.KEY=VALUE template values replacing the profile's"
     )
-    models_root: Path | None = Field(
+    models_root: UserPath | None = Field(
         None,
         description="directory that replaces /models in the embedded profile's model paths (model_dir, llm_dir,"
         " engine_dir), as tts-models --models-root does; unset: the profile's paths as written",
@@ -86,7 +88,7 @@ class Settings(BaseSettings):
         description="OpenAI-compatible LLM servers (comma-separated base URLs, http://host:port/v1) for an embedded"
         " profile whose orchestrators use one, such as cosyvoice2-cpu-llm-server; unset: the profile's",
     )
-    embedded_workdir: Path | None = Field(
+    embedded_workdir: UserPath | None = Field(
         None, description="where the embedded server's repository and logs go (default: a temp dir)"
     )
     embedded_startup_timeout: float = Field(180.0, gt=0)
@@ -105,8 +107,8 @@ class Settings(BaseSettings):
         " sees every GPU; or ids such as 0,1)",
     )
 
-    ref_audios_dir: Path = Field(REFERENCE_VOICES, description="shipped voices: NAME.wav + NAME.txt")
-    voices_dir: Path = Field(Path("data/voices"), description="uploaded voices, persistent")
+    ref_audios_dir: UserPath = Field(REFERENCE_VOICES, description="shipped voices: NAME.wav + NAME.txt")
+    voices_dir: UserPath = Field(Path("data/voices"), description="uploaded voices, persistent")
     default_model: str | None = Field(None, description="model behind tts-1 etc.; unset: best available")
     model_aliases: dict[str, str] = Field(default_factory=dict, description="extra alias -> model id")
     voice_aliases: dict[str, str] = Field(

@@ -41,6 +41,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tts_gateway.models.contract import stream_model_name
+from tts_gateway.paths import invocation_path
 
 TEMPLATE_NAME = "config.pbtxt.tmpl"
 PROFILES_DIR = "profiles"
@@ -322,13 +323,18 @@ def _stringify(value: object) -> str:
 
 
 def parse_overrides(items: list[str]) -> dict[str, dict[str, str]]:
-    """Parse ``MODEL.KEY=VALUE`` command-line overrides into ``{model: {key: value}}``."""
+    """Parse ``MODEL.KEY=VALUE`` command-line overrides into ``{model: {key: value}}``.
+
+    The values of the path keys (``model_dir`` ...) are read from the directory the command started in.
+    """
     overrides: dict[str, dict[str, str]] = {}
     for item in items:
         target, sep, value = item.partition("=")
         model, dot, key = target.partition(".")
         if not sep or not dot or not model or not key:
             raise TemplateError(f"override {item!r} is not of the form MODEL.KEY=VALUE")
+        if key in ROOTED_KEYS and value:
+            value = str(invocation_path(value))
         overrides.setdefault(model, {})[key] = value
     return overrides
 
@@ -342,7 +348,8 @@ def deployment_overrides(
 ) -> dict[str, dict[str, str]]:
     """Overrides that fit ``profile`` to this machine, for :func:`render_repository`.
 
-    ``models_root`` moves every ``/models/...`` path value under it; ``llm_urls`` replaces the
+    ``models_root`` (absolute, as :func:`invocation_path` reads the user's) moves
+    every ``/models/...`` path value under it; ``llm_urls`` replaces the
     LLM servers of every model that has some (both orchestrators); ``explicit`` overrides
     (``MODEL.KEY=VALUE``) win over both.
     """
@@ -353,7 +360,7 @@ def deployment_overrides(
                 value = model.values.get(key)
                 if value is not None and PurePosixPath(value).is_relative_to(PROFILE_ROOT):
                     relative = PurePosixPath(value).relative_to(PROFILE_ROOT)
-                    result.setdefault(model.name, {})[key] = str(models_root.resolve() / relative)
+                    result.setdefault(model.name, {})[key] = str(models_root / relative)
     if llm_urls is not None:
         takers = [model.name for model in profile.models if LLM_URLS_KEY in model.values]
         if not takers:

@@ -44,7 +44,7 @@ from tts_gateway.models.model_repository import (
     parse_overrides,
     render_repository,
 )
-from tts_gateway.paths import TRITON_REPOSITORY
+from tts_gateway.paths import TRITON_REPOSITORY, invocation_path
 from tts_gateway.tools import hub_download, trtllm_engine
 
 COSYVOICE_DIR = "CosyVoice2-0.5B"
@@ -255,7 +255,7 @@ def parser() -> argparse.ArgumentParser:
     sub = root.add_subparsers(dest="command", required=True)
 
     def with_root(p: argparse.ArgumentParser, required: bool) -> None:
-        p.add_argument("--models-root", type=Path, required=required, default=None, help="model root")
+        p.add_argument("--models-root", type=invocation_path, required=required, default=None, help="model root")
 
     download = sub.add_parser("download", help="fetch CosyVoice2-0.5B and the HF LLM, verified")
     with_root(download, True)
@@ -274,23 +274,24 @@ def parser() -> argparse.ArgumentParser:
 
     engine = sub.add_parser("build-engine", help="build the TensorRT-LLM engine unless up to date")
     with_root(engine, True)
-    engine.add_argument("--engine-dir", type=Path, default=None)
+    engine.add_argument("--engine-dir", type=invocation_path, default=None)
     _engine_options(engine)
     engine.add_argument("--dry-run", action="store_true", help="print the commands only")
     engine.set_defaults(func=cmd_build_engine)
 
     render = sub.add_parser("render", help="render a profile into a Triton model repository")
     _render_options(render)
-    render.add_argument("--dest", type=Path, required=True)
+    render.add_argument("--dest", type=invocation_path, required=True)
     render.set_defaults(func=cmd_render)
 
     launch = sub.add_parser("launch", help="render a profile and exec tritonserver on it")
     _render_options(launch)
-    launch.add_argument("--repo", type=Path, required=True, help="where to render the repository")
+    launch.add_argument("--repo", type=invocation_path, required=True, help="where to render the repository")
     launch.add_argument("--prepare", action="store_true", help="download and build what is missing first")
     launch.add_argument("--verify", action="store_true", help="with --prepare: re-verify every file")
     launch.add_argument(
         "--tritonserver",
+        type=_program,
         default=None,
         help="server binary (default: tritonserver on PATH, as in the NGC image, else the nvidia-pytriton wheel's)",
     )
@@ -312,11 +313,16 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
+def _program(value: str) -> str:
+    """A program: a bare name is looked up on ``PATH`` (as a shell does), a path read from the starting directory."""
+    return str(invocation_path(value)) if os.sep in value else value
+
+
 def _render_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True)
-    p.add_argument("--models-root", type=Path, default=None, help="replaces /models in profile paths")
+    p.add_argument("--models-root", type=invocation_path, default=None, help="replaces /models in profile paths")
     p.add_argument("--llm-urls", default=None, help="the LLM servers (comma-separated) of every model that has some")
-    p.add_argument("--source", type=Path, default=TRITON_REPOSITORY, help="template repository")
+    p.add_argument("--source", type=invocation_path, default=TRITON_REPOSITORY, help="template repository")
     p.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE")
 
 

@@ -10,7 +10,6 @@ targets differ audibly. Both are ours to ship: synthesised here, from CC0 voice 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import numpy as np
 import soundfile as sf
@@ -19,7 +18,7 @@ from numpy.typing import NDArray
 
 from tts_gateway.gateway.time_stretch import TimeStretcher
 from tts_gateway.models.piper.engine import PiperEngine
-from tts_gateway.paths import REFERENCE_VOICES
+from tts_gateway.paths import REFERENCE_VOICES, invocation_path
 
 VOICES = {
     "lumen": ("The morning light came through the window, and the whole room felt calm and bright.", 1.0),
@@ -37,7 +36,7 @@ def pitch_shift(samples: NDArray[np.float32], rate: int, factor: float) -> NDArr
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=REFERENCE_VOICES)
+    parser.add_argument("--out", type=invocation_path, default=REFERENCE_VOICES)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     engine = PiperEngine()

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from tts_gateway.paths import invocation_path
+
 BUILD_INFO = "build_info.json"
 TRT_PACKAGES = ("tensorrt_llm", "tensorrt", "tensorrt_cu12")
 
@@ -205,8 +207,8 @@ def _main(argv: Sequence[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="Convert a Qwen2 HF checkpoint for trtllm-build.")
-    parser.add_argument("--model_dir", type=Path, required=True)
-    parser.add_argument("--output_dir", type=Path, required=True)
+    parser.add_argument("--model_dir", type=invocation_path, required=True)
+    parser.add_argument("--output_dir", type=invocation_path, required=True)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
     convert_checkpoint(args.model_dir, args.output_dir, args.dtype)
