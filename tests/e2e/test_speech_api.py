@@ -6,9 +6,12 @@ import base64
 import json
 import struct
 import time
+import wave
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
@@ -88,6 +91,33 @@ def test_streamed_wav_header_uses_unknown_sizes(gateway: GatewayProcess) -> None
     data_index = response.content.index(b"data")
     data_size = struct.unpack("<I", response.content[data_index + 4 : data_index + 8])[0]
     assert riff_size == data_size == 0xFFFFFFFF
+
+
+def test_whole_wav_carries_its_true_length_for_pythons_wave(
+    client: OpenAI, piper_seconds: Callable[..., float], tmp_path: Path
+) -> None:
+    # What the openai SDK's README does, asking for the response whole (a header sent ahead of a stream
+    # cannot know its length): the file plays in Python's wave, which believes the header's sizes.
+    whole = tmp_path / "whole.wav"
+    client.audio.speech.create(
+        model="tts-1", voice="alloy", input=PARAGRAPH, response_format="wav", extra_body={"stream": False}
+    ).write_to_file(whole)
+    with wave.open(str(whole)) as reader:
+        assert (reader.getframerate(), reader.getnchannels(), reader.getsampwidth()) == (24_000, 1, 2)
+        frames = reader.getnframes()
+        samples = np.frombuffer(reader.readframes(frames), dtype="<i2")
+    assert samples.size == frames == (whole.stat().st_size - 44) // 2
+    seconds = frames / 24_000
+    audio = decode(whole.read_bytes(), "wav")
+    assert audio.duration == pytest.approx(seconds, abs=1e-3)
+    assert_speech(audio, expected_seconds=piper_seconds(PARAGRAPH), tolerance=0.25)
+    # Streamed (the default), the same call's header goes out before the audio exists.
+    streamed = tmp_path / "streamed.wav"
+    client.audio.speech.create(model="tts-1", voice="alloy", input=PARAGRAPH, response_format="wav").write_to_file(
+        streamed
+    )
+    with wave.open(str(streamed)) as reader:
+        assert reader.getnframes() == 0xFFFFFFFF // 2
 
 
 def test_concatenated_mp3_responses_play_back_to_back(client: OpenAI) -> None:
@@ -175,6 +205,8 @@ def test_native_voice_by_name(client: OpenAI) -> None:
         ({"model": "tts-1", "voice": 7, "input": "hi"}, 400, "voice"),
         ({"model": "tts-1", "voice": "alloy", "input": "..."}, 400, "input"),
         ({"model": "tts-1", "voice": "alloy", "input": "...", "stream_format": "sse"}, 400, "input"),
+        ({"model": "tts-1", "voice": "alloy", "input": "hi", "stream": "no"}, 400, "stream"),
+        ({"model": "tts-1", "voice": "alloy", "input": "hi", "stream": False, "stream_format": "sse"}, 400, "stream"),
     ],
 )
 def test_bad_requests_get_openai_errors(

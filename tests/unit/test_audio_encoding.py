@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import wave
 from concurrent.futures import ThreadPoolExecutor
 
 import av
@@ -164,6 +165,17 @@ def test_whole_wav_header_has_exact_sizes() -> None:
     assert len(data) == 44 + data_size
     assert struct.unpack_from("<I", data, 4)[0] == 36 + data_size
     assert struct.unpack_from("<I", data, 40)[0] == data_size
+
+
+def test_pythons_wave_reads_the_true_length_of_a_whole_wav_only() -> None:
+    # Python's wave believes the header's sizes; libsndfile and FFmpeg read a streamed file to its end.
+    whole = encode_whole("wav", sine(12.0, INPUT_RATE), INPUT_RATE)
+    parts, tail = encode_in_chunks("wav", sine(12.0, INPUT_RATE), INPUT_RATE, chunk_seconds=0.5)
+    with wave.open(io.BytesIO(whole)) as reader:
+        assert reader.getnframes() / reader.getframerate() == pytest.approx(12.0, abs=0.001)
+    with wave.open(io.BytesIO(b"".join(parts) + tail)) as reader:
+        assert reader.getnframes() == 0xFFFFFFFF // 2
+    assert b"".join(parts) + tail == whole[:4] + b"\xff" * 4 + whole[8:40] + b"\xff" * 4 + whole[44:]
 
 
 def test_pcm_at_24khz_is_passed_through_unresampled() -> None:

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
+import struct
+import wave
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +30,7 @@ import numpy as np
 import pytest
 
 from tts_gateway.gateway.admission import AdmissionControl
-from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
+from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat
 from tts_gateway.gateway.errors import (
     BackendError,
     BackendTimeoutError,
@@ -153,16 +156,19 @@ def setup(
     return Setup(synthesizer, admission, metrics, service)
 
 
-def plan(*sentences: str, sse: bool = False, streaming: bool = True) -> SpeechPlan:
+def plan(
+    *sentences: str, sse: bool = False, streaming: bool = True, whole: bool = False, fmt: AudioFormat = "pcm"
+) -> SpeechPlan:
     return SpeechPlan(
         model=MODEL,
         triton_model="fake_stream" if streaming else "fake",
         voice=ResolvedVoice("v"),
         sentences=sentences,
         speed=1.0,
-        response_format="pcm",
+        response_format=fmt,
         sse=sse,
         input_chars=sum(len(s) for s in sentences),
+        whole=whole,
     )
 
 
@@ -287,6 +293,31 @@ async def test_an_error_after_the_first_byte_aborts_the_audio_body() -> None:
     assert aborted.value.sentence == 1
     assert aborted.value.error.code == "backend_unavailable"
     assert s.outcome("aborted") == 1
+
+
+async def test_a_whole_response_comes_in_one_piece_and_a_failure_anywhere_is_its_status() -> None:
+    s = setup(parallelism=3)
+    stream = await s.service.open_stream(plan("a1 p0.1 a1", "a2", "a3", whole=True))
+    pieces = [piece async for piece in stream]
+    await stream.aclose()
+    assert len(pieces) == 1 and chunk_values(pieces[0]) == [1, 1, 2, 3]
+    assert s.outcome("ok") == 1
+    with pytest.raises(GatewayError) as failed:
+        await s.service.open_stream(plan("a1", "a2 down", "a3", whole=True))
+    assert failed.value.status_code == 503
+    assert s.outcome("failed") == 1
+    assert s.admission.in_use == 0
+
+
+async def test_a_whole_wav_response_has_its_true_sizes() -> None:
+    s = setup()
+    body = await read_all(await s.service.open_stream(plan("a1 a1", "a2", whole=True, fmt="wav")))
+    with wave.open(io.BytesIO(body)) as reader:
+        assert reader.getnframes() == 3 * CHUNK
+        assert chunk_values(reader.readframes(3 * CHUNK)) == [1, 1, 2]
+    streamed = await read_all(await s.service.open_stream(plan("a1 a1", "a2", fmt="wav")))
+    assert streamed[44:] == body[44:]
+    assert struct.unpack_from("<I", streamed, 40)[0] == 0xFFFFFFFF
 
 
 async def test_an_sse_stream_sends_its_error_event_then_aborts() -> None:

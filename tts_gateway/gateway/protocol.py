@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tts_gateway.gateway.audio_encoding import AudioFormat
 
@@ -60,6 +60,9 @@ class SpeechRequest(BaseModel):
     # Vendor extension: write numbers, money, dates, units... as words before synthesis;
     # unset follows the server's ``TTS_TEXT_NORMALIZATION``.
     text_normalization: bool | None = Field(None, strict=True)
+    # Vendor extension: false sends the audio whole once it is synthesised, so that a wav (or flac) header
+    # carries the true sizes, which a header sent ahead of the audio cannot know.
+    stream: bool = Field(True, strict=True)
 
     @field_validator("instructions")
     @classmethod
@@ -72,6 +75,13 @@ class SpeechRequest(BaseModel):
         value = clean_text(value)
         if not value.strip():
             raise ValueError("input must contain text to speak")
+        return value
+
+    @field_validator("stream")
+    @classmethod
+    def _check_stream(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value and info.data.get("stream_format") == "sse":
+            raise ValueError("false (the audio whole) does not go with stream_format sse")
         return value
 
     @property

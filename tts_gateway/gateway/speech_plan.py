@@ -44,6 +44,8 @@ class SpeechPlan:
     response_format: AudioFormat
     sse: bool
     input_chars: int
+    whole: bool = False
+    """The body goes out once complete (``stream: false``), not as it is synthesised."""
     seed: int | None = None
     instructions: str | None = None
 
@@ -118,6 +120,7 @@ class SpeechPlanner:
             response_format=request.response_format,
             sse=request.stream_format == "sse",
             input_chars=len(request.input),
+            whole=not request.stream,
             seed=request.seed,
             instructions=request.instructions,
         )

@@ -240,29 +240,33 @@ class SpeechService:
         yield _sse_event({"type": "speech.audio.done", "usage": _usage(plan.input_chars, seconds)})
 
     async def _encoded(self, plan: SpeechPlan, progress: _Progress, deadline: float) -> AsyncGenerator[bytes, None]:
-        """Encoded audio as the synthesizer produces it, then the encoder's tail.
+        """Encoded audio as the synthesizer produces it, then the encoder's tail; a whole response
+        (:attr:`SpeechPlan.whole`) all at once at the end, its encoder writing exact sizes.
 
-        A failure before any audio propagates (the response has not started). One after it
+        A failure before any audio is sent propagates (the response has not started). One after it
         (running past ``deadline`` included) aborts the response: :class:`StreamAborted`.
         """
-        encoder = create_encoder(plan.response_format, plan.model.sample_rate)
+        encoder = create_encoder(plan.response_format, plan.model.sample_rate, streaming=not plan.whole)
+        held: list[bytes] = []
         try:
             async with contextlib.aclosing(self._audio(plan, progress)) as audio:
                 while (chunk := await self._next_chunk(audio, deadline)) is not None:
                     progress.samples += chunk.size
                     data = encoder.encode(chunk) if encoder.cheap else await asyncio.to_thread(encoder.encode, chunk)
-                    if data:
+                    if plan.whole:
+                        held.append(data)
+                    elif data:
                         yield data
         except GatewayError as exc:
-            if progress.samples == 0:
+            if progress.samples == 0 or plan.whole:
                 raise
             raise StreamAborted(exc, progress.sentence) from exc
         if progress.samples == 0:
             raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
         tail = encoder.finish() if encoder.cheap else await asyncio.to_thread(encoder.finish)
         self._metrics.audio_seconds.labels(plan.model.id).inc(progress.samples / plan.model.sample_rate)
-        if tail:
-            yield tail
+        if held or tail:
+            yield b"".join([*held, tail])
 
     async def _next_chunk(self, audio: AsyncIterator[Audio], deadline: float) -> Audio | None:
         """The next chunk of ``audio`` (``None`` at its end), if it comes before ``deadline`` (loop time)."""
