@@ -26,6 +26,7 @@ from tests.e2e.gateway_process import free_port
 from tts_gateway.gateway.errors import BackendError, InvalidRequestError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.model_catalog import ModelCatalog, SpeechModel
+from tts_gateway.gateway.settings import Settings
 from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, VoiceChoice
 from tts_gateway.gateway.voice_registry import VoiceRegistry
 from tts_gateway.gateway.wyoming import discovery
@@ -331,3 +332,9 @@ def test_discovery_announces_the_bound_address() -> None:
     loopback = [address for address in wildcard if ipaddress.ip_address(address).is_loopback]
     # Every address of the host but loopback; loopback only where the host has no other.
     assert wildcard and (not loopback or wildcard == ["127.0.0.1"])
+
+
+def test_off_by_default_and_on_loopback_when_on() -> None:
+    settings = Settings(_env_file=None)
+    assert settings.wyoming_port is None and not settings.wyoming_zeroconf
+    assert Settings(_env_file=None, wyoming_port=10200).wyoming_host == "127.0.0.1"
