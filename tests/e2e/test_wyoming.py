@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -211,3 +212,29 @@ async def test_zeroconf_announces_the_server_on_loopback(wyoming: WyomingGateway
         await browser.async_close()
     assert info is not None
     assert info.port == wyoming.port and info.parsed_addresses() == ["127.0.0.1"]
+
+
+async def test_every_worker_serves_wyoming_on_one_port(cpu_triton: EmbeddedTriton, tmp_path: Path) -> None:
+    port = free_port()
+    process = GatewayProcess(
+        tmp_path / "gateway.log",
+        {"TTS_TRITON_URL": cpu_triton.grpc_url, "TTS_VOICES_DIR": str(tmp_path / "voices")},
+        ["--workers", "2", "--wyoming-port", str(port)],
+    )
+    await asyncio.to_thread(process.start)
+    try:
+        # Both bind the port (a worker that could not would fail its start-up); /health answers
+        # once the first worker is up.
+        listening = f"Wyoming text-to-speech server on tcp://127.0.0.1:{port}"
+        for _ in range(600):
+            if process.log_tail(400).count(listening) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert process.log_tail(400).count(listening) == 2, process.log_tail()
+        for _ in range(4):
+            async with AsyncTcpClient("127.0.0.1", port) as client:
+                await client.write_event(Synthesize(text=SENTENCE, voice=JOE).event())
+                events = await read_until(client, "audio-stop")
+            assert speech(events).duration > 1.5
+    finally:
+        await asyncio.to_thread(process.stop)
