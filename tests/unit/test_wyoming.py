@@ -219,6 +219,16 @@ async def test_events_out_of_place_are_errors(events: list[Event], code: str) ->
         assert await closed(client)
 
 
+async def test_a_line_that_is_not_an_event_is_an_error() -> None:
+    async with running(Phrases()) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"this is not json\n")
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert b'"type": "error"' in reply and b"invalid_event" in reply
+
+
 async def test_limits_connections_text_size_and_idle_time() -> None:
     limits = WyomingLimits(max_connections=2, max_buffered_chars=200, idle_timeout=0.5)
     phrases = Phrases()

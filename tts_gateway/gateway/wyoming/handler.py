@@ -167,6 +167,8 @@ class WyomingHandler(AsyncEventHandler):
                 if event is None:
                     if self._events.refused:
                         raise WyomingFailure(self._events.refused, "event_too_large")
+                    if not self.reader.at_eof():
+                        raise WyomingFailure("an event that is not a JSON object line", "invalid_event")
                     break
                 await self.handle_event(event)
         except WyomingFailure as failure:
