@@ -255,6 +255,14 @@ async def test_limits_connections_text_size_and_idle_time() -> None:
             reply = await asyncio.wait_for(client.read_event(), 10)
             assert reply is not None and Error.from_event(reply).code == "idle_timeout"
             assert await closed(client)
+        # A streamed request whose text stops coming is idle too, although its synthesis is open.
+        async with AsyncTcpClient("127.0.0.1", port) as client:
+            await client.write_event(SynthesizeStart().event())
+            await client.write_event(SynthesizeChunk(text="Some words").event())
+            reply = await asyncio.wait_for(client.read_event(), 10)
+            assert reply is not None and Error.from_event(reply).code == "idle_timeout"
+            assert await closed(client)
+        assert phrases.closed == phrases.opened
 
 
 async def test_speaking_is_not_idle_and_a_client_that_leaves_cancels_its_synthesis() -> None:

@@ -60,7 +60,8 @@ class WyomingLimits:
     max_buffered_chars: int = 20_000
     """Text of one request received and not yet spoken."""
     idle_timeout: float = 60.0
-    """Seconds without an event while nothing is spoken, or without the client taking audio."""
+    """Seconds without an event unless audio is on its way (while a streamed request's text is still
+    coming, it counts), or without the client taking audio."""
 
     @property
     def max_event_bytes(self) -> int:
@@ -160,7 +161,7 @@ class WyomingHandler(AsyncEventHandler):
                 reading = reading or asyncio.ensure_future(async_read_event(cast(asyncio.StreamReader, self._events)))
                 done, _ = await asyncio.wait({reading}, timeout=self._limits.idle_timeout)
                 if not done:
-                    if self._request is not None and self._request.speaking:
+                    if self._speaking():
                         continue
                     raise WyomingFailure(f"idle timeout: no event for {self._limits.idle_timeout:g} s", "idle_timeout")
                 event, reading = reading.result(), None
@@ -173,6 +174,11 @@ class WyomingHandler(AsyncEventHandler):
                 await self.handle_event(event)
         except WyomingFailure as failure:
             await self._send_error(failure.text, failure.code)
+        except (ConnectionError, TimeoutError):
+            pass  # the client has gone, or takes nothing
+        except Exception:
+            logger.exception("Wyoming connection failed")
+            await self._send_error("internal error", "internal_error")
         finally:
             if reading is not None:
                 reading.cancel()
@@ -180,13 +186,17 @@ class WyomingHandler(AsyncEventHandler):
             self.writer.close()
             self._on_close(self)
 
+    def _speaking(self) -> bool:
+        """Audio is on its way and the client owes no text: a silence from it is no idleness."""
+        return self._request is not None and self._request.speaking and self._stream is None
+
     async def handle_event(self, event: Event) -> bool:
         """Handle one event; raises :class:`WyomingFailure` when the connection must end."""
         try:
             if Describe.is_type(event.type):
-                await self.write_event(self._voices.info().event())
+                await self._send(self._voices.info())
             elif Ping.is_type(event.type):
-                await self.write_event(Pong(text=Ping.from_event(event).text).event())
+                await self._send(Pong(text=Ping.from_event(event).text))
             elif Synthesize.is_type(event.type):
                 if self._stream is None:
                     synthesize = Synthesize.from_event(event)
