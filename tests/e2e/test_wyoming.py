@@ -93,14 +93,21 @@ def heard(audio: DecodedAudio, *words: str) -> int:
     return sum(word in said for word in words)
 
 
-async def speech_requests(gateway: GatewayProcess) -> tuple[float, float]:
-    """Speech requests the speech service has started (every outcome), and those in flight now."""
+async def metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
     async with httpx.AsyncClient(timeout=10) as client:
         text = (await client.get(f"{gateway.url}/metrics")).text
-    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-    started = sum(sample.value for sample in samples if sample.name == "tts_speech_requests_total")
-    in_flight = sum(sample.value for sample in samples if sample.name == "tts_speech_in_flight")
-    return started, in_flight
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+async def speech_requests(gateway: GatewayProcess) -> tuple[float, float]:
+    """Speech requests the speech service has started (every outcome), and those in flight now."""
+    return await metric(gateway, "tts_speech_requests_total"), await metric(gateway, "tts_speech_in_flight")
 
 
 async def test_describe_lists_the_voices_as_home_assistant_needs_them(wyoming: WyomingGateway) -> None:
@@ -156,6 +163,7 @@ async def test_streamed_text_is_spoken_while_it_comes_and_once(
 
 
 async def test_an_unknown_voice_is_an_error_event(wyoming: WyomingGateway) -> None:
+    before = await metric(wyoming.process, "tts_wyoming_errors_total", code="voice_not_found")
     async with wyoming.client() as client:
         await client.write_event(Synthesize(text=SENTENCE, voice=SynthesizeVoice(name="nobody")).event())
         event = await asyncio.wait_for(client.read_event(), 30)
@@ -163,6 +171,7 @@ async def test_an_unknown_voice_is_an_error_event(wyoming: WyomingGateway) -> No
         error = Error.from_event(event)
         assert error.code == "voice_not_found" and "nobody" in error.text
         assert await asyncio.wait_for(client.read_event(), 30) is None
+    assert await metric(wyoming.process, "tts_wyoming_errors_total", code="voice_not_found") == before + 1
 
 
 async def test_a_client_that_leaves_mid_audio_has_its_synthesis_cancelled(wyoming: WyomingGateway) -> None:
@@ -197,6 +206,11 @@ async def test_connections_over_the_limit_are_refused_with_an_error(wyoming: Wyo
             event = await asyncio.wait_for(three.read_event(), 30)
             assert event is not None and Error.from_event(event).code == "too_many_connections"
             assert await asyncio.wait_for(three.read_event(), 30) is None
+    # Once the server has seen them go, a connection is served again.
+    for _ in range(100):
+        if await metric(wyoming.process, "tts_wyoming_connections_open") == 0:
+            break
+        await asyncio.sleep(0.1)
     async with wyoming.client() as again:
         await again.write_event(Describe().event())
         event = await asyncio.wait_for(again.read_event(), 30)

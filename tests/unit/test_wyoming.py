@@ -106,7 +106,9 @@ def _model(
 
 
 @asynccontextmanager
-async def running(phrases: Phrases, limits: WyomingLimits | None = None) -> AsyncIterator[int]:
+async def running(
+    phrases: Phrases, limits: WyomingLimits | None = None, metrics: GatewayMetrics | None = None
+) -> AsyncIterator[int]:
     port = free_port()
     server = WyomingServer(
         "127.0.0.1",
@@ -114,7 +116,7 @@ async def running(phrases: Phrases, limits: WyomingLimits | None = None) -> Asyn
         voices=StubVoices(phrases),
         synthesizers=lambda voice, chunker: PhrasePipeline(phrases, voice, chunker),
         limits=limits or WyomingLimits(),
-        metrics=GatewayMetrics(),
+        metrics=metrics or GatewayMetrics(),
     )
     async with serving(server, announce=False):
         yield port
@@ -232,7 +234,8 @@ async def test_a_line_that_is_not_an_event_is_an_error() -> None:
 async def test_limits_connections_text_size_and_idle_time() -> None:
     limits = WyomingLimits(max_connections=2, max_buffered_chars=200, idle_timeout=0.5)
     phrases = Phrases()
-    async with running(phrases, limits) as port:
+    metrics = GatewayMetrics()
+    async with running(phrases, limits, metrics) as port:
         async with AsyncTcpClient("127.0.0.1", port) as one, AsyncTcpClient("127.0.0.1", port) as two:
             await one.write_event(Describe().event())
             await two.write_event(Describe().event())
@@ -241,7 +244,12 @@ async def test_limits_connections_text_size_and_idle_time() -> None:
                 refused = await asyncio.wait_for(three.read_event(), 10)
                 assert refused is not None and Error.from_event(refused).code == "too_many_connections"
                 assert await closed(three)
-        # Gone: the next connection is served.
+        # Once the server has seen them go, the next connection is served.
+        for _ in range(100):
+            if metrics.registry.get_sample_value("tts_wyoming_connections_open") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert metrics.registry.get_sample_value("tts_wyoming_errors_total", {"code": "too_many_connections"}) == 1
         async with AsyncTcpClient("127.0.0.1", port) as client:
             await client.write_event(SynthesizeStart().event())
             await client.write_event(SynthesizeChunk(text="word" * 60).event())

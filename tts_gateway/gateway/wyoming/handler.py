@@ -133,6 +133,7 @@ class WyomingHandler(AsyncEventHandler):
         limits: WyomingLimits,
         refusal: str = "",
         on_close: Callable[[WyomingHandler], None] = lambda handler: None,
+        on_error: Callable[[str], None] = lambda code: None,
     ) -> None:
         """``refusal``: why the connection is refused (a limit); it is told so and closed."""
         super().__init__(reader, writer)
@@ -142,6 +143,7 @@ class WyomingHandler(AsyncEventHandler):
         self._limits = limits
         self._refusal = refusal
         self._on_close = on_close
+        self._on_error = on_error
         self._request: _Request | None = None
         self._stream: _Request | None = None
         """The streamed request whose text is still coming (``synthesize-start`` to ``synthesize-stop``)."""
@@ -279,6 +281,7 @@ class WyomingHandler(AsyncEventHandler):
             await self.write_event(message.event())
 
     async def _send_error(self, text: str, code: str) -> None:
+        self._on_error(code)
         with contextlib.suppress(ConnectionError, TimeoutError):
             await self._send(Error(text=text, code=code))
 

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Final
 
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from wyoming.server import AsyncTcpServer, HandlerFactory
 
 from tts_gateway.gateway.metrics import GatewayMetrics
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # How long stopping waits for the connections' tasks to end after it has cancelled their synthesis.
 _STOP_WAIT: Final = 5.0
+_LOOPBACK_HOSTS: Final = ("127.0.0.1", "::1", "localhost")
 
 
 class _TcpServer(AsyncTcpServer):
@@ -78,6 +79,12 @@ class WyomingServer:
             registry=metrics.registry,
             multiprocess_mode="livesum",
         )
+        self._errors = Counter(
+            "tts_wyoming_errors",
+            "Wyoming error events sent (each ends its connection), by code",
+            ["code"],
+            registry=metrics.registry,
+        )
 
     def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> WyomingHandler:
         limit = self._limits.max_connections
@@ -90,6 +97,7 @@ class WyomingServer:
             limits=self._limits,
             refusal=refusal,
             on_close=self._closed,
+            on_error=lambda code: self._errors.labels(code).inc(),
         )
         if refusal:
             logger.warning("Wyoming connection refused: %s", refusal)
@@ -106,6 +114,8 @@ class WyomingServer:
     async def start(self) -> None:
         await self._tcp.start(self._connect)
         logger.info("Wyoming text-to-speech server on tcp://%s:%d", self.host, self.port)
+        if self.host not in _LOOPBACK_HOSTS:
+            logger.warning("Wyoming has no authentication: anyone who can reach %s:%d can use it", self.host, self.port)
 
     async def stop(self) -> None:
         await self._tcp.stop()
