@@ -358,6 +358,8 @@ def test_discovery_announces_the_bound_address() -> None:
     loopback = [address for address in wildcard if ipaddress.ip_address(address).is_loopback]
     # Every address of the host but loopback; loopback only where the host has no other.
     assert wildcard and (not loopback or wildcard == ["127.0.0.1"])
+    with pytest.raises(ValueError, match="IPv4"):
+        discovery.announced_addresses("::1")
 
 
 def test_off_by_default_and_on_loopback_when_on() -> None:

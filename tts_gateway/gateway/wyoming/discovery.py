@@ -33,7 +33,7 @@ def service_name(hostname: str | None = None) -> str:
 
 
 def announced_addresses(host: str) -> list[str]:
-    """The IPv4 addresses a client reaches a server bound to ``host`` at."""
+    """The IPv4 addresses a client reaches a server bound to ``host`` at (``::``: those of ``0.0.0.0``)."""
     if host in _WILDCARDS:
         found = [
             ip.ip
@@ -42,6 +42,8 @@ def announced_addresses(host: str) -> list[str]:
             if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback
         ]
         return sorted(set(found)) or ["127.0.0.1"]
+    if ":" in host:
+        raise ValueError(f"zeroconf announces IPv4 addresses; TTS_WYOMING_HOST {host!r} is IPv6 (bind 0.0.0.0)")
     return [socket.gethostbyname(host)]
 
 

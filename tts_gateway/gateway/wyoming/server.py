@@ -124,8 +124,9 @@ class WyomingServer:
 @asynccontextmanager
 async def serving(server: WyomingServer, *, announce: bool) -> AsyncIterator[WyomingServer]:
     """``server`` listening (and announced over zeroconf if asked) for the duration of the block."""
-    await server.start()
+    # Built first: an address it cannot announce fails the start before the port is bound.
     announcement = Announcement(server.host, server.port) if announce else None
+    await server.start()
     try:
         if announcement is not None:
             await announcement.start()
