@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import io
 import ipaddress
+import logging
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +23,8 @@ from wyoming.error import Error
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
+from zeroconf import IPVersion
+from zeroconf.asyncio import AsyncZeroconf
 
 from tests.e2e.gateway_process import free_port
 from tts_gateway.gateway.errors import BackendError, InvalidRequestError
@@ -366,3 +370,22 @@ def test_off_by_default_and_on_loopback_when_on() -> None:
     settings = Settings(_env_file=None)
     assert settings.wyoming_port is None and not settings.wyoming_zeroconf
     assert Settings(_env_file=None, wyoming_port=10200).wyoming_host == "127.0.0.1"
+
+
+async def test_the_first_announcement_of_a_name_holds_it(caplog: pytest.LogCaptureFixture) -> None:
+    # Two workers of one gateway announce the same service: the second finds it taken and leaves it.
+    name = f"unit test {uuid.uuid4().hex[:8]}"
+    first = discovery.Announcement("127.0.0.1", 10200, name)
+    second = discovery.Announcement("127.0.0.1", 10200, name)
+    browser = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    await first.start()
+    try:
+        with caplog.at_level(logging.INFO, logger=discovery.__name__):
+            await second.start()
+        assert "already announced" in caplog.text
+        found = await browser.async_get_service_info(discovery.SERVICE_TYPE, first.info.name, timeout=3000)
+        assert found is not None and found.port == 10200 and found.parsed_addresses() == ["127.0.0.1"]
+    finally:
+        await second.stop()
+        await first.stop()
+        await browser.async_close()
