@@ -3,8 +3,9 @@ package's own client, against a real gateway process in front of the embedded CP
 describe, one-shot and streamed synthesis with what the voice says, Home Assistant's repeated text,
 errors, a client that leaves mid-audio, the connection limit, and the zeroconf announcement.
 
-Home Assistant's own Wyoming integration does not run here: every release since 2025.2 needs Python
-3.13 or later (the streamed form came in 2025.7), and these tests run on 3.11.
+Home Assistant's own Wyoming integration does not run here: its releases since 2025.2 need Python 3.13
+or later (3.14 since 2026.3), and these tests run on 3.11. The streamed test sends the events in the
+order Home Assistant's client does, the whole text again included.
 """
 
 from __future__ import annotations
