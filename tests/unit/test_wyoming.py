@@ -260,6 +260,10 @@ async def test_limits_connections_text_size_and_idle_time() -> None:
             reply = await asyncio.wait_for(client.read_event(), 10)
             assert reply is not None and Error.from_event(reply).code == "text_limit"
         async with AsyncTcpClient("127.0.0.1", port) as client:
+            await client.write_event(Synthesize(text="word " * 41).event())
+            reply = await asyncio.wait_for(client.read_event(), 10)
+            assert reply is not None and Error.from_event(reply).code == "text_limit"
+        async with AsyncTcpClient("127.0.0.1", port) as client:
             await client.write_event(Synthesize(text="x" * (limits.max_event_bytes + 1)).event())
             reply = await asyncio.wait_for(client.read_event(), 10)
             assert reply is not None and Error.from_event(reply).code == "event_too_large"

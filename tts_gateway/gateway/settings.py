@@ -162,7 +162,7 @@ class Settings(BaseSettings):
     wyoming_zeroconf: bool = Field(False, description="announce the Wyoming server over zeroconf (_wyoming._tcp)")
     wyoming_max_connections: int = Field(16, ge=1, description="Wyoming connections open at once per worker")
     wyoming_max_buffered_chars: int = Field(
-        20_000, ge=100, description="text one Wyoming request may hold that is not yet spoken"
+        20_000, ge=100, description="longest synthesize text; unphrased text a streamed Wyoming request may hold"
     )
     wyoming_idle_timeout: float = Field(
         60.0, gt=0, description="seconds a Wyoming connection may stay without an event while nothing is spoken"

@@ -58,7 +58,7 @@ class WyomingLimits:
     max_connections: int = 16
     """Connections open at once (in this worker); the next is answered with an error and closed."""
     max_buffered_chars: int = 20_000
-    """Text of one request received and not yet spoken."""
+    """Text of one request received and not yet cut into phrases: a ``synthesize``'s whole text."""
     idle_timeout: float = 60.0
     """Seconds without an event unless audio is on its way (while a streamed request's text is still
     coming, it counts), or without the client taking audio."""
@@ -240,11 +240,11 @@ class WyomingHandler(AsyncEventHandler):
     async def _push(self, request: _Request, text: str) -> None:
         if not text:
             return
-        await request.synthesizer.push(clean_text(text))
-        if request.synthesizer.buffered > self._limits.max_buffered_chars:
+        if request.synthesizer.buffered + len(text) > self._limits.max_buffered_chars:
             raise WyomingFailure(
                 f"buffered text limit: over {self._limits.max_buffered_chars} characters not yet spoken", "text_limit"
             )
+        await request.synthesizer.push(clean_text(text))
 
     async def _send_audio(self, request: _Request) -> None:
         """Send the request's audio as it comes; a failure is told, and ends the connection."""
