@@ -29,6 +29,8 @@ from tts_gateway.gateway.text_stream.wiring import text_streams
 from tts_gateway.gateway.triton_client import TritonClient
 from tts_gateway.gateway.triton_pool import TritonPool
 from tts_gateway.gateway.voice_registry import VoiceRegistry
+from tts_gateway.gateway.wyoming.server import serving
+from tts_gateway.gateway.wyoming.wiring import wyoming_server
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 started_at=int(time.time()),
             )
             app.state.text_streams = text_streams(app.state.services, settings)
+            wyoming = wyoming_server(app.state.services, app.state.text_streams, settings)
+            if wyoming is not None:
+                await stack.enter_async_context(serving(wyoming, announce=settings.wyoming_zeroconf))
             yield
 
     app = FastAPI(

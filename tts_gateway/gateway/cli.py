@@ -32,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
         help="Triton gRPC host:port, or several comma-separated (TTS_TRITON_URL); unset: the embedded server starts",
     )
     serve.add_argument("--workers", type=int, help="gateway processes sharing the port (TTS_WORKERS)")
+    serve.add_argument("--wyoming-port", type=int, help="serve Wyoming text-to-speech here (TTS_WYOMING_PORT)")
+    serve.add_argument("--wyoming-host", help="the Wyoming server's bind address (TTS_WYOMING_HOST)")
+    serve.add_argument(
+        "--wyoming-zeroconf",
+        action="store_true",
+        default=None,
+        help="announce the Wyoming server over zeroconf for Home Assistant (TTS_WYOMING_ZEROCONF)",
+    )
     return parser
 
 
@@ -97,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("port", args.port),
             ("triton_url", args.triton_url),
             ("workers", args.workers),
+            ("wyoming_port", args.wyoming_port),
+            ("wyoming_host", args.wyoming_host),
+            ("wyoming_zeroconf", args.wyoming_zeroconf),
         )
         if value is not None
     }

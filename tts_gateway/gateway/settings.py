@@ -156,6 +156,20 @@ class Settings(BaseSettings):
         20_000, ge=100, description="text one WebSocket context may hold that is not yet spoken"
     )
 
+    # The Wyoming server (Home Assistant's local voice protocol): off unless a port is set.
+    wyoming_port: int | None = Field(None, ge=1, le=65535, description="Wyoming text-to-speech port; unset: off")
+    wyoming_host: str = Field(
+        "127.0.0.1", description="Wyoming bind address; the protocol has no authentication (README, Home Assistant)"
+    )
+    wyoming_zeroconf: bool = Field(False, description="announce the Wyoming server over zeroconf (_wyoming._tcp)")
+    wyoming_max_connections: int = Field(16, ge=1, description="Wyoming connections open at once per worker")
+    wyoming_max_buffered_chars: int = Field(
+        20_000, ge=100, description="longest synthesize text; unphrased text a streamed Wyoming request may hold"
+    )
+    wyoming_idle_timeout: float = Field(
+        60.0, gt=0, description="seconds a Wyoming connection may stay without an event while nothing is spoken"
+    )
+
     @field_validator("triton_url")
     @classmethod
     def _check_triton_url(cls, value: str | None) -> str | None:

@@ -45,8 +45,9 @@ class TextStreams:
         self._sessions = sessions
         self._open = 0
 
-    def _synthesizer(self, voice: VoiceChoice, chunker: PhraseChunker) -> TextStreamSynthesizer:
-        # Chosen per context: the catalog follows what the Triton servers serve now.
+    def synthesizer(self, voice: VoiceChoice, chunker: PhraseChunker) -> TextStreamSynthesizer:
+        """The synthesis of one context (or one Wyoming request), chosen per context: the catalog
+        follows what the Triton servers serve now."""
         if self._sessions is not None and self._sessions.serves(voice):
             return BistreamSynthesis(self._sessions, voice, chunker)
         return PhrasePipeline(self._phrases, voice, chunker)
@@ -83,7 +84,7 @@ class TextStreams:
             output,
             multi=multi,
             voice=voice,
-            synthesizers=self._synthesizer,
+            synthesizers=self.synthesizer,
             limits=self._limits,
             metrics=self._metrics,
         )
