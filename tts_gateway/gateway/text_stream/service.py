@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from pydantic import ValidationError
@@ -45,11 +46,13 @@ class TextStreams:
         self._sessions = sessions
         self._open = 0
 
-    def _synthesizer(self, voice: VoiceChoice, chunker: PhraseChunker) -> TextStreamSynthesizer:
+    def _synthesizer(
+        self, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
+    ) -> TextStreamSynthesizer:
         # Chosen per context: the catalog follows what the Triton servers serve now.
         if self._sessions is not None and self._sessions.serves(voice):
-            return BistreamSynthesis(self._sessions, voice, chunker)
-        return PhrasePipeline(self._phrases, voice, chunker)
+            return BistreamSynthesis(self._sessions, voice, chunker, speech_slots)
+        return PhrasePipeline(self._phrases, voice, chunker, speech_slots=speech_slots)
 
     async def serve(self, websocket: WebSocket, voice_id: str, *, multi: bool) -> None:
         """Validate the socket's parameters, accept it and serve it to its end.
