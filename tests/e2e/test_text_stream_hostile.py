@@ -293,7 +293,9 @@ def test_sigterm_stops_the_gateway_within_its_grace_period_whatever_the_sockets_
             health.stop()
             hostile_gateway.send_signal(signal.SIGTERM)
             status = await asyncio.to_thread(hostile_gateway.wait, GRACE + 10)
+            code, reason = await close_reason(busy)
         stalled.transport.abort()
         assert status == 0
+        assert (code, reason) == (1012, "the gateway is shutting down")
 
     asyncio.run(hostile_sockets())
