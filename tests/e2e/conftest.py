@@ -82,3 +82,16 @@ def cosy_gateway(
     process.start()
     yield process
     process.stop()
+
+
+@pytest.fixture()
+def embedded(tmp_path: Path) -> Iterator[tuple[GatewayProcess, Path]]:
+    """A gateway that starts and supervises its own Triton (the CPU default), and that Triton's workdir."""
+    workdir = tmp_path / "embedded"
+    env = {"TTS_EMBEDDED_WORKDIR": str(workdir), "TTS_VOICES_DIR": str(tmp_path / "voices"), "TTS_TRITON_URL": ""}
+    gateway = GatewayProcess(tmp_path / "gateway.log", env)
+    gateway.start(timeout=180)
+    try:
+        yield gateway, workdir
+    finally:
+        gateway.stop()

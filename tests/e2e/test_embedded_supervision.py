@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -50,18 +49,6 @@ def kill_and_recover(gateway: GatewayProcess, workdir: Path) -> None:
     assert_speech(audio, expected_seconds=audio.duration)
     assert httpx.get(f"{gateway.url}/health", timeout=5).status_code == 200
     assert tritonserver_pid(workdir) != old
-
-
-@pytest.fixture()
-def embedded(tmp_path: Path) -> Iterator[tuple[GatewayProcess, Path]]:
-    workdir = tmp_path / "embedded"
-    env = {"TTS_EMBEDDED_WORKDIR": str(workdir), "TTS_VOICES_DIR": str(tmp_path / "voices"), "TTS_TRITON_URL": ""}
-    gateway = GatewayProcess(tmp_path / "gateway.log", env)
-    gateway.start(timeout=180)
-    try:
-        yield gateway, workdir
-    finally:
-        gateway.stop()
 
 
 def test_killed_three_times_it_recovers_each_time_without_a_gateway_restart(

@@ -205,14 +205,19 @@ def restart(server: EmbeddedTriton, attempts: int = 3) -> None:
             time.sleep(1.0)
 
 
-def test_a_stream_resumes_on_the_restarted_server_when_there_is_no_other(pair: ScriptedPair) -> None:
-    """With the other server gone, the broken sentence waits for its own server to come back."""
-    first, second = pair.tritons
-    crash(second)
+def crash_out_of_rotation(pair: ScriptedPair, server: EmbeddedTriton) -> None:
+    """Kill ``server`` and wait until the gateway has taken it out of rotation."""
+    crash(server)
     deadline = time.monotonic() + 10
     while all(b["ready"] for b in httpx.get(f"{pair.gateway.url}/health", timeout=10).json()["backends"]):
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_a_stream_resumes_on_the_restarted_server_when_there_is_no_other(pair: ScriptedPair) -> None:
+    """With the other server gone, the broken sentence waits for its own server to come back."""
+    first, second = pair.tritons
+    crash_out_of_rotation(pair, second)
     received = bytearray()
     restarted = False
     body = {**SPEECH, "input": SCRIPT, "seed": 3}

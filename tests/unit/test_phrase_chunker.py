@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
+from tts_gateway.gateway.text_stream import phrase_chunker
+from tts_gateway.gateway.text_stream.phrase_chunker import MAX_PHRASE_CHARS, SCHEDULE_MAX, PhraseChunker
 
 
 def feed(chunker: PhraseChunker, pieces: list[str]) -> list[str]:
@@ -98,3 +99,55 @@ def test_words_with_numbers_wait_for_a_plain_word_after_them() -> None:
         taken += chunker.take_words(keep_numbers_whole=True)
     assert taken == ["It ", "costs ", "$5 million, ", "or ", "10:30 am ", "on ", "5 May "]
     assert chunker.flush() == ["today"]
+
+
+def test_no_phrase_is_longer_than_a_phrase_may_be() -> None:
+    """However the text comes (one message or many, with or without sentence ends), a phrase fits a speech request."""
+    words = "word " * 1200
+    clauses = "this clause runs on, " * 300
+    cases = [words, clauses, "x" * 5000, "A sentence that goes on. " * 200, "中文没有空格，" * 400]  # noqa: RUF001
+    for text in (case.rstrip() for case in cases):
+        for chunker in (PhraseChunker(), PhraseChunker(auto_mode=True)):
+            phrases = chunker.push(text) + chunker.flush()
+            assert "".join(phrases) == text
+            assert all(len(phrase.strip()) <= MAX_PHRASE_CHARS for phrase in phrases)
+        chunker = PhraseChunker([SCHEDULE_MAX])
+        triggered = chunker.push(text[:400]) + chunker.take_words() + chunker.push(text[400:]) + chunker.flush()
+        assert "".join(triggered) == text
+        assert all(len(phrase.strip()) <= MAX_PHRASE_CHARS for phrase in triggered)
+
+
+def test_a_long_sentence_is_cut_at_a_clause_break_or_a_space() -> None:
+    text = "one two three, " * 100
+    phrases = PhraseChunker().push(text)
+    assert phrases
+    assert all(phrase.endswith(", ") or phrase.endswith(",") for phrase in phrases[1:-1])
+
+
+def test_cutting_is_linear_in_the_text() -> None:
+    """Ten times the text takes about ten times the steps (counted, not timed): every cut looks at one
+    window of the buffer, never at all of it."""
+    calls = 0
+    real = phrase_chunker.split_sentences
+
+    def counting(text: str, **kwargs: int) -> list[str]:
+        nonlocal calls
+        calls += len(text)
+        return real(text, **kwargs)
+
+    def work(text: str) -> int:
+        nonlocal calls
+        calls = 0
+        chunker = PhraseChunker()
+        chunker.push(text)
+        chunker.flush()
+        return calls
+
+    phrase_chunker.split_sentences = counting  # type: ignore[assignment]
+    try:
+        small, large = work("This is a sentence. " * 500), work("This is a sentence. " * 5000)
+        words_small, words_large = work("word " * 2000), work("word " * 20000)
+    finally:
+        phrase_chunker.split_sentences = real
+    assert large <= 11 * small
+    assert words_large <= 11 * max(words_small, 1)

@@ -211,6 +211,14 @@ async def test_the_first_sentence_runs_alone_until_its_first_audio() -> None:
     assert s.synthesizer.patient == {"0": False, "1": True, "2": True}
 
 
+async def test_a_continued_request_waits_for_a_server_from_its_first_sentence() -> None:
+    """A text stream's later phrase continues audio already heard: its first sentence is patient too."""
+    s = setup(parallelism=2)
+    stream = await s.service.open_stream(plan("a1", "a2"), continued=True)
+    assert chunk_values(await read_all(stream)) == [1, 2]
+    assert s.synthesizer.patient == {"0": True, "1": True}
+
+
 async def test_parallelism_bounds_the_sentences_in_flight() -> None:
     s = setup(parallelism=2)
     stream = await s.service.open_stream(plan("a1 p0.2", "a2 p0.2", "a3", "a4"))

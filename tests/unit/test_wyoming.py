@@ -73,7 +73,7 @@ class Phrases:
         if voice.voice != "joe":
             raise InvalidRequestError(f"voice {voice.voice!r} does not exist", code="voice_not_found")
 
-    async def open(self, voice: VoiceChoice, text: str) -> PhraseAudioStub | None:
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudioStub | None:
         self.opened.append(text)
         return PhraseAudioStub(self, text)
 
@@ -118,7 +118,7 @@ async def running(
         "127.0.0.1",
         port,
         voices=StubVoices(phrases),
-        synthesizers=lambda voice, chunker: PhrasePipeline(phrases, voice, chunker),
+        synthesizers=lambda voice, chunker, slots: PhrasePipeline(phrases, voice, chunker, speech_slots=slots),
         limits=limits or WyomingLimits(),
         metrics=metrics or GatewayMetrics(),
     )

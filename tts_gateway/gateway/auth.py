@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketClose
 
 from tts_gateway.gateway.errors import AuthenticationError
+from tts_gateway.gateway.log_limits import log_refused_handshake
 
 
 def _digest(key: str) -> bytes:
@@ -58,8 +59,10 @@ class ApiKeyMiddleware:
         if error is None:
             await self._app(scope, receive, send)
         elif "websocket.http.response" in scope.get("extensions", {}):
+            log_refused_handshake(scope, error.status_code, error.message)
             await WebSocket(scope, receive, send).send_denial_response(error.response())
         else:
+            log_refused_handshake(scope, 1008, error.message)
             await WebSocketClose(code=1008, reason=error.message)(scope, receive, send)
 
     def _check(self, authorization: str | None, *, websocket: bool = False) -> AuthenticationError | None:

@@ -19,6 +19,7 @@ from tts_gateway.gateway.app_factory import create_app
 from tts_gateway.gateway.embedded_fleet import start_embedded_fleet
 from tts_gateway.gateway.metrics import MULTIPROC_DIR_ENV, shared_restarts_counter
 from tts_gateway.gateway.settings import Settings
+from tts_gateway.gateway.websocket_protocol import GatewayWebSocketProtocol
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,8 +52,17 @@ def _log_config(level: str) -> dict[str, Any]:
         "formatters": {
             "plain": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s [%(request_id)s]: %(message)s"}
         },
-        "filters": {"request_id": {"()": "tts_gateway.gateway.request_ids.RequestIdLogFilter"}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["request_id"]}},
+        "filters": {
+            "request_id": {"()": "tts_gateway.gateway.request_ids.RequestIdLogFilter"},
+            "refused_handshake": {"()": "tts_gateway.gateway.log_limits.RefusedHandshakeFilter"},
+        },
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "plain",
+                "filters": ["request_id", "refused_handshake"],
+            }
+        },
         "root": {"handlers": ["stderr"], "level": level.upper()},
     }
 
@@ -93,6 +103,7 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
             log_level=settings.log_level,
             timeout_graceful_shutdown=settings.shutdown_grace,
             timeout_keep_alive=settings.keep_alive,
+            ws=GatewayWebSocketProtocol,
         )
 
 
@@ -126,4 +137,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_grace,
         timeout_keep_alive=settings.keep_alive,
+        ws=GatewayWebSocketProtocol,
     )

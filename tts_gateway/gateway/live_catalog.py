@@ -21,6 +21,9 @@ from tts_gateway.gateway.triton_pool import TritonPool
 
 logger = logging.getLogger(__name__)
 
+# How often a caller waiting for a ready server looks again.
+_WAIT_STEP = 0.1
+
 
 class LiveCatalog:
     def __init__(
@@ -95,6 +98,17 @@ class LiveCatalog:
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(0.2)
+        return True
+
+    async def until_ready(self, within: float) -> bool:
+        """Whether some server serves a speech model within ``within`` seconds; the watcher, not this
+        call, checks the servers (many callers may wait at once)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while self._catalog is None or not self._catalog.models:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(_WAIT_STEP)
         return True
 
     def start_watching(self) -> None:

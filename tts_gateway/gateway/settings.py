@@ -155,6 +155,14 @@ class Settings(BaseSettings):
     ws_max_buffered_chars: int = Field(
         20_000, ge=100, description="text one WebSocket context may hold that is not yet spoken"
     )
+    ws_max_socket_buffered_chars: int = Field(
+        40_000, ge=100, description="text one WebSocket's contexts may hold together that is not yet spoken"
+    )
+    ws_socket_speech_slots: int = Field(
+        2,
+        ge=1,
+        description="of the TTS_MAX_CONCURRENT_SPEECH slots, how many one WebSocket's contexts hold at once",
+    )
 
     # The Wyoming server (Home Assistant's local voice protocol): off unless a port is set.
     wyoming_port: int | None = Field(None, ge=1, le=65535, description="Wyoming text-to-speech port; unset: off")

@@ -106,6 +106,9 @@ class _Progress:
     """The sentence whose audio is being passed on."""
     resumed: list[int] = field(default_factory=list)
     """Sentences that a server failed after the response had started, taken over by another."""
+    continued: bool = False
+    """The request continues audio its listener already hears (a text stream's later phrase): its
+    first sentence is as much part of a started response as the others."""
 
 
 class SpeechStream:
@@ -155,16 +158,18 @@ class SpeechService:
         self._parallelism = synthesis_parallelism
         self._idle_memory = idle_memory or IdleMemoryRelease()
 
-    async def open_stream(self, plan: SpeechPlan) -> SpeechStream:
+    async def open_stream(self, plan: SpeechPlan, *, continued: bool = False) -> SpeechStream:
         """Wait for a synthesis slot, start synthesis, wait for the first bytes.
 
         Raises a :class:`GatewayError` if there is no slot (429) or synthesis fails before
-        any byte exists. The returned stream holds the slot until it is closed.
+        any byte exists. The returned stream holds the slot until it is closed. ``continued``:
+        the request continues audio that its listener already hears, so its first sentence too
+        waits for a server (the restarted one) when its own fails, as every later sentence does.
         """
         started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self._request_timeout
         slot = await self._admission.acquire()
-        progress = _Progress()
+        progress = _Progress(continued=continued)
         encoded = self._encoded(plan, progress, deadline)
         body = self._sse_body(plan, progress, encoded) if plan.sse else encoded
         measured = self._measured(plan, progress, body, started)
@@ -345,7 +350,7 @@ class SpeechService:
     ) -> None:
         values = plan.backend_inputs(index, sentence)
         # Every sentence but the first starts once the response has: waiting for a server beats failing.
-        patient = index > 0
+        patient = index > 0 or progress.continued
 
         def failed_over(exc: GatewayError, mid_stream: bool) -> None:
             if not (patient or mid_stream):

@@ -130,6 +130,8 @@ def _join_short(pieces: list[str], min_chars: int, first_cap: int, cap: int) -> 
     one has audio: it may not be ready when the short one ends ("Thank you for calling."
     gives 1.4 s of speech). One piece also reads with more natural prosody.
     """
+    if min_chars <= 0:
+        return pieces
     joined: list[str] = []
     for piece in pieces:
         if joined and _spoken_length(last := joined[-1]) < min_chars:
@@ -161,7 +163,7 @@ def _fit(sentence: str, first_cap: int, cap: int) -> Iterator[str]:
     rest = sentence
     limit = first_cap
     while len(rest) > limit:
-        cut = _cut_position(rest, limit)
+        cut = cut_position(rest, limit)
         yield rest[:cut].strip()
         rest = rest[cut:].strip()
         limit = cap
@@ -169,7 +171,7 @@ def _fit(sentence: str, first_cap: int, cap: int) -> Iterator[str]:
         yield rest
 
 
-def _cut_position(text: str, limit: int) -> int:
+def cut_position(text: str, limit: int) -> int:
     """Where to cut ``text`` so the first part has at most ``limit`` characters.
 
     The last clause break wins, then the last space, as long as the first part

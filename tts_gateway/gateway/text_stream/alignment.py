@@ -86,6 +86,11 @@ class PhraseAligner:
         self._text += text
         self._weights.extend(char_weight(char) for char in text)
 
+    @property
+    def pending(self) -> int:
+        """Characters not yet laid over audio."""
+        return len(self._text) - self._next
+
     def take(self, audio_ms: float, *, last: bool) -> CharAlignment:
         """The characters spoken by the next ``audio_ms`` of the phrase's audio."""
         self._audio_ms += audio_ms

@@ -9,7 +9,8 @@ when it has enough to speak, and its audio goes out as it comes.
 
 The session opens with the context's first words, on the least busy Triton server serving the
 deployment (:meth:`TritonPool.session`), and holds one of the speech service's admission slots for
-its life: a socket shares the limits of the speech requests.
+its life (and one of its socket's share of them): a socket shares the limits of the speech requests.
+A session's state lives in its server, so a server that fails ends it: the context fails.
 
 Alignment: the audio is laid over the characters sent so far at the estimated speaking rate, never
 past what was sent (:meth:`PhraseAligner.extend`); once the text is complete, the last chunk is held
@@ -33,7 +34,7 @@ from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.text_stream.alignment import PhraseAligner
-from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
+from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker, push_async
 from tts_gateway.gateway.text_stream.synthesis import SpeechChunk, VoiceChoice, speech_request
 from tts_gateway.gateway.triton_pool import TritonPool
 
@@ -105,10 +106,14 @@ _END: Final = _End()
 class BistreamSynthesis:
     """A :class:`TextStreamSynthesizer` over one :class:`BistreamSession` (see the module's docstring)."""
 
-    def __init__(self, sessions: BistreamSessions, voice: VoiceChoice, chunker: PhraseChunker) -> None:
+    def __init__(
+        self, sessions: BistreamSessions, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
+    ) -> None:
+        """``speech_slots``: the socket's share of the speech slots, shared by its contexts."""
         self._sessions = sessions
         self._voice = voice
         self._chunker = chunker
+        self._speech_slots = speech_slots
         self._texts: asyncio.Queue[str | None] = asyncio.Queue()
         self._unsent = 0
         self._audio: asyncio.Queue[bytes | _End | GatewayError] = asyncio.Queue()
@@ -119,10 +124,15 @@ class BistreamSynthesis:
 
     @property
     def buffered(self) -> int:
-        return self._chunker.buffered + self._unsent
+        return self._chunker.buffered + self._unsent + self._spoken.pending
+
+    @property
+    def in_progress(self) -> bool:
+        # Text sent may wait in the model for more: only text not yet sent is certain to be in progress.
+        return self._unsent > 0
 
     async def push(self, text: str) -> None:
-        self._send(self._chunker.push(text) + self._chunker.take_words(keep_numbers_whole=True))
+        self._send(await push_async(self._chunker, text) + self._chunker.take_words(keep_numbers_whole=True))
 
     async def flush(self) -> None:
         self._send(self._chunker.flush())
@@ -154,6 +164,7 @@ class BistreamSynthesis:
                 while (text := await self._texts.get()) is not None:
                     plan = await self._sessions.prepare(self._voice, text.strip())
                     if session is None:
+                        await stack.enter_async_context(self._speech_slots)
                         session = await stack.enter_async_context(self._sessions.open(plan))
                         reader = asyncio.create_task(self._read(session, plan.model.sample_rate))
                         stack.push_async_callback(_stop, reader)

@@ -30,6 +30,12 @@ class TextStreamMetrics:
         self.closes = Counter(
             "tts_ws_closes", "Text-streaming WebSockets closed by the gateway, by reason", ["reason"], registry=registry
         )
+        self.failed = Counter(
+            "tts_ws_contexts_failed",
+            "Contexts whose synthesis failed (after the speech service's own failover), by error code",
+            ["code"],
+            registry=registry,
+        )
         self.interrupted = Counter(
             "tts_ws_contexts_interrupted", "Contexts closed while their audio was still pending", registry=registry
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from pydantic import ValidationError
@@ -45,12 +46,15 @@ class TextStreams:
         self._sessions = sessions
         self._open = 0
 
-    def synthesizer(self, voice: VoiceChoice, chunker: PhraseChunker) -> TextStreamSynthesizer:
+    def synthesizer(
+        self, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
+    ) -> TextStreamSynthesizer:
         """The synthesis of one context (or one Wyoming request), chosen per context: the catalog
-        follows what the Triton servers serve now."""
+        follows what the Triton servers serve now. ``speech_slots``: its connection's share of the
+        speech slots."""
         if self._sessions is not None and self._sessions.serves(voice):
-            return BistreamSynthesis(self._sessions, voice, chunker)
-        return PhrasePipeline(self._phrases, voice, chunker)
+            return BistreamSynthesis(self._sessions, voice, chunker, speech_slots)
+        return PhrasePipeline(self._phrases, voice, chunker, speech_slots=speech_slots)
 
     async def serve(self, websocket: WebSocket, voice_id: str, *, multi: bool) -> None:
         """Validate the socket's parameters, accept it and serve it to its end.

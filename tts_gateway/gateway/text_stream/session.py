@@ -10,8 +10,26 @@ then ``isFinal`` follows: the end of a turn. Otherwise (text not flushed, or a s
 ``close_context``) it is an interruption: the context's backend calls are cancelled at once,
 nothing more of its audio is sent, and ``isFinal`` follows straight away. Other contexts go on.
 
+Limits: a context may hold ``max_buffered_chars`` characters received and not yet spoken, the
+socket ``max_socket_buffered_chars`` over all its contexts, counted however the text is sent. A
+message larger than one context may hold closes the socket before it is parsed; text that would
+take a context over its limit is refused before it is processed: on ``stream-input`` the socket
+closes, on ``multi-stream-input`` that context gets an ``error`` message and ``isFinal`` and the
+others go on; over the socket's limit the socket closes. The contexts of one socket synthesise
+with at most ``speech_slots`` of the speech service's slots at once, so a socket that reads slowly
+(or never) holds no more than that.
+
+Inactivity: the socket closes after ``inactivity_timeout`` seconds without text from the client,
+unless a context still has text to speak and the client reads its audio.
+
+Synthesis that fails (the speech service already tried another server, or its own once back) ends
+the socket: the context gets an ``error`` message, never an ``isFinal`` that would pass off a turn
+with audio missing as a whole one, and the socket closes with 1011 (1013 when the gateway is out
+of capacity).
+
 Close codes: 1000 done; 1007 a message that is not valid JSON or not a valid message; 1008 a
-limit or a bad parameter (reason says which); 1011 a gateway fault; 1013 too many sockets.
+limit or a bad parameter (reason says which); 1011 a gateway fault; 1013 too many sockets, or no
+capacity left.
 """
 
 from __future__ import annotations
@@ -29,7 +47,8 @@ from typing import Any, Final
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from tts_gateway.gateway.errors import GatewayError
+from tts_gateway.gateway.errors import GatewayError, RateLimitError
+from tts_gateway.gateway.log_limits import RateLimitedLog, client_address
 from tts_gateway.gateway.text_stream.messages import ClientMessage, StreamQuery
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
 from tts_gateway.gateway.text_stream.output_format import OutputFormat
@@ -45,6 +64,14 @@ INTERNAL: Final = 1011
 TRY_LATER: Final = 1013
 # A close frame's reason is at most 123 bytes.
 _MAX_REASON_BYTES: Final = 123
+# How long closing may wait for a client that reads nothing: its socket is given up after it.
+_CLOSE_TIMEOUT: Final = 5.0
+# Room in a message for its fields other than ``text``.
+_MESSAGE_OVERHEAD_CHARS: Final = 16_384
+# JSON may write a character as six (``\\uXXXX``).
+_JSON_CHARS_PER_CHAR: Final = 6
+
+_closes_log = RateLimitedLog(logger)
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,15 @@ class TextStreamLimits:
     """Contexts open at once on one socket (ElevenLabs' limit)."""
     max_buffered_chars: int = 20_000
     """Text received by one context and not yet spoken."""
+    max_socket_buffered_chars: int = 40_000
+    """Text received by all the contexts of one socket and not yet spoken."""
+    speech_slots: int = 2
+    """Speech slots the contexts of one socket hold at once."""
+
+    @property
+    def max_message_chars(self) -> int:
+        """The longest message: one that carries the most text a context may hold, every character escaped."""
+        return self.max_buffered_chars * _JSON_CHARS_PER_CHAR + _MESSAGE_OVERHEAD_CHARS
 
 
 class SocketClosed(Exception):
@@ -66,7 +102,8 @@ class SocketClosed(Exception):
         self.reason = reason
 
 
-SynthesizerFactory = Callable[[VoiceChoice, PhraseChunker], TextStreamSynthesizer]
+SynthesizerFactory = Callable[[VoiceChoice, PhraseChunker, asyncio.Semaphore], TextStreamSynthesizer]
+"""A context's synthesizer: its voice, its chunker, and the socket's share of the speech slots."""
 
 
 @dataclass(eq=False)
@@ -103,8 +140,11 @@ class TextStreamSession:
         self._metrics = metrics
         self._contexts: dict[str, _Context] = {}
         self._send_lock = asyncio.Lock()
+        self._sending_since: float | None = None
         self._last_activity = time.monotonic()
+        self._speech_slots = asyncio.Semaphore(limits.speech_slots)
         self._done = asyncio.Event()
+        self._failure: SocketClosed | None = None
 
     async def run(self) -> None:
         """Serve the (accepted) socket until it ends; never raises for anything the client does."""
@@ -113,7 +153,9 @@ class TextStreamSession:
         finished = asyncio.create_task(self._done.wait())
         try:
             await asyncio.wait({receiver, finished}, return_when=asyncio.FIRST_COMPLETED)
-            if receiver.done() and not receiver.cancelled():
+            if self._failure is not None:
+                code, reason = self._failure.code, self._failure.reason
+            elif receiver.done() and not receiver.cancelled():
                 error = receiver.exception()
                 if isinstance(error, SocketClosed):
                     code, reason = error.code, error.reason
@@ -130,11 +172,19 @@ class TextStreamSession:
         async with self._send_lock:
             await close_socket(self._ws, code, reason, self._metrics)
 
+    def _end(self, code: int, reason: str) -> None:
+        """End the session from one of its tasks (the first reason given wins)."""
+        if self._failure is None:
+            self._failure = SocketClosed(code, reason)
+        self._done.set()
+
     # -- input -------------------------------------------------------------------------------------
 
     async def _receive(self) -> None:
         while True:
             raw = await self._next_message()
+            if len(raw) > self._limits.max_message_chars:
+                raise SocketClosed(POLICY, f"message too large: over {self._limits.max_message_chars} characters")
             try:
                 data = json.loads(raw)
                 if not isinstance(data, dict):
@@ -145,8 +195,9 @@ class TextStreamSession:
             await self._handle(message)
 
     async def _next_message(self) -> str:
-        """The next text frame; closes the socket after ``inactivity_timeout`` seconds without input
-        while no context is speaking."""
+        """The next text frame; closes the socket after ``inactivity_timeout`` seconds without
+        activity: text received, audio sent, or a context with text still to speak to a client that
+        reads."""
         timeout = self._query.inactivity_timeout
         while True:
             remaining = self._last_activity + timeout - time.monotonic()
@@ -154,8 +205,13 @@ class TextStreamSession:
                 async with asyncio.timeout(max(remaining, 0.0)):
                     raw = await self._ws.receive_text()
             except TimeoutError:
+                now = time.monotonic()
+                if now - self._last_activity < timeout:
+                    continue  # audio went out meanwhile
+                if self._sending_since is not None and now - self._sending_since >= timeout:
+                    raise SocketClosed(POLICY, f"inactivity timeout: no audio read for {timeout} s") from None
                 if self._speaking():
-                    self._last_activity = time.monotonic()
+                    self._last_activity = now
                     continue
                 raise SocketClosed(POLICY, f"inactivity timeout: no text for {timeout} s") from None
             except KeyError:
@@ -164,8 +220,8 @@ class TextStreamSession:
             return raw
 
     def _speaking(self) -> bool:
-        """Some context has all its text and is still sending audio (which counts as activity)."""
-        return any(context.closing for context in self._contexts.values())
+        """Some context has text in synthesis or audio to send (waiting for a server included)."""
+        return any(context.closing or context.synthesizer.in_progress for context in self._contexts.values())
 
     async def _handle(self, message: ClientMessage) -> None:
         if message.close_socket:
@@ -181,6 +237,8 @@ class TextStreamSession:
                 await self._close_context(context, graceful=context.flushed and not context.closing)
             return
         text = message.text
+        if text and len(text) > self._limits.max_buffered_chars:
+            raise SocketClosed(POLICY, f"message too large: over {self._limits.max_buffered_chars} characters of text")
         if context is None:
             if not text:
                 return  # a keepalive or a flush of a context never opened: nothing to open
@@ -188,15 +246,13 @@ class TextStreamSession:
         if context.closing:
             return
         if text:
+            if not await self._room_for(context, len(text)):
+                return
             if text.strip():
                 context.flushed = False
                 if context.first_text_at is None:
                     context.first_text_at = time.monotonic()
             await context.synthesizer.push(text)
-            if context.synthesizer.buffered > self._limits.max_buffered_chars:
-                raise SocketClosed(
-                    POLICY, f"buffered text limit: over {self._limits.max_buffered_chars} characters not yet spoken"
-                )
         if message.flush or (text == "" and not self._multi):
             await context.synthesizer.flush()
             context.flushed = True
@@ -204,6 +260,24 @@ class TextStreamSession:
             await context.synthesizer.trigger()
         if text == "" and not self._multi:
             await self._close_context(context, graceful=True)
+
+    async def _room_for(self, context: _Context, chars: int) -> bool:
+        """Whether ``context`` may take ``chars`` more characters; refuses it (or the socket) otherwise."""
+        limit = self._limits.max_socket_buffered_chars
+        if sum(c.synthesizer.buffered for c in self._contexts.values()) + chars > limit:
+            raise SocketClosed(POLICY, f"buffered text limit: over {limit} characters not yet spoken on this socket")
+        limit = self._limits.max_buffered_chars
+        if context.synthesizer.buffered + chars <= limit:
+            return True
+        reason = f"buffered text limit: over {limit} characters not yet spoken"
+        if not self._multi:
+            raise SocketClosed(POLICY, reason)
+        # Only this context is refused: the socket's other contexts go on.
+        self._metrics.closes.labels(_label(reason)).inc()
+        await self._discard(context)
+        await self._send({"error": reason, "message": reason, "code": POLICY, **self._ids(context)})
+        await self._send_final(context)
+        return False
 
     def _open(self, context_id: str, message: ClientMessage) -> _Context:
         if len(self._contexts) >= self._limits.max_contexts:
@@ -215,7 +289,7 @@ class TextStreamSession:
         if message.generation_config is not None and message.generation_config.chunk_length_schedule:
             schedule = tuple(message.generation_config.chunk_length_schedule)
         chunker = PhraseChunker(schedule, auto_mode=self._query.auto_mode)
-        context = _Context(context_id, self._synthesizers(voice, chunker))
+        context = _Context(context_id, self._synthesizers(voice, chunker, self._speech_slots))
         context.forwarder = asyncio.create_task(self._forward(context))
         self._contexts[context_id] = context
         self._metrics.contexts.inc()
@@ -241,16 +315,23 @@ class TextStreamSession:
                 if not context.sent_audio and context.first_text_at is not None:
                     self._metrics.first_audio.observe(time.monotonic() - context.first_text_at)
                 context.sent_audio = True
-                self._last_activity = time.monotonic()
                 await self._send(self._audio_message(context, audio, chunk))
         except GatewayError as exc:
-            logger.warning("text stream context failed: %s (%s)", exc.message, exc.code)
-            await self._send({"error": exc.code or "synthesis_failed", "message": exc.message, **self._ids(context)})
+            await self._fail(context, exc)
+            return
         if self._contexts.get(context.id) is context:
             del self._contexts[context.id]
             self._metrics.contexts.dec()
         await context.synthesizer.aclose()
         await self._send_final(context)
+
+    async def _fail(self, context: _Context, error: GatewayError) -> None:
+        """The context's synthesis failed for good: its error, then the socket closes (no ``isFinal``)."""
+        logger.warning("text stream context failed: %s (%s)", error.message, error.code)
+        self._metrics.failed.labels(error.code or "synthesis_failed").inc()
+        await self._send({"error": error.code or "synthesis_failed", "message": error.message, **self._ids(context)})
+        code = TRY_LATER if isinstance(error, RateLimitError) else INTERNAL
+        self._end(code, f"synthesis failed: {error.message}")
 
     def _audio_message(self, context: _Context, audio: bytes, chunk: SpeechChunk) -> dict[str, Any]:
         spoken, normalized = chunk.align(self._output.duration_ms(audio))
@@ -273,10 +354,15 @@ class TextStreamSession:
     async def _send(self, payload: dict[str, Any]) -> None:
         """Send a message; a client that has gone ends the session instead of failing the sender."""
         async with self._send_lock:
+            self._sending_since = time.monotonic()
             try:
                 await self._ws.send_text(json.dumps(payload, separators=(",", ":")))
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self._done.set()
+            finally:
+                self._sending_since = None
+            # Sent: the client reads (a send waits while the client's buffers are full).
+            self._last_activity = time.monotonic()
 
     # -- ending ------------------------------------------------------------------------------------
 
@@ -303,15 +389,26 @@ class TextStreamSession:
 
 async def close_socket(websocket: WebSocket, code: int, reason: str, metrics: TextStreamMetrics) -> None:
     """Close an accepted socket; an abnormal close is also told in an ``error`` message first
-    (clients show messages, few show close reasons)."""
+    (clients show messages, few show close reasons), and logged (rate-limited: clients cause it).
+
+    A client that reads nothing cannot take the close frame: it is given up after a few seconds.
+    """
     if websocket.client_state != WebSocketState.CONNECTED:
         return
-    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
-        if code != NORMAL:
-            # The reason's first words name the limit or check: a bounded label.
-            metrics.closes.labels(reason.split(":")[0][:40]).inc()
-            await websocket.send_text(json.dumps({"error": reason, "message": reason, "code": code}))
-        await websocket.close(code, reason.encode()[:_MAX_REASON_BYTES].decode(errors="ignore"))
+    reason = reason or "done"
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError, TimeoutError):
+        async with asyncio.timeout(_CLOSE_TIMEOUT):
+            if code != NORMAL:
+                metrics.closes.labels(_label(reason)).inc()
+                where = client_address(websocket.scope.get("client"))
+                _closes_log.log(logging.INFO, "text stream from %s closed with %d: %s", where, code, reason)
+                await websocket.send_text(json.dumps({"error": reason, "message": reason, "code": code}))
+            await websocket.close(code, reason.encode()[:_MAX_REASON_BYTES].decode(errors="ignore"))
+
+
+def _label(reason: str) -> str:
+    """The reason's first words, which name the limit or check: a bounded metric label."""
+    return reason.split(":")[0][:40]
 
 
 def _first_line(exc: Exception) -> str:

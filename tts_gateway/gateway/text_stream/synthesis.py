@@ -6,11 +6,15 @@ can implement it directly. :class:`PhrasePipeline` implements it for every other
 :class:`PhraseChunker` cuts the text into phrases, each phrase is synthesised on its own by a
 :class:`PhraseSynthesizer` as soon as it is complete (up to ``parallel`` at once, so the next
 phrase is ready when the current one ends), and the audio goes out strictly in phrase order.
+Every phrase also holds one of the socket's share of the speech slots while it synthesises.
 
 :class:`SpeechServicePhrases` is the :class:`PhraseSynthesizer` of the gateway's models: each
 phrase is one request to the speech service (model and voice resolution, text normalisation,
 admission control, the Triton pool, the streamed model variant, resampling to 24 kHz PCM), so
-this package holds no synthesis machinery of its own.
+this package holds no synthesis machinery of its own. A phrase after a context's first continues
+audio the listener is already hearing, as a started response's later sentences do, so it follows
+their rule when a server fails: it waits for another (or the restarted one) within the request's
+deadline instead of failing at once.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from tts_gateway.gateway.errors import BackendError, GatewayError
+from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
 from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.speech_plan import SpeechPlan
-from tts_gateway.gateway.speech_service import SpeechStream
+from tts_gateway.gateway.speech_service import SpeechStream, StreamAborted
 from tts_gateway.gateway.text_stream.alignment import CharAlignment, PhraseAligner
-from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
+from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker, push_async
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,12 @@ class TextStreamSynthesizer(Protocol):
 
     @property
     def buffered(self) -> int:
-        """Characters received and not yet handed to the model."""
+        """Characters received and not yet spoken (whose audio has not all been handed out)."""
+        ...
+
+    @property
+    def in_progress(self) -> bool:
+        """Some of the text is being synthesised or its audio handed out (not merely buffered)."""
         ...
 
     async def push(self, text: str) -> None: ...
@@ -112,8 +121,12 @@ class PhraseSynthesizer(Protocol):
         """Raise :class:`GatewayError` if ``voice`` cannot be spoken (unknown voice or model)."""
         ...
 
-    async def open(self, voice: VoiceChoice, text: str) -> PhraseAudio | None:
-        """Start synthesising ``text``; ``None`` when it holds nothing to speak."""
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudio | None:
+        """Start synthesising ``text``; ``None`` when it holds nothing to speak.
+
+        ``continued``: the listener already hears the context's audio, so a server that fails is
+        waited for rather than reported at once.
+        """
         ...
 
 
@@ -129,28 +142,44 @@ def speech_request(voice: VoiceChoice, text: str) -> SpeechRequest:
     )
 
 
+class OpenStream(Protocol):
+    """:meth:`SpeechService.open_stream`."""
+
+    def __call__(self, plan: SpeechPlan, *, continued: bool = False) -> Awaitable[SpeechStream]: ...
+
+
 class SpeechServicePhrases:
     """Phrases synthesised by the speech service, one speech request each.
 
     It uses only the service's two entry points, planning and opening a stream, passed in as
-    callables so that this module depends on nothing else of the service.
+    callables so that this module depends on nothing else of the service, and ``backend_back``:
+    whether a server is ready again within the time a started response waits for one (planning
+    needs a ready server, and a continued phrase waits for one as its sentences would).
     """
 
     def __init__(
         self,
         plan: Callable[[SpeechRequest], Awaitable[SpeechPlan]],
-        open_stream: Callable[[SpeechPlan], Awaitable[SpeechStream]],
+        open_stream: OpenStream,
+        backend_back: Callable[[], Awaitable[bool]],
     ) -> None:
         self._plan = plan
         self._open_stream = open_stream
+        self._backend_back = backend_back
 
     async def check(self, voice: VoiceChoice) -> None:
         await self._plan(speech_request(voice, "a"))
 
-    async def open(self, voice: VoiceChoice, text: str) -> PhraseAudio | None:
-        plan = await self._plan(speech_request(voice, text))
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudio | None:
+        request = speech_request(voice, text)
         try:
-            stream = await self._open_stream(plan)
+            plan = await self._plan(request)
+        except BackendUnavailableError:
+            if not continued or not await self._backend_back():
+                raise
+            plan = await self._plan(request)
+        try:
+            stream = await self._open_stream(plan, continued=continued)
         except GatewayError as exc:
             if exc.code == "nothing_to_speak":
                 return None
@@ -163,8 +192,13 @@ class _StreamedPhrase:
         self.normalized = normalized
         self._stream = stream
 
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._stream.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._stream:
+                yield data
+        except StreamAborted as exc:
+            # The service could not complete the phrase (its failover included): the phrase's failure.
+            raise exc.error from exc
 
     async def aclose(self) -> None:
         await self._stream.aclose()
@@ -180,6 +214,7 @@ _END: Final = _End()
 @dataclass(eq=False)
 class _Phrase:
     text: str
+    continued: bool
     queue: asyncio.Queue[bytes | _End | GatewayError] = field(
         default_factory=lambda: asyncio.Queue(_PHRASE_QUEUE_CHUNKS)
     )
@@ -191,22 +226,36 @@ class PhrasePipeline:
     """A :class:`TextStreamSynthesizer` over any :class:`PhraseSynthesizer` (see the module's docstring)."""
 
     def __init__(
-        self, phrases: PhraseSynthesizer, voice: VoiceChoice, chunker: PhraseChunker, *, parallel: int = 2
+        self,
+        phrases: PhraseSynthesizer,
+        voice: VoiceChoice,
+        chunker: PhraseChunker,
+        *,
+        parallel: int = 2,
+        speech_slots: asyncio.Semaphore | None = None,
     ) -> None:
+        """``speech_slots``: the socket's share of the speech slots, shared by its contexts."""
         self._phrases = phrases
         self._voice = voice
         self._chunker = chunker
         self._slots = asyncio.Semaphore(parallel)
+        self._speech_slots = speech_slots or asyncio.Semaphore(parallel)
         self._order: asyncio.Queue[_Phrase | None] = asyncio.Queue()
         self._started: list[_Phrase] = []
+        self._started_chars = 0
+        self._count = 0
         self._ended = False
 
     @property
     def buffered(self) -> int:
-        return self._chunker.buffered
+        return self._chunker.buffered + self._started_chars
+
+    @property
+    def in_progress(self) -> bool:
+        return self._started_chars > 0
 
     async def push(self, text: str) -> None:
-        self._start(self._chunker.push(text))
+        self._start(await push_async(self._chunker, text))
 
     async def flush(self) -> None:
         self._start(self._chunker.flush())
@@ -222,15 +271,17 @@ class PhrasePipeline:
 
     def _start(self, texts: list[str]) -> None:
         for text in texts:
-            phrase = _Phrase(text)
+            phrase = _Phrase(text, continued=self._count > 0)
+            self._count += 1
             phrase.task = asyncio.create_task(self._synthesise(phrase))
             self._started.append(phrase)
+            self._started_chars += len(text)
             self._order.put_nowait(phrase)
 
     async def _synthesise(self, phrase: _Phrase) -> None:
         try:
-            async with self._slots:
-                audio = await self._phrases.open(self._voice, phrase.text.strip())
+            async with self._slots, self._speech_slots:
+                audio = await self._phrases.open(self._voice, phrase.text.strip(), continued=phrase.continued)
                 if audio is not None:
                     phrase.normalized = audio.normalized
                     try:
@@ -268,10 +319,12 @@ class PhrasePipeline:
                 yield SpeechChunk(pending, spoken, aligned, phrase_end=True)
                 ms_per_weight = spoken.measured_ms_per_weight or ms_per_weight
             self._started.remove(phrase)
+            self._started_chars -= len(phrase.text)
 
     async def aclose(self) -> None:
         tasks = [phrase.task for phrase in self._started if phrase.task is not None]
         self._started.clear()
+        self._started_chars = 0
         for task in tasks:
             task.cancel()
         for task in tasks:

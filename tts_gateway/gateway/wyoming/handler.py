@@ -59,6 +59,8 @@ class WyomingLimits:
     """Connections open at once (in this worker); the next is answered with an error and closed."""
     max_buffered_chars: int = 20_000
     """Text of one request received and not yet cut into phrases: a ``synthesize``'s whole text."""
+    speech_slots: int = 2
+    """Speech slots one connection's synthesis holds at once, as a WebSocket's contexts do."""
     idle_timeout: float = 60.0
     """Seconds without an event unless audio is on its way (while a streamed request's text is still
     coming, it counts), or without the client taking audio."""
@@ -144,6 +146,7 @@ class WyomingHandler(AsyncEventHandler):
         self._refusal = refusal
         self._on_close = on_close
         self._on_error = on_error
+        self._speech_slots = asyncio.Semaphore(limits.speech_slots)
         self._request: _Request | None = None
         self._stream: _Request | None = None
         """The streamed request whose text is still coming (``synthesize-start`` to ``synthesize-stop``)."""
@@ -229,7 +232,7 @@ class WyomingHandler(AsyncEventHandler):
             voice = await self._voices.choose(requested)
         except GatewayError as exc:
             raise WyomingFailure(exc.message, exc.code or "invalid_voice") from None
-        request = _Request(self._synthesizers(voice, PhraseChunker()), streamed)
+        request = _Request(self._synthesizers(voice, PhraseChunker(), self._speech_slots), streamed)
         self._request = request
         request.sender = asyncio.create_task(self._send_audio(request), name="wyoming-audio")
         await self._push(request, text)
