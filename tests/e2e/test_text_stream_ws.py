@@ -190,7 +190,7 @@ async def test_keepalives_flushes_and_close_socket(gateway: GatewayProcess) -> N
     [
         ({"voice": "nobody"}, "voice 'nobody' does not exist"),
         ({"model_id": "no-such-model"}, "no-such-model"),
-        ({"output_format": "mp3_44100_128"}, "output_format 'mp3_44100_128' is not supported"),
+        ({"output_format": "wav_16000"}, "output_format 'wav_16000' is not supported"),
         ({"inactivity_timeout": "0"}, "inactivity_timeout"),
     ],
 )

@@ -32,7 +32,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from tts_gateway.gateway.errors import GatewayError
 from tts_gateway.gateway.text_stream.messages import ClientMessage, StreamQuery
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
-from tts_gateway.gateway.text_stream.output_format import OutputFormat
+from tts_gateway.gateway.text_stream.output_format import ConvertedAudio, OutputFormat
 from tts_gateway.gateway.text_stream.phrase_chunker import DEFAULT_SCHEDULE, PhraseChunker
 from tts_gateway.gateway.text_stream.synthesis import SpeechChunk, TextStreamSynthesizer, VoiceChoice
 
@@ -237,12 +237,15 @@ class TextStreamSession:
         converter = self._output.converter()
         try:
             async for chunk in context.synthesizer.chunks():
-                audio = converter.convert(chunk.pcm, last=chunk.phrase_end)
+                audio = await converter.convert_async(chunk.pcm, last=chunk.phrase_end)
                 if not context.sent_audio and context.first_text_at is not None:
                     self._metrics.first_audio.observe(time.monotonic() - context.first_text_at)
                 context.sent_audio = True
                 self._last_activity = time.monotonic()
                 await self._send(self._audio_message(context, audio, chunk))
+            if tail := await converter.finish():
+                # A compressed format's last frames: audio that the messages before already aligned.
+                await self._send({"audio": base64.b64encode(tail).decode(), "isFinal": False, **self._ids(context)})
         except GatewayError as exc:
             logger.warning("text stream context failed: %s (%s)", exc.message, exc.code)
             await self._send({"error": exc.code or "synthesis_failed", "message": exc.message, **self._ids(context)})
@@ -252,10 +255,10 @@ class TextStreamSession:
         await context.synthesizer.aclose()
         await self._send_final(context)
 
-    def _audio_message(self, context: _Context, audio: bytes, chunk: SpeechChunk) -> dict[str, Any]:
-        spoken, normalized = chunk.align(self._output.duration_ms(audio))
+    def _audio_message(self, context: _Context, audio: ConvertedAudio, chunk: SpeechChunk) -> dict[str, Any]:
+        spoken, normalized = chunk.align(audio.duration_ms)
         return {
-            "audio": base64.b64encode(audio).decode(),
+            "audio": base64.b64encode(audio.data).decode(),
             "isFinal": False,
             "alignment": spoken.to_json(),
             "normalizedAlignment": normalized.to_json(),
