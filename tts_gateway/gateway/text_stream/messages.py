@@ -58,6 +58,8 @@ class ClientMessage(BaseModel):
     text: str | None = None
     context_id: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     flush: bool = False
+    # A hint that the chunk schedule already answers: a phrase is cut as soon as the schedule or a sentence
+    # end allows, and ElevenLabs' SDK sends it with every word, which would make every word a phrase.
     try_trigger_generation: bool = False
     close_context: bool = False
     close_socket: bool = False

@@ -200,8 +200,6 @@ class TextStreamSession:
         if message.flush or (text == "" and not self._multi):
             await context.synthesizer.flush()
             context.flushed = True
-        elif message.try_trigger_generation:
-            await context.synthesizer.trigger()
         if text == "" and not self._multi:
             await self._close_context(context, graceful=True)
 

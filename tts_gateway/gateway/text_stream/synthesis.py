@@ -79,10 +79,6 @@ class TextStreamSynthesizer(Protocol):
         """Synthesise everything received so far, without waiting for more."""
         ...
 
-    async def trigger(self) -> None:
-        """Synthesise the complete words received so far (``try_trigger_generation``)."""
-        ...
-
     async def end_input(self) -> None:
         """No more text: :meth:`chunks` ends once everything received is spoken."""
         ...
@@ -210,9 +206,6 @@ class PhrasePipeline:
 
     async def flush(self) -> None:
         self._start(self._chunker.flush())
-
-    async def trigger(self) -> None:
-        self._start(self._chunker.take_words())
 
     async def end_input(self) -> None:
         if not self._ended:
