@@ -124,6 +124,22 @@ async def test_single_stream_word_by_word_is_heard_and_aligned(gateway: GatewayP
     assert sum(word in heard.split() for word in ("quick", "brown", "fox", "lazy", "dog")) >= 3, heard
 
 
+async def test_both_alignments_keep_the_spaces_between_phrases(gateway: GatewayProcess) -> None:
+    """Whole phrases (auto_mode, as LiveKit sends them): a client joining characters into words must not
+    read "that.The" in either alignment."""
+    text = ["I saw that. ", "The dog ran down. ", "Is it over?"]
+    received = Received()
+    async with websockets.connect(ws_url(gateway, auto_mode="true", apply_text_normalization="off")) as ws:
+        await send(ws, text=" ", context_id="a")
+        for piece in text:
+            await send(ws, text=piece, context_id="a")
+        await send(ws, text="", context_id="a", flush=True)
+        await send(ws, context_id="a", close_context=True)
+        await receive_until(ws, received, 1)
+    assert received.chars["a"].strip() == "".join(text)
+    assert received.normalized["a"] == received.chars["a"]
+
+
 async def test_normalized_alignment_carries_the_spoken_words(gateway: GatewayProcess) -> None:
     received = Received()
     async with websockets.connect(ws_url(gateway, apply_text_normalization="on")) as ws:
@@ -227,9 +243,12 @@ async def test_context_limit(gateway: GatewayProcess) -> None:
     async with websockets.connect(ws_url(gateway)) as ws:
         for index in range(6):
             await send(ws, text=" ", context_id=f"c{index}")
+        error = json.loads(await asyncio.wait_for(ws.recv(), 30))
         code, close_text = await close_reason(ws)
     assert code == 1008
     assert "context limit" in close_text
+    # An error about a context names it: LiveKit's plugin drops one that does not.
+    assert error["contextId"] == "c5" and "context limit" in error["message"]
 
 
 async def test_inactivity_timeout(gateway: GatewayProcess) -> None:

@@ -58,12 +58,14 @@ class TextStreamLimits:
 
 
 class SocketClosed(Exception):
-    """The session must end: ``code`` and ``reason`` go in the close frame."""
+    """The session must end: ``code`` and ``reason`` go in the close frame; ``ids``, the ``contextId`` of
+    the context it is about, in the error message before it."""
 
-    def __init__(self, code: int, reason: str) -> None:
+    def __init__(self, code: int, reason: str, ids: dict[str, str] | None = None) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.ids = ids or {}
 
 
 SynthesizerFactory = Callable[[VoiceChoice, PhraseChunker], TextStreamSynthesizer]
@@ -108,7 +110,7 @@ class TextStreamSession:
 
     async def run(self) -> None:
         """Serve the (accepted) socket until it ends; never raises for anything the client does."""
-        code, reason = NORMAL, ""
+        code, reason, ids = NORMAL, "", {}
         receiver = asyncio.create_task(self._receive())
         finished = asyncio.create_task(self._done.wait())
         try:
@@ -116,7 +118,7 @@ class TextStreamSession:
             if receiver.done() and not receiver.cancelled():
                 error = receiver.exception()
                 if isinstance(error, SocketClosed):
-                    code, reason = error.code, error.reason
+                    code, reason, ids = error.code, error.reason, error.ids
                 elif error is not None and not isinstance(error, WebSocketDisconnect):
                     logger.error("text stream failed", exc_info=error)
                     code, reason = INTERNAL, "internal error"
@@ -124,11 +126,11 @@ class TextStreamSession:
             for task in (receiver, finished):
                 task.cancel()
             await self._stop_all()
-        await self.close(code, reason)
+        await self.close(code, reason, ids)
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, code: int, reason: str, ids: dict[str, str] | None = None) -> None:
         async with self._send_lock:
-            await close_socket(self._ws, code, reason, self._metrics)
+            await close_socket(self._ws, code, reason, self._metrics, ids)
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -195,7 +197,9 @@ class TextStreamSession:
             await context.synthesizer.push(text)
             if context.synthesizer.buffered > self._limits.max_buffered_chars:
                 raise SocketClosed(
-                    POLICY, f"buffered text limit: over {self._limits.max_buffered_chars} characters not yet spoken"
+                    POLICY,
+                    f"buffered text limit: over {self._limits.max_buffered_chars} characters not yet spoken",
+                    self._ids(context),
                 )
         if message.flush or (text == "" and not self._multi):
             await context.synthesizer.flush()
@@ -205,7 +209,8 @@ class TextStreamSession:
 
     def _open(self, context_id: str, message: ClientMessage) -> _Context:
         if len(self._contexts) >= self._limits.max_contexts:
-            raise SocketClosed(POLICY, f"context limit: at most {self._limits.max_contexts} contexts at once")
+            limit = f"context limit: at most {self._limits.max_contexts} contexts at once"
+            raise SocketClosed(POLICY, limit, {"contextId": context_id} if self._multi else {})
         voice = self._voice
         if message.voice_settings is not None and message.voice_settings.speed is not None:
             voice = VoiceChoice(voice.voice, voice.model, message.voice_settings.speed, voice.normalize)
@@ -302,16 +307,19 @@ class TextStreamSession:
             await self._discard(context)
 
 
-async def close_socket(websocket: WebSocket, code: int, reason: str, metrics: TextStreamMetrics) -> None:
+async def close_socket(
+    websocket: WebSocket, code: int, reason: str, metrics: TextStreamMetrics, ids: dict[str, str] | None = None
+) -> None:
     """Close an accepted socket; an abnormal close is also told in an ``error`` message first
-    (clients show messages, few show close reasons)."""
+    (clients show messages, few show close reasons), with the ``contextId`` of a context it is about
+    (LiveKit's plugin drops an error without one)."""
     if websocket.client_state != WebSocketState.CONNECTED:
         return
     with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
         if code != NORMAL:
             # The reason's first words name the limit or check: a bounded label.
             metrics.closes.labels(reason.split(":")[0][:40]).inc()
-            await websocket.send_text(json.dumps({"error": reason, "message": reason, "code": code}))
+            await websocket.send_text(json.dumps({"error": reason, "message": reason, "code": code, **(ids or {})}))
         await websocket.close(code, reason.encode()[:_MAX_REASON_BYTES].decode(errors="ignore"))
 
 

@@ -248,10 +248,12 @@ class PhrasePipeline:
                 if isinstance(item, GatewayError):
                     raise item
                 if spoken is None or aligned is None:
+                    # The spaces around a phrase belong to both alignments: clients join them into words.
                     lead = phrase.text[: len(phrase.text) - len(phrase.text.lstrip())]
+                    trail = phrase.text[len(phrase.text.rstrip()) :]
                     rate = {} if ms_per_weight is None else {"ms_per_weight": ms_per_weight}
                     spoken = PhraseAligner(phrase.text, **rate)
-                    aligned = PhraseAligner(lead + phrase.normalized, **rate)
+                    aligned = PhraseAligner(lead + phrase.normalized + trail, **rate)
                 if pending is not None:
                     yield SpeechChunk(pending, spoken, aligned, phrase_end=False)
                 # One chunk is held back: only once the next one (or the end) has come is it
