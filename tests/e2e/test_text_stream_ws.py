@@ -120,6 +120,9 @@ async def test_single_stream_word_by_word_is_heard_and_aligned(gateway: GatewayP
     assert received.chars[None].strip() == SENTENCE
     audio = received.speech(None)
     assert audio.duration > 1.5
+    # Piper returns a sentence's audio whole; it still goes out in pieces a real-time player can start on.
+    pieces = [len(base64.b64decode(m["audio"])) / 2 / 16_000 for m in received.messages if m.get("audio")]
+    assert len(pieces) >= audio.duration / 0.25 and max(pieces) <= 0.25, pieces
     heard = transcribe(audio)
     assert sum(word in heard.split() for word in ("quick", "brown", "fox", "lazy", "dog")) >= 3, heard
 

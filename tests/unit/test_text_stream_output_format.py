@@ -11,7 +11,13 @@ import pytest
 
 from tests.audio_checks import decode_elevenlabs
 from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
-from tts_gateway.gateway.text_stream.output_format import FORMATS, OutputFormat, UnsupportedOutputFormat
+from tts_gateway.gateway.text_stream.output_format import (
+    FORMATS,
+    MAX_PIECE_MS,
+    OutputFormat,
+    UnsupportedOutputFormat,
+    pcm_pieces,
+)
 
 
 def tone(seconds: float) -> bytes:
@@ -91,3 +97,12 @@ def test_every_socket_format_is_a_rest_format_and_wav_is_rest_only() -> None:
 def test_other_formats_are_refused_with_the_list(name: str) -> None:
     with pytest.raises(UnsupportedOutputFormat, match=r"pcm_<8000\|16000.*mp3_44100_<32.*opus_48000_"):
         OutputFormat.parse(name)
+
+
+def test_pcm_pieces_are_short_whole_samples_and_join_to_the_input() -> None:
+    pcm = tone(0.95)
+    pieces = pcm_pieces(pcm)
+    assert b"".join(pieces) == pcm
+    assert len(pieces) == 5
+    assert all(len(piece) % 2 == 0 and len(piece) / 2 / OUTPUT_SAMPLE_RATE <= MAX_PIECE_MS / 1000 for piece in pieces)
+    assert pcm_pieces(b"") == []

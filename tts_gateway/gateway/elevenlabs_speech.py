@@ -31,6 +31,7 @@ from tts_gateway.gateway.text_stream.output_format import (
     ConvertedAudio,
     OutputFormat,
     UnsupportedOutputFormat,
+    pcm_pieces,
 )
 
 
@@ -80,10 +81,11 @@ class ElevenLabsAudio:
         """
         pending: ConvertedAudio | None = None
         async for pcm in self._stream:
-            converted = await self._converter.convert_async(pcm)
-            if pending is not None:
-                yield pending, False
-            pending = converted
+            for piece in pcm_pieces(pcm):
+                converted = await self._converter.convert_async(piece)
+                if pending is not None:
+                    yield pending, False
+                pending = converted
         tail = await self._converter.finish()
         if pending is None:
             pending = ConvertedAudio(b"", 0.0)

@@ -25,6 +25,11 @@ from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat, 
 
 Codec = Literal["pcm", "ulaw", "alaw", "mp3", "opus", "wav"]
 
+# The longest audio one message or streamed piece carries: a model that returns a sentence whole (Piper) still
+# reaches a client in pieces that a real-time player can start on and keep up with.
+MAX_PIECE_MS: Final = 200
+_MAX_PIECE_BYTES: Final = OUTPUT_SAMPLE_RATE * MAX_PIECE_MS // 1000 * 2
+
 PCM_RATES: Final = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 # ElevenLabs' mp3 formats: (sample rate, kbit/s).
 MP3_FORMATS: Final = ((22050, 32), (24000, 48), (44100, 32), (44100, 64), (44100, 96), (44100, 128), (44100, 192))
@@ -44,6 +49,11 @@ _SUMMARY: Final = (
     f"pcm_<{'|'.join(map(str, PCM_RATES))}>, ulaw_8000, alaw_8000, "
     f"mp3_22050_32, mp3_24000_48, mp3_44100_<32|64|96|128|192>, opus_48000_<{'|'.join(map(str, OPUS_BIT_RATES))}>"
 )
+
+
+def pcm_pieces(pcm: bytes) -> list[bytes]:
+    """``pcm`` (16-bit at OUTPUT_SAMPLE_RATE) in pieces of at most :data:`MAX_PIECE_MS`."""
+    return [pcm[start : start + _MAX_PIECE_BYTES] for start in range(0, len(pcm), _MAX_PIECE_BYTES)]
 
 
 class UnsupportedOutputFormat(ValueError):

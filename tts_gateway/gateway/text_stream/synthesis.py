@@ -27,6 +27,7 @@ from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.speech_service import SpeechStream
 from tts_gateway.gateway.text_stream.alignment import CharAlignment, PhraseAligner
+from tts_gateway.gateway.text_stream.output_format import pcm_pieces
 from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,8 @@ class PhrasePipeline:
                     phrase.normalized = audio.normalized
                     try:
                         async for data in audio:
-                            await phrase.queue.put(data)
+                            for piece in pcm_pieces(data):
+                                await phrase.queue.put(piece)
                     finally:
                         await audio.aclose()
         except GatewayError as exc:
