@@ -188,6 +188,27 @@ async def test_two_contexts_and_an_interruption(gateway: GatewayProcess) -> None
     assert await metric(gateway, "tts_ws_contexts_open") == 0
 
 
+@pytest.mark.parametrize("immediate", [True, False])
+async def test_close_after_a_flush_finishes_the_turn_unless_immediate(gateway: GatewayProcess, immediate: bool) -> None:
+    """The end of a turn (close_context right after a flush) is graceful; with "immediate" it is an interruption."""
+    received = Received()
+    long_text = " ".join(["This sentence is here to keep the voice busy for a while."] * 6)
+    async with websockets.connect(ws_url(gateway, auto_mode="true")) as ws:
+        await send(ws, text=" ", context_id="turn")
+        await send(ws, text=long_text, context_id="turn", flush=True)
+        while "turn" not in received.audio:
+            received.take(json.loads(await asyncio.wait_for(ws.recv(), 60)), 16_000)
+        await send(ws, context_id="turn", close_context=True, **({"immediate": True} if immediate else {}))
+        await receive_until(ws, received, 1)
+    spoken = len(received.audio["turn"]) / 2 / 16_000
+    if immediate:
+        assert spoken < 12, "the flushed text was spoken to its end"
+        assert received.chars["turn"].strip() != long_text
+    else:
+        assert spoken > 15, spoken
+        assert received.chars["turn"].strip() == long_text
+
+
 async def test_keepalives_flushes_and_close_socket(gateway: GatewayProcess) -> None:
     received = Received()
     async with websockets.connect(ws_url(gateway)) as ws:

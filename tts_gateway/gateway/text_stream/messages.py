@@ -62,6 +62,8 @@ class ClientMessage(BaseModel):
     # end allows, and ElevenLabs' SDK sends it with every word, which would make every word a phrase.
     try_trigger_generation: bool = False
     close_context: bool = False
+    # With close_context: an interruption even right after a flush (which otherwise lets the turn finish).
+    immediate: bool = False
     close_socket: bool = False
     voice_settings: VoiceSettings | None = None
     generation_config: GenerationConfig | None = None

@@ -6,9 +6,10 @@ the socket closes (1000) after the final message. ``multi-stream-input`` has up 
 named ``""``), each answered with its ``contextId``; ``{"text": ""}`` only keeps it alive.
 
 ``close_context`` after a ``flush`` (nothing sent since) lets the flushed text finish speaking,
-then ``isFinal`` follows: the end of a turn. Otherwise (text not flushed, or a second
-``close_context``) it is an interruption: the context's backend calls are cancelled at once,
-nothing more of its audio is sent, and ``isFinal`` follows straight away. Other contexts go on.
+then ``isFinal`` follows: the end of a turn. Otherwise (text not flushed, a second
+``close_context``, or ``"immediate": true``) it is an interruption: the context's backend calls
+are cancelled at once, nothing more of its audio is sent, and ``isFinal`` follows straight away.
+Other contexts go on.
 
 Close codes: 1000 done; 1007 a message that is not valid JSON or not a valid message; 1008 a
 limit or a bad parameter (reason says which); 1011 a gateway fault; 1013 too many sockets.
@@ -180,7 +181,8 @@ class TextStreamSession:
         context = self._contexts.get(context_id)
         if message.close_context:
             if context is not None:
-                await self._close_context(context, graceful=context.flushed and not context.closing)
+                graceful = context.flushed and not context.closing and not message.immediate
+                await self._close_context(context, graceful=graceful)
             return
         text = message.text
         if context is None:
