@@ -146,12 +146,16 @@ def test_voices_are_listed_searched_and_looked_up(sdk: ElevenLabs) -> None:
     assert missing.value.body["detail"]["status"] == "voice_not_found"
 
 
-def test_models_in_elevenlabs_shape_for_elevenlabs_clients_only(sdk: ElevenLabs, client: OpenAI) -> None:
+def test_models_in_elevenlabs_shape_for_elevenlabs_clients_only(
+    sdk: ElevenLabs, client: OpenAI, gateway: GatewayProcess
+) -> None:
     models = sdk.models.list()
     assert [m.model_id for m in models] == ["piper"]
     assert models[0].can_do_text_to_speech
     # OpenAI's clients, which send their key as a bearer token, still get OpenAI's list.
     assert "tts-1" in {model.id for model in client.models.list()}
+    both = httpx.get(f"{gateway.url}/v1/models", headers={"xi-api-key": "k", "Authorization": "Bearer k"}, timeout=10)
+    assert both.json()["object"] == "list"
 
 
 def test_errors_come_in_elevenlabs_envelope(sdk: ElevenLabs, gateway: GatewayProcess) -> None:
