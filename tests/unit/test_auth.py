@@ -77,6 +77,15 @@ async def test_elevenlabs_clients_send_the_key_as_xi_api_key(key: str, accepted:
         assert ran == []
 
 
+async def test_elevenlabs_paths_refuse_in_elevenlabs_envelope() -> None:
+    client, ran = _client()
+    async with client:
+        response = await client.get("/v1/voices", headers={"xi-api-key": "key-three"})
+    assert response.status_code == 401
+    assert response.json() == {"detail": {"status": "invalid_api_key", "message": "incorrect API key provided"}}
+    assert ran == []
+
+
 @pytest.mark.parametrize("key", ["key-three", "key-on", "key-one2", "KEY-ONE", "key-one,key-two"])
 async def test_a_wrong_key_is_a_401(key: str) -> None:
     client, ran = _client()

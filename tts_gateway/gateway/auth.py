@@ -4,9 +4,10 @@ It runs before routing, so it covers every route, the OpenAPI pages and unknown 
 alike (an unauthenticated caller cannot even learn which paths exist from 404s), and
 it answers before any request body is read. Clients send ``Authorization: Bearer KEY``,
 as the OpenAI SDK does with its ``api_key``, or the key alone in an ``xi-api-key`` header, as
-ElevenLabs' clients do. A WebSocket without a valid key is refused before it is accepted: with a
-401 and the error body where the server can answer a handshake with a response (uvicorn can),
-else with close code 1008, which the server sends as a 403.
+ElevenLabs' clients do (on ElevenLabs' REST paths the 401 comes in ElevenLabs' envelope). A
+WebSocket without a valid key is refused before it is accepted: with a 401 and the error body
+where the server can answer a handshake with a response (uvicorn can), else with close code
+1008, which the server sends as a 403.
 
 A presented key is hashed and compared with the hash of every configured key, each with
 :func:`hmac.compare_digest` and without stopping at a match: the time taken says neither
@@ -23,6 +24,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketClose
 
+from tts_gateway.gateway.elevenlabs_api import REST_PATHS, gateway_error_response
 from tts_gateway.gateway.errors import AuthenticationError
 
 
@@ -51,6 +53,8 @@ class ApiKeyMiddleware:
         if scope["type"] == "http":
             if error is None:
                 await self._app(scope, receive, send)
+            elif scope["path"].startswith(REST_PATHS):
+                await gateway_error_response(error)(scope, receive, send)
             else:
                 await error.response()(scope, receive, send)
             return

@@ -24,6 +24,8 @@ from tts_gateway.gateway.protocol import MAX_INPUT_CHARS, MAX_NAME_CHARS, Speech
 ELEVENLABS_MODEL_PREFIX: Final = "eleven_"
 DEFAULT_MODEL_ALIAS: Final = "tts-1"
 DEFAULT_OUTPUT_FORMAT: Final = "mp3_44100_128"
+# ElevenLabs' REST paths: their errors, refused keys included, come in ElevenLabs' envelope.
+REST_PATHS: Final = ("/v1/text-to-speech/", "/v1/voices", "/v2/voices")
 
 Normalization = Literal["auto", "on", "off"]
 

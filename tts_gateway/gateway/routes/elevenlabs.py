@@ -8,6 +8,7 @@ is served on ``/v1/models`` to ElevenLabs' clients (routes/models.py).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any
 
@@ -34,6 +35,8 @@ from tts_gateway.gateway.protocol import MAX_NAME_CHARS
 from tts_gateway.gateway.routes.speech import SpeechResponse
 from tts_gateway.gateway.text_stream.output_format import FORMATS
 
+logger = logging.getLogger(__name__)
+
 _NDJSON = "application/x-ndjson"
 
 
@@ -49,6 +52,8 @@ class ElevenLabsRoute(APIRoute):
             except RequestValidationError as exc:
                 return validation_error_response(exc)
             except GatewayError as exc:
+                if exc.status_code >= 500:
+                    logger.warning("request failed: %s (%s)", exc.message, exc.code)
                 return gateway_error_response(exc)
 
         return route
@@ -56,7 +61,7 @@ class ElevenLabsRoute(APIRoute):
 
 router = APIRouter(route_class=ElevenLabsRoute, responses=ERROR_RESPONSES)
 
-Query_ = Annotated[TextToSpeechQuery, Query()]
+QueryDep = Annotated[TextToSpeechQuery, Query()]
 
 
 class _Body:
@@ -89,18 +94,18 @@ _AUDIO: dict[int | str, dict[str, Any]] = {200: {"content": {mime: {} for mime i
 
 
 @router.post("/v1/text-to-speech/{voice_id}", response_class=StreamingResponse, responses=_AUDIO)
-async def convert(voice_id: str, body: TextToSpeechBody, query: Query_, services: ServicesDep) -> StreamingResponse:
+async def convert(voice_id: str, body: TextToSpeechBody, query: QueryDep, services: ServicesDep) -> StreamingResponse:
     return await _audio_response(services, voice_id, body, query, streaming=False)
 
 
 @router.post("/v1/text-to-speech/{voice_id}/stream", response_class=StreamingResponse, responses=_AUDIO)
-async def stream(voice_id: str, body: TextToSpeechBody, query: Query_, services: ServicesDep) -> StreamingResponse:
+async def stream(voice_id: str, body: TextToSpeechBody, query: QueryDep, services: ServicesDep) -> StreamingResponse:
     return await _audio_response(services, voice_id, body, query, streaming=True)
 
 
 @router.post("/v1/text-to-speech/{voice_id}/with-timestamps")
 async def convert_with_timestamps(
-    voice_id: str, body: TextToSpeechBody, query: Query_, services: ServicesDep
+    voice_id: str, body: TextToSpeechBody, query: QueryDep, services: ServicesDep
 ) -> AudioWithTimestamps:
     audio = await _speech(services).open(voice_id, body, query, streaming=False)
     try:
@@ -115,7 +120,7 @@ async def convert_with_timestamps(
     responses={200: {"content": {_NDJSON: {}}, "description": "one AudioWithTimestamps object a line"}},
 )
 async def stream_with_timestamps(
-    voice_id: str, body: TextToSpeechBody, query: Query_, services: ServicesDep
+    voice_id: str, body: TextToSpeechBody, query: QueryDep, services: ServicesDep
 ) -> StreamingResponse:
     audio = await _speech(services).open(voice_id, body, query, streaming=True)
 
