@@ -56,3 +56,19 @@ def assert_speech(audio: DecodedAudio, *, expected_seconds: float, tolerance: fl
     low, high = expected_seconds * (1 - tolerance), expected_seconds * (1 + tolerance) + 0.15
     assert low <= audio.duration <= high, f"duration {audio.duration:.2f}s outside [{low:.2f}, {high:.2f}]"
     assert audio.rms > 0.01, f"audio is (nearly) silent: rms {audio.rms:.4f}"
+
+
+def decode_elevenlabs(data: bytes, output_format: str) -> DecodedAudio:
+    """Decode audio in an ElevenLabs ``output_format`` (``pcm_16000``, ``ulaw_8000``, ``mp3_22050_32``...)."""
+    codec, rate = output_format.split("_")[:2]
+    if codec == "pcm":
+        assert len(data) % 2 == 0, "pcm must be whole 16-bit samples"
+        return DecodedAudio(np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0, int(rate), 1)
+    if codec in ("ulaw", "alaw"):
+        decoder = av.AudioCodecContext.create("pcm_mulaw" if codec == "ulaw" else "pcm_alaw", "r")
+        decoder.sample_rate = int(rate)
+        decoder.layout = "mono"
+        frames = decoder.decode(av.Packet(data))
+        samples = np.concatenate([frame.to_ndarray().ravel() for frame in frames]).astype(np.float32) / 32768.0
+        return DecodedAudio(samples, int(rate), 1)
+    return decode(data, codec)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -113,9 +114,13 @@ def free_ports(count: int) -> tuple[int, ...]:
 
 
 class GatewayProcess:
-    def __init__(self, log_path: Path, env: dict[str, str], args: list[str] | None = None) -> None:
+    def __init__(
+        self, log_path: Path, env: dict[str, str], args: list[str] | None = None, *, tls: ssl.SSLContext | None = None
+    ) -> None:
+        """``tls``: the process serves https (its arguments or environment name a certificate), which ``tls`` trusts."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self._verify: ssl.SSLContext | bool = tls or True
         self.log_path = log_path
         self._env = env
         self._args = args or []
@@ -137,7 +142,7 @@ class GatewayProcess:
             if self._process.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self._process.returncode}:\n{self.log_tail()}")
             try:
-                response = httpx.get(f"{self.url}/health", timeout=2.0)
+                response = httpx.get(f"{self.url}/health", timeout=2.0, verify=self._verify)
             except httpx.TransportError:
                 time.sleep(0.2)
                 continue

@@ -1,6 +1,7 @@
 """ElevenLabs' own client libraries against the gateway's text-to-speech WebSocket: Pipecat's
 ``ElevenLabsTTSService`` (token and sentence aggregation, and an interruption) and LiveKit's
-ElevenLabs TTS, talking to a real gateway process over Piper; PocketSphinx checks what was said."""
+ElevenLabs TTS (its socket and its REST ``synthesize()``, with its defaults: mp3 at 22.05 kHz),
+talking to a real gateway process over Piper; PocketSphinx checks what was said."""
 
 from __future__ import annotations
 
@@ -138,16 +139,27 @@ async def test_pipecat_interruption_stops_the_audio_and_the_socket_goes_on(gatew
     assert await metric(gateway, "tts_ws_contexts_open") == 0
 
 
-async def test_livekit_streams_a_reply(gateway: GatewayProcess) -> None:
+def livekit_tts(gateway: GatewayProcess, session: aiohttp.ClientSession, **options: Any) -> livekit_elevenlabs.TTS:
+    return livekit_elevenlabs.TTS(
+        voice_id="joe",
+        api_key="unused",
+        base_url=f"http://127.0.0.1:{gateway.port}/v1",
+        http_session=session,
+        **options,
+    )
+
+
+def livekit_pcm(frames: list[Any], rate: int) -> bytes:
+    assert frames and {frame.sample_rate for frame in frames} == {rate}
+    assert {frame.num_channels for frame in frames} == {1}
+    return b"".join(bytes(frame.data) for frame in frames)
+
+
+@pytest.mark.parametrize(("options", "rate"), [({}, 22_050), ({"encoding": "pcm_24000"}, 24_000)])
+async def test_livekit_streams_a_reply(gateway: GatewayProcess, options: dict[str, str], rate: int) -> None:
+    """With the plugin's defaults (mp3 at 22.05 kHz) and with raw PCM."""
     async with aiohttp.ClientSession() as session:
-        tts = livekit_elevenlabs.TTS(
-            voice_id="joe",
-            model="eleven_flash_v2_5",
-            encoding="pcm_24000",
-            api_key="unused",
-            base_url=f"http://127.0.0.1:{gateway.port}/v1",
-            http_session=session,
-        )
+        tts = livekit_tts(gateway, session, model="eleven_flash_v2_5", **options)
         stream = tts.stream()
         for index, word in enumerate(REPLY.split(" ")):
             stream.push_text(word if index == 0 else f" {word}")
@@ -155,8 +167,18 @@ async def test_livekit_streams_a_reply(gateway: GatewayProcess) -> None:
         frames = [event.frame async for event in stream]
         await stream.aclose()
         await tts.aclose()
-    assert {frame.sample_rate for frame in frames} == {24_000}
-    pcm = b"".join(bytes(frame.data) for frame in frames)
-    assert len(pcm) / 2 / 24_000 > 2.5
-    heard = heard_words(pcm, 24_000)
+    pcm = livekit_pcm(frames, rate)
+    assert len(pcm) / 2 / rate > 2.5
+    heard = heard_words(pcm, rate)
+    assert len(heard & {"quick", "brown", "fox", "lazy", "dog", "sunny", "day"}) >= 4, heard
+
+
+async def test_livekit_synthesize_calls_the_rest_stream(gateway: GatewayProcess) -> None:
+    async with aiohttp.ClientSession() as session:
+        tts = livekit_tts(gateway, session)
+        frames = [event.frame async for event in tts.synthesize(REPLY)]
+        await tts.aclose()
+    pcm = livekit_pcm(frames, 22_050)
+    assert len(pcm) / 2 / 22_050 > 2.5
+    heard = heard_words(pcm, 22_050)
     assert len(heard & {"quick", "brown", "fox", "lazy", "dog", "sunny", "day"}) >= 4, heard

@@ -120,8 +120,27 @@ async def test_single_stream_word_by_word_is_heard_and_aligned(gateway: GatewayP
     assert received.chars[None].strip() == SENTENCE
     audio = received.speech(None)
     assert audio.duration > 1.5
+    # Piper returns a sentence's audio whole; it still goes out in pieces a real-time player can start on.
+    pieces = [len(base64.b64decode(m["audio"])) / 2 / 16_000 for m in received.messages if m.get("audio")]
+    assert len(pieces) >= audio.duration / 0.25 and max(pieces) <= 0.25, pieces
     heard = transcribe(audio)
     assert sum(word in heard.split() for word in ("quick", "brown", "fox", "lazy", "dog")) >= 3, heard
+
+
+async def test_both_alignments_keep_the_spaces_between_phrases(gateway: GatewayProcess) -> None:
+    """Whole phrases (auto_mode, as LiveKit sends them): a client joining characters into words must not
+    read "that.The" in either alignment."""
+    text = ["I saw that. ", "The dog ran down. ", "Is it over?"]
+    received = Received()
+    async with websockets.connect(ws_url(gateway, auto_mode="true", apply_text_normalization="off")) as ws:
+        await send(ws, text=" ", context_id="a")
+        for piece in text:
+            await send(ws, text=piece, context_id="a")
+        await send(ws, text="", context_id="a", flush=True)
+        await send(ws, context_id="a", close_context=True)
+        await receive_until(ws, received, 1)
+    assert received.chars["a"].strip() == "".join(text)
+    assert received.normalized["a"] == received.chars["a"]
 
 
 async def test_normalized_alignment_carries_the_spoken_words(gateway: GatewayProcess) -> None:
@@ -169,6 +188,27 @@ async def test_two_contexts_and_an_interruption(gateway: GatewayProcess) -> None
     assert await metric(gateway, "tts_ws_contexts_open") == 0
 
 
+@pytest.mark.parametrize("immediate", [True, False])
+async def test_close_after_a_flush_finishes_the_turn_unless_immediate(gateway: GatewayProcess, immediate: bool) -> None:
+    """The end of a turn (close_context right after a flush) is graceful; with "immediate" it is an interruption."""
+    received = Received()
+    long_text = " ".join(["This sentence is here to keep the voice busy for a while."] * 6)
+    async with websockets.connect(ws_url(gateway, auto_mode="true")) as ws:
+        await send(ws, text=" ", context_id="turn")
+        await send(ws, text=long_text, context_id="turn", flush=True)
+        while "turn" not in received.audio:
+            received.take(json.loads(await asyncio.wait_for(ws.recv(), 60)), 16_000)
+        await send(ws, context_id="turn", close_context=True, **({"immediate": True} if immediate else {}))
+        await receive_until(ws, received, 1)
+    spoken = len(received.audio["turn"]) / 2 / 16_000
+    if immediate:
+        assert spoken < 12, "the flushed text was spoken to its end"
+        assert received.chars["turn"].strip() != long_text
+    else:
+        assert spoken > 15, spoken
+        assert received.chars["turn"].strip() == long_text
+
+
 async def test_keepalives_flushes_and_close_socket(gateway: GatewayProcess) -> None:
     received = Received()
     async with websockets.connect(ws_url(gateway)) as ws:
@@ -190,7 +230,7 @@ async def test_keepalives_flushes_and_close_socket(gateway: GatewayProcess) -> N
     [
         ({"voice": "nobody"}, "voice 'nobody' does not exist"),
         ({"model_id": "no-such-model"}, "no-such-model"),
-        ({"output_format": "mp3_44100_128"}, "output_format 'mp3_44100_128' is not supported"),
+        ({"output_format": "wav_16000"}, "output_format 'wav_16000' is not supported"),
         ({"inactivity_timeout": "0"}, "inactivity_timeout"),
     ],
 )
@@ -227,9 +267,12 @@ async def test_context_limit(gateway: GatewayProcess) -> None:
     async with websockets.connect(ws_url(gateway)) as ws:
         for index in range(6):
             await send(ws, text=" ", context_id=f"c{index}")
+        error = json.loads(await asyncio.wait_for(ws.recv(), 30))
         code, close_text = await close_reason(ws)
     assert code == 1008
     assert "context limit" in close_text
+    # An error about a context names it: LiveKit's plugin drops one that does not.
+    assert error["contextId"] == "c5" and "context limit" in error["message"]
 
 
 async def test_inactivity_timeout(gateway: GatewayProcess) -> None:

@@ -10,6 +10,7 @@ from tts_gateway.gateway.auth import ApiKeyMiddleware
 from tts_gateway.gateway.errors import install_error_handlers
 
 KEYS = ("key-one", "key-two")
+MISSING = "missing API key; send it as 'Authorization: Bearer <key>' or 'xi-api-key: <key>'"
 
 
 def _client(public: tuple[str, ...] = ("/health",)) -> tuple[httpx.AsyncClient, list[str]]:
@@ -59,7 +60,29 @@ async def test_a_missing_key_is_a_401(authorization: str | None) -> None:
     headers = {} if authorization is None else {"Authorization": authorization}
     async with client:
         response = await client.post("/v1/audio/speech", headers=headers, content=b'{"input": "hi"}')
-    _assert_401(response, "missing API key; send it as 'Authorization: Bearer <key>'")
+    _assert_401(response, MISSING)
+    assert ran == []
+
+
+@pytest.mark.parametrize(("key", "accepted"), [("key-one", True), ("key-two", True), ("key-three", False), ("", False)])
+async def test_elevenlabs_clients_send_the_key_as_xi_api_key(key: str, accepted: bool) -> None:
+    client, ran = _client()
+    async with client:
+        response = await client.post("/v1/audio/speech", headers={"xi-api-key": key})
+    if accepted:
+        assert response.status_code == 200
+        assert ran == ["speech"]
+    else:
+        _assert_401(response, "incorrect API key provided" if key else MISSING)
+        assert ran == []
+
+
+async def test_elevenlabs_paths_refuse_in_elevenlabs_envelope() -> None:
+    client, ran = _client()
+    async with client:
+        response = await client.get("/v1/voices", headers={"xi-api-key": "key-three"})
+    assert response.status_code == 401
+    assert response.json() == {"detail": {"status": "invalid_api_key", "message": "incorrect API key provided"}}
     assert ran == []
 
 
@@ -82,7 +105,7 @@ async def test_only_the_public_paths_are_open() -> None:
         unknown_with_key = await client.get("/v1/nothing-here", headers={"Authorization": "Bearer key-one"})
     assert health.status_code == 200
     for response in (metrics, docs, unknown):
-        _assert_401(response, "missing API key; send it as 'Authorization: Bearer <key>'")
+        _assert_401(response, MISSING)
     # Only a caller with a key learns which paths exist.
     assert unknown_with_key.status_code == 404
     assert ran == ["health"]

@@ -113,3 +113,16 @@ def test_path_settings_are_read_from_the_directory_the_gateway_started_in(
     defaults = Settings()
     assert defaults.voices_dir == tmp_path / "data" / "voices"
     assert defaults.triton_repository == TRITON_REPOSITORY
+
+
+@pytest.mark.parametrize("given", [{"ssl_certfile": "cert.pem"}, {"ssl_keyfile": "key.pem"}])
+def test_tls_needs_a_certificate_and_its_key(given: dict[str, str]) -> None:
+    with pytest.raises(ValidationError, match="both ssl_certfile and ssl_keyfile"):
+        Settings(**given)  # type: ignore[arg-type]
+
+
+def test_tls_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_SSL_CERTFILE", "/etc/tls/cert.pem")
+    monkeypatch.setenv("TTS_SSL_KEYFILE", "/etc/tls/key.pem")
+    settings = Settings()
+    assert (str(settings.ssl_certfile), str(settings.ssl_keyfile)) == ("/etc/tls/cert.pem", "/etc/tls/key.pem")

@@ -20,7 +20,7 @@ from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from tts_gateway.gateway.request_ids import RequestIdMiddleware
 from tts_gateway.gateway.request_limits import RequestBodyLimitMiddleware
-from tts_gateway.gateway.routes import health, models, speech, text_to_speech_ws, voices
+from tts_gateway.gateway.routes import elevenlabs, health, models, speech, text_to_speech_ws, voices
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
 from tts_gateway.gateway.speech_plan import SpeechPlanner
 from tts_gateway.gateway.speech_service import SpeechService
@@ -135,7 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (speech, text_to_speech_ws, voices, models, health):
+    for module in (speech, elevenlabs, text_to_speech_ws, voices, models, health):
         app.include_router(module.router)
     # The last added runs first: every answer carries its request id, metrics see every answer, a
     # missing key is refused before the body is read, and the body limit applies before any route

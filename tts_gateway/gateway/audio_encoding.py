@@ -2,7 +2,8 @@
 
 Every encoder takes mono float32 audio at the backend's sample rate, resamples it
 to 24 kHz (the rate OpenAI clients such as Pipecat and LiveKit hard-code for pcm,
-used for every format so all outputs agree), and returns encoded bytes as soon as
+used for every format so all outputs agree; ElevenLabs' formats name rates of their
+own), and returns encoded bytes as soon as
 the codec and container produce them. Compressed formats go through FFmpeg's
 encoders in PyAV; pcm and wav are written directly.
 
@@ -86,27 +87,27 @@ def _to_int16_bytes(samples: NDArray[np.float32]) -> bytes:
     return scaled.astype("<i2").tobytes()
 
 
-def _wav_header(data_size: int) -> bytes:
-    """A canonical 44-byte header for 16-bit mono PCM at OUTPUT_SAMPLE_RATE."""
+def _wav_header(data_size: int, sample_rate: int = OUTPUT_SAMPLE_RATE) -> bytes:
+    """A canonical 44-byte header for 16-bit mono PCM at ``sample_rate``."""
     riff_size = _STREAMING_WAV_SIZE if data_size == _STREAMING_WAV_SIZE else 36 + data_size
-    byte_rate = OUTPUT_SAMPLE_RATE * _BYTES_PER_SAMPLE
+    byte_rate = sample_rate * _BYTES_PER_SAMPLE
     return (
         struct.pack("<4sI4s", b"RIFF", riff_size, b"WAVE")
-        + struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, OUTPUT_SAMPLE_RATE, byte_rate, _BYTES_PER_SAMPLE, 16)
+        + struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, sample_rate, byte_rate, _BYTES_PER_SAMPLE, 16)
         + struct.pack("<4sI", b"data", data_size)
     )
 
 
 class _Resampler:
-    """Streaming resampler to OUTPUT_SAMPLE_RATE that also sanitises the samples."""
+    """Streaming resampler to the output rate that also sanitises the samples."""
 
-    def __init__(self, input_sample_rate: int) -> None:
+    def __init__(self, input_sample_rate: int, output_sample_rate: int) -> None:
         if input_sample_rate <= 0:
             raise ValueError(f"invalid input sample rate: {input_sample_rate}")
         self._stream = (
             None
-            if input_sample_rate == OUTPUT_SAMPLE_RATE
-            else soxr.ResampleStream(input_sample_rate, OUTPUT_SAMPLE_RATE, 1, dtype="float32", quality="VHQ")
+            if input_sample_rate == output_sample_rate
+            else soxr.ResampleStream(input_sample_rate, output_sample_rate, 1, dtype="float32", quality="VHQ")
         )
 
     def process(self, samples: NDArray[np.float32]) -> NDArray[np.float32]:
@@ -138,8 +139,9 @@ class _Resampler:
 class _Encoder(ABC):
     """Resampling and life-cycle shared by every format."""
 
-    def __init__(self, input_sample_rate: int) -> None:
-        self._resampler = _Resampler(input_sample_rate)
+    def __init__(self, input_sample_rate: int, output_sample_rate: int = OUTPUT_SAMPLE_RATE) -> None:
+        self._resampler = _Resampler(input_sample_rate, output_sample_rate)
+        self._output_rate = output_sample_rate
         self._finished = False
 
     def encode(self, samples: NDArray[np.float32]) -> bytes:
@@ -155,7 +157,7 @@ class _Encoder(ABC):
 
     @abstractmethod
     def _encode_output(self, samples: NDArray[np.float32]) -> bytes:
-        """Encode samples already at OUTPUT_SAMPLE_RATE and clipped to [-1, 1]."""
+        """Encode samples already at the output rate and clipped to [-1, 1]."""
 
     @abstractmethod
     def _close(self) -> bytes:
@@ -177,15 +179,15 @@ class _StreamingWavEncoder(_Encoder):
 
     cheap = True
 
-    def __init__(self, input_sample_rate: int) -> None:
-        super().__init__(input_sample_rate)
+    def __init__(self, input_sample_rate: int, output_sample_rate: int = OUTPUT_SAMPLE_RATE) -> None:
+        super().__init__(input_sample_rate, output_sample_rate)
         self._header_sent = False
 
     def _header_once(self) -> bytes:
         if self._header_sent:
             return b""
         self._header_sent = True
-        return _wav_header(_STREAMING_WAV_SIZE)
+        return _wav_header(_STREAMING_WAV_SIZE, self._output_rate)
 
     def _encode_output(self, samples: NDArray[np.float32]) -> bytes:
         return self._header_once() + _to_int16_bytes(samples)
@@ -199,8 +201,8 @@ class _WholeWavEncoder(_Encoder):
 
     cheap = True
 
-    def __init__(self, input_sample_rate: int) -> None:
-        super().__init__(input_sample_rate)
+    def __init__(self, input_sample_rate: int, output_sample_rate: int = OUTPUT_SAMPLE_RATE) -> None:
+        super().__init__(input_sample_rate, output_sample_rate)
         self._chunks: list[bytes] = []
 
     def _encode_output(self, samples: NDArray[np.float32]) -> bytes:
@@ -209,7 +211,7 @@ class _WholeWavEncoder(_Encoder):
 
     def _close(self) -> bytes:
         size = sum(len(chunk) for chunk in self._chunks)
-        data = b"".join([_wav_header(size), *self._chunks])
+        data = b"".join([_wav_header(size, self._output_rate), *self._chunks])
         self._chunks.clear()
         return data
 
@@ -236,8 +238,16 @@ class _PyAVEncoder(_Encoder):
 
     cheap = False
 
-    def __init__(self, spec: _CodecSpec, input_sample_rate: int, *, streaming: bool) -> None:
-        super().__init__(input_sample_rate)
+    def __init__(
+        self,
+        spec: _CodecSpec,
+        input_sample_rate: int,
+        *,
+        streaming: bool,
+        output_sample_rate: int = OUTPUT_SAMPLE_RATE,
+        bit_rate: int | None = None,
+    ) -> None:
+        super().__init__(input_sample_rate, output_sample_rate)
         self._sink = _DrainableSink() if streaming else None
         # Not streaming: a seekable buffer lets muxers write exact headers (e.g. the
         # FLAC STREAMINFO sample count), and everything is returned by finish().
@@ -252,19 +262,19 @@ class _PyAVEncoder(_Encoder):
             format=spec.container,
             options=options,
         )
-        stream = self._container.add_stream(spec.codec, rate=OUTPUT_SAMPLE_RATE, layout="mono")
+        stream = self._container.add_stream(spec.codec, rate=output_sample_rate, layout="mono")
         if not isinstance(stream, AudioStream):
             raise TypeError(f"{spec.codec} is not an audio codec")
-        if spec.bit_rate is not None:
-            stream.bit_rate = spec.bit_rate
+        if (rate := bit_rate or spec.bit_rate) is not None:
+            stream.bit_rate = rate
         self._stream = stream
         self._next_pts = 0
 
     def _encode_output(self, samples: NDArray[np.float32]) -> bytes:
         if samples.size:
             frame = av.AudioFrame.from_ndarray(samples[np.newaxis, :], format="flt", layout="mono")
-            frame.sample_rate = OUTPUT_SAMPLE_RATE
-            frame.time_base = Fraction(1, OUTPUT_SAMPLE_RATE)
+            frame.sample_rate = self._output_rate
+            frame.time_base = Fraction(1, self._output_rate)
             frame.pts = self._next_pts
             self._next_pts += samples.size
             self._container.mux(self._stream.encode(frame))
@@ -281,19 +291,30 @@ class _PyAVEncoder(_Encoder):
         return self._sink.drain() if self._sink is not None else b""
 
 
-def create_encoder(fmt: AudioFormat, input_sample_rate: int, *, streaming: bool = True) -> StreamEncoder:
+def create_encoder(
+    fmt: AudioFormat,
+    input_sample_rate: int,
+    *,
+    streaming: bool = True,
+    output_sample_rate: int = OUTPUT_SAMPLE_RATE,
+    bit_rate: int | None = None,
+) -> StreamEncoder:
     """Build a fresh encoder for one response.
 
     With ``streaming=False`` the output is meant to be sent whole, so headers carry
     exact sizes (wav, flac); bytes may then be held back until ``finish``. Either way
     the file is the concatenation of everything ``encode`` and ``finish`` return.
+    ``output_sample_rate`` and ``bit_rate`` serve other APIs' formats (ElevenLabs names
+    a rate and a bit rate in each); OpenAI's are 24 kHz at the codec's default bit rate.
     """
+    rate = output_sample_rate
     if fmt == "pcm":
-        return _PcmEncoder(input_sample_rate)
+        return _PcmEncoder(input_sample_rate, rate)
     if fmt == "wav":
-        return _StreamingWavEncoder(input_sample_rate) if streaming else _WholeWavEncoder(input_sample_rate)
+        return _StreamingWavEncoder(input_sample_rate, rate) if streaming else _WholeWavEncoder(input_sample_rate, rate)
     if fmt in _CODEC_SPECS:
-        return _PyAVEncoder(_CODEC_SPECS[fmt], input_sample_rate, streaming=streaming)
+        spec = _CODEC_SPECS[fmt]
+        return _PyAVEncoder(spec, input_sample_rate, streaming=streaming, output_sample_rate=rate, bit_rate=bit_rate)
     raise ValueError(f"unsupported audio format: {fmt!r}")
 
 

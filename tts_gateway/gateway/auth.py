@@ -3,10 +3,11 @@
 It runs before routing, so it covers every route, the OpenAPI pages and unknown paths
 alike (an unauthenticated caller cannot even learn which paths exist from 404s), and
 it answers before any request body is read. Clients send ``Authorization: Bearer KEY``,
-as the OpenAI SDK does with its ``api_key``. A WebSocket may send the key as ElevenLabs'
-clients do, in an ``xi-api-key`` header, instead; one without a valid key is refused before it
-is accepted: with a 401 and the error body where the server can answer a handshake with a
-response (uvicorn can), else with close code 1008, which the server sends as a 403.
+as the OpenAI SDK does with its ``api_key``, or the key alone in an ``xi-api-key`` header, as
+ElevenLabs' clients do (on ElevenLabs' REST paths the 401 comes in ElevenLabs' envelope). A
+WebSocket without a valid key is refused before it is accepted: with a 401 and the error body
+where the server can answer a handshake with a response (uvicorn can), else with close code
+1008, which the server sends as a 403.
 
 A presented key is hashed and compared with the hash of every configured key, each with
 :func:`hmac.compare_digest` and without stopping at a match: the time taken says neither
@@ -23,6 +24,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketClose
 
+from tts_gateway.gateway.elevenlabs_api import REST_PATHS, gateway_error_response
 from tts_gateway.gateway.errors import AuthenticationError
 from tts_gateway.gateway.log_limits import log_refused_handshake
 
@@ -47,15 +49,16 @@ class ApiKeyMiddleware:
             await self._app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        key = headers.get("xi-api-key")
+        error = self._check(f"Bearer {key}" if key else headers.get("authorization"))
         if scope["type"] == "http":
-            error = self._check(headers.get("authorization"))
             if error is None:
                 await self._app(scope, receive, send)
+            elif scope["path"].startswith(REST_PATHS):
+                await gateway_error_response(error)(scope, receive, send)
             else:
                 await error.response()(scope, receive, send)
             return
-        key = headers.get("xi-api-key")
-        error = self._check(f"Bearer {key}" if key else headers.get("authorization"), websocket=True)
         if error is None:
             await self._app(scope, receive, send)
         elif "websocket.http.response" in scope.get("extensions", {}):
@@ -65,12 +68,13 @@ class ApiKeyMiddleware:
             log_refused_handshake(scope, 1008, error.message)
             await WebSocketClose(code=1008, reason=error.message)(scope, receive, send)
 
-    def _check(self, authorization: str | None, *, websocket: bool = False) -> AuthenticationError | None:
+    def _check(self, authorization: str | None) -> AuthenticationError | None:
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            how = "an 'xi-api-key: <key>' header or " if websocket else ""
-            return AuthenticationError(f"missing API key; send it as {how}'Authorization: Bearer <key>'")
+            return AuthenticationError(
+                "missing API key; send it as 'Authorization: Bearer <key>' or 'xi-api-key: <key>'"
+            )
         if not self._matches(token):
             return AuthenticationError("incorrect API key provided")
         return None

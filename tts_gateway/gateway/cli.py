@@ -41,7 +41,25 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="announce the Wyoming server over zeroconf for Home Assistant (TTS_WYOMING_ZEROCONF)",
     )
+    serve.add_argument("--ssl-certfile", help="TLS certificate, PEM: serve https and wss (TTS_SSL_CERTFILE)")
+    serve.add_argument("--ssl-keyfile", help="the certificate's private key, PEM (TTS_SSL_KEYFILE)")
     return parser
+
+
+def _uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """What every uvicorn server of the gateway runs with, one process or several."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_config": _log_config(settings.log_level),
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": settings.shutdown_grace,
+        "timeout_keep_alive": settings.keep_alive,
+        "ws": GatewayWebSocketProtocol,
+        # uvicorn's own TLS: https, and wss for the text-to-speech sockets.
+        "ssl_certfile": settings.ssl_certfile,
+        "ssl_keyfile": settings.ssl_keyfile,
+    }
 
 
 def _log_config(level: str) -> dict[str, Any]:
@@ -97,13 +115,7 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
             "tts_gateway.gateway.app_factory:create_app",
             factory=True,
             workers=settings.workers,
-            host=settings.host,
-            port=settings.port,
-            log_config=_log_config(settings.log_level),
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=settings.shutdown_grace,
-            timeout_keep_alive=settings.keep_alive,
-            ws=GatewayWebSocketProtocol,
+            **_uvicorn_options(settings),
         )
 
 
@@ -119,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("wyoming_port", args.wyoming_port),
             ("wyoming_host", args.wyoming_host),
             ("wyoming_zeroconf", args.wyoming_zeroconf),
+            ("ssl_certfile", args.ssl_certfile),
+            ("ssl_keyfile", args.ssl_keyfile),
         )
         if value is not None
     }
@@ -129,13 +143,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     if settings.workers > 1:
         _serve_workers(settings, overrides)
         return
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=_log_config(settings.log_level),
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_grace,
-        timeout_keep_alive=settings.keep_alive,
-        ws=GatewayWebSocketProtocol,
-    )
+    uvicorn.run(create_app(settings), **_uvicorn_options(settings))

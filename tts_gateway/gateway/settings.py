@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     shutdown_grace: int = Field(
         30, ge=0, description="seconds in-flight requests may take to finish after SIGTERM before they are cut"
     )
+    ssl_certfile: Path | None = Field(
+        None, description="TLS certificate (PEM, chain included): serve https and wss; needs ssl_keyfile"
+    )
+    ssl_keyfile: Path | None = Field(None, description="the certificate's private key (PEM)")
     keep_alive: int = Field(
         75,
         ge=1,
@@ -254,6 +258,8 @@ class Settings(BaseSettings):
     def _check_limits(self) -> Settings:
         if self.ref_min_seconds >= self.ref_max_seconds:
             raise ValueError("ref_min_seconds must be below ref_max_seconds")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both ssl_certfile and ssl_keyfile")
         if self.queue_timeout >= self.request_timeout:
             raise ValueError("queue_timeout must be below request_timeout (the wait for a slot is part of a request)")
         return self

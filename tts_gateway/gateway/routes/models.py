@@ -1,19 +1,38 @@
-"""Model listings: OpenAI's ``/v1/models`` and the community ``/v1/audio/models``."""
+"""Model listings: OpenAI's ``/v1/models`` and the community ``/v1/audio/models``.
+
+``/v1/models`` answers ElevenLabs' clients in ElevenLabs' shape (a bare list of models): they send their
+key as ``xi-api-key`` and OpenAI's clients as ``Authorization: Bearer``, so a request with the first and
+without the second gets ElevenLabs' list.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Header
+from fastapi.responses import JSONResponse
 
 from tts_gateway.gateway.dependencies import ServicesDep
+from tts_gateway.gateway.elevenlabs_api import ElevenLabsModel
 from tts_gateway.gateway.errors import NotFoundError
 from tts_gateway.gateway.protocol import ERROR_RESPONSES, AudioModel, AudioModelList, ModelCard, ModelList
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
-@router.get("/v1/models")
-async def list_models(services: ServicesDep) -> ModelList:
+@router.get(
+    "/v1/models",
+    response_model=ModelList,
+    responses={200: {"description": "ElevenLabs' shape, a list of models, for a request with `xi-api-key`"}},
+)
+async def list_models(
+    services: ServicesDep,
+    xi_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
+    authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> ModelList | JSONResponse:
     catalog = services.catalog.current
+    if xi_api_key is not None and authorization is None:
+        return JSONResponse([ElevenLabsModel.of(model).model_dump() for model in catalog.models.values()])
     created = services.started_at
     names = [*catalog.models, *catalog.aliases]
     return ModelList(data=[ModelCard(id=name, created=created) for name in names])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Protocol
+
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -9,11 +12,19 @@ from starlette.types import Receive, Scope, Send
 from tts_gateway.gateway.audio_encoding import CONTENT_TYPES
 from tts_gateway.gateway.dependencies import ServicesDep
 from tts_gateway.gateway.protocol import ERROR_RESPONSES, SpeechRequest
-from tts_gateway.gateway.speech_service import SpeechStream, StreamAborted
+from tts_gateway.gateway.speech_service import StreamAborted
 
 router = APIRouter()
 
 _SSE = "text/event-stream"
+
+
+class ResponseBody(Protocol):
+    """A speech response's body: a :class:`SpeechStream`, or another API's view of one."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class SpeechResponse(StreamingResponse):
@@ -24,7 +35,7 @@ class SpeechResponse(StreamingResponse):
     the body, so the server drops the connection and the client sees an error, not a short file.
     """
 
-    def __init__(self, stream: SpeechStream, *, media_type: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, stream: ResponseBody, *, media_type: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(stream, media_type=media_type, headers=headers)
         self._stream = stream
 

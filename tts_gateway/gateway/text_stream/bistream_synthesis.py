@@ -137,9 +137,6 @@ class BistreamSynthesis:
     async def flush(self) -> None:
         self._send(self._chunker.flush())
 
-    async def trigger(self) -> None:
-        self._send(self._chunker.take_words())
-
     async def end_input(self) -> None:
         if not self._ended:
             self._send(self._chunker.flush())

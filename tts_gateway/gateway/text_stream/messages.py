@@ -7,17 +7,14 @@ sets them would otherwise fail for no benefit.
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tts_gateway.gateway.elevenlabs_api import Normalization, VoiceSettings, gateway_model, text_normalization
 from tts_gateway.gateway.protocol import MAX_NAME_CHARS, clean_text
 from tts_gateway.gateway.text_stream.phrase_chunker import SCHEDULE_MAX, SCHEDULE_MIN
 
-# ElevenLabs' own model ids all start so; any of them means the gateway's default model, as
-# OpenAI's model names do (they are its aliases).
-ELEVENLABS_MODEL_PREFIX: Final = "eleven_"
-DEFAULT_MODEL_ALIAS: Final = "tts-1"
 MAX_INACTIVITY_TIMEOUT: Final = 180
 
 
@@ -25,30 +22,21 @@ class StreamQuery(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model_id: str = Field("", max_length=MAX_NAME_CHARS)
-    # ElevenLabs' own default (mp3_44100_128) is not offered here: see output_format.py.
+    # Not ElevenLabs' default (mp3_44100_128): raw PCM is what voice agents play.
     output_format: str = Field("pcm_24000", max_length=64)
     auto_mode: bool = False
     sync_alignment: bool = False
     inactivity_timeout: int = Field(20, ge=1, le=MAX_INACTIVITY_TIMEOUT)
-    apply_text_normalization: Literal["auto", "on", "off"] = "auto"
+    apply_text_normalization: Normalization = "auto"
 
     @property
     def model(self) -> str:
         """The gateway model the socket speaks with."""
-        if not self.model_id or self.model_id.startswith(ELEVENLABS_MODEL_PREFIX):
-            return DEFAULT_MODEL_ALIAS
-        return self.model_id
+        return gateway_model(self.model_id)
 
     @property
     def normalize(self) -> bool | None:
-        """``auto`` follows the server's ``TTS_TEXT_NORMALIZATION``."""
-        return {"auto": None, "on": True, "off": False}[self.apply_text_normalization]
-
-
-class VoiceSettings(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    speed: float | None = Field(None, ge=0.25, le=4.0, allow_inf_nan=False)
+        return text_normalization(self.apply_text_normalization)
 
 
 class GenerationConfig(BaseModel):
@@ -70,8 +58,12 @@ class ClientMessage(BaseModel):
     text: str | None = None
     context_id: str | None = Field(None, min_length=1, max_length=MAX_NAME_CHARS)
     flush: bool = False
+    # A hint that the chunk schedule already answers: a phrase is cut as soon as the schedule or a sentence
+    # end allows, and ElevenLabs' SDK sends it with every word, which would make every word a phrase.
     try_trigger_generation: bool = False
     close_context: bool = False
+    # With close_context: an interruption even right after a flush (which otherwise lets the turn finish).
+    immediate: bool = False
     close_socket: bool = False
     voice_settings: VoiceSettings | None = None
     generation_config: GenerationConfig | None = None

@@ -87,7 +87,7 @@ class PhraseChunker:
         return self._take_upto(len(self._buffer))
 
     def take_words(self, *, keep_numbers_whole: bool = False) -> list[str]:
-        """The buffered text up to its last space, as phrases (``try_trigger_generation``).
+        """The buffered text up to its last space, as phrases (a model that takes words as they come).
 
         ``keep_numbers_whole``: a last word with a digit or a symbol stays buffered until a word
         without one follows it, so that the normaliser reads it with its neighbours ("5 kg",

@@ -66,7 +66,7 @@ class TextStreams:
         code = POLICY
         try:
             query = StreamQuery.model_validate(dict(websocket.query_params))
-            output = OutputFormat.parse(query.output_format)
+            output = OutputFormat.parse(query.output_format, socket=True)
             voice = VoiceChoice(voice_id, query.model, normalize=query.normalize)
             await self._phrases.check(voice)
         except ValidationError as exc:

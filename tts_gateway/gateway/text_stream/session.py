@@ -6,9 +6,10 @@ the socket closes (1000) after the final message. ``multi-stream-input`` has up 
 named ``""``), each answered with its ``contextId``; ``{"text": ""}`` only keeps it alive.
 
 ``close_context`` after a ``flush`` (nothing sent since) lets the flushed text finish speaking,
-then ``isFinal`` follows: the end of a turn. Otherwise (text not flushed, or a second
-``close_context``) it is an interruption: the context's backend calls are cancelled at once,
-nothing more of its audio is sent, and ``isFinal`` follows straight away. Other contexts go on.
+then ``isFinal`` follows: the end of a turn. Otherwise (text not flushed, a second
+``close_context``, or ``"immediate": true``) it is an interruption: the context's backend calls
+are cancelled at once, nothing more of its audio is sent, and ``isFinal`` follows straight away.
+Other contexts go on.
 
 Limits: a context may hold ``max_buffered_chars`` characters received and not yet spoken, the
 socket ``max_socket_buffered_chars`` over all its contexts, counted however the text is sent. A
@@ -51,7 +52,7 @@ from tts_gateway.gateway.errors import GatewayError, RateLimitError
 from tts_gateway.gateway.log_limits import RateLimitedLog, client_address
 from tts_gateway.gateway.text_stream.messages import ClientMessage, StreamQuery
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
-from tts_gateway.gateway.text_stream.output_format import OutputFormat
+from tts_gateway.gateway.text_stream.output_format import ConvertedAudio, OutputFormat
 from tts_gateway.gateway.text_stream.phrase_chunker import DEFAULT_SCHEDULE, PhraseChunker
 from tts_gateway.gateway.text_stream.synthesis import SpeechChunk, TextStreamSynthesizer, VoiceChoice
 
@@ -94,12 +95,14 @@ class TextStreamLimits:
 
 
 class SocketClosed(Exception):
-    """The session must end: ``code`` and ``reason`` go in the close frame."""
+    """The session must end: ``code`` and ``reason`` go in the close frame; ``ids``, the ``contextId`` of
+    the context it is about, in the error message before it."""
 
-    def __init__(self, code: int, reason: str) -> None:
+    def __init__(self, code: int, reason: str, ids: dict[str, str] | None = None) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.ids = ids or {}
 
 
 SynthesizerFactory = Callable[[VoiceChoice, PhraseChunker, asyncio.Semaphore], TextStreamSynthesizer]
@@ -148,17 +151,17 @@ class TextStreamSession:
 
     async def run(self) -> None:
         """Serve the (accepted) socket until it ends; never raises for anything the client does."""
-        code, reason = NORMAL, ""
+        code, reason, ids = NORMAL, "", {}
         receiver = asyncio.create_task(self._receive())
         finished = asyncio.create_task(self._done.wait())
         try:
             await asyncio.wait({receiver, finished}, return_when=asyncio.FIRST_COMPLETED)
             if self._failure is not None:
-                code, reason = self._failure.code, self._failure.reason
+                code, reason, ids = self._failure.code, self._failure.reason, self._failure.ids
             elif receiver.done() and not receiver.cancelled():
                 error = receiver.exception()
                 if isinstance(error, SocketClosed):
-                    code, reason = error.code, error.reason
+                    code, reason, ids = error.code, error.reason, error.ids
                 elif error is not None and not isinstance(error, WebSocketDisconnect):
                     logger.error("text stream failed", exc_info=error)
                     code, reason = INTERNAL, "internal error"
@@ -166,16 +169,16 @@ class TextStreamSession:
             for task in (receiver, finished):
                 task.cancel()
             await self._stop_all()
-        await self.close(code, reason)
+        await self.close(code, reason, ids)
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, code: int, reason: str, ids: dict[str, str] | None = None) -> None:
         async with self._send_lock:
-            await close_socket(self._ws, code, reason, self._metrics)
+            await close_socket(self._ws, code, reason, self._metrics, ids)
 
-    def _end(self, code: int, reason: str) -> None:
+    def _end(self, code: int, reason: str, ids: dict[str, str] | None = None) -> None:
         """End the session from one of its tasks (the first reason given wins)."""
         if self._failure is None:
-            self._failure = SocketClosed(code, reason)
+            self._failure = SocketClosed(code, reason, ids)
         self._done.set()
 
     # -- input -------------------------------------------------------------------------------------
@@ -234,7 +237,8 @@ class TextStreamSession:
         context = self._contexts.get(context_id)
         if message.close_context:
             if context is not None:
-                await self._close_context(context, graceful=context.flushed and not context.closing)
+                graceful = context.flushed and not context.closing and not message.immediate
+                await self._close_context(context, graceful=graceful)
             return
         text = message.text
         if text and len(text) > self._limits.max_buffered_chars:
@@ -256,8 +260,6 @@ class TextStreamSession:
         if message.flush or (text == "" and not self._multi):
             await context.synthesizer.flush()
             context.flushed = True
-        elif message.try_trigger_generation:
-            await context.synthesizer.trigger()
         if text == "" and not self._multi:
             await self._close_context(context, graceful=True)
 
@@ -281,7 +283,8 @@ class TextStreamSession:
 
     def _open(self, context_id: str, message: ClientMessage) -> _Context:
         if len(self._contexts) >= self._limits.max_contexts:
-            raise SocketClosed(POLICY, f"context limit: at most {self._limits.max_contexts} contexts at once")
+            limit = f"context limit: at most {self._limits.max_contexts} contexts at once"
+            raise SocketClosed(POLICY, limit, {"contextId": context_id} if self._multi else {})
         voice = self._voice
         if message.voice_settings is not None and message.voice_settings.speed is not None:
             voice = VoiceChoice(voice.voice, voice.model, message.voice_settings.speed, voice.normalize)
@@ -311,11 +314,14 @@ class TextStreamSession:
         converter = self._output.converter()
         try:
             async for chunk in context.synthesizer.chunks():
-                audio = converter.convert(chunk.pcm, last=chunk.phrase_end)
+                audio = await converter.convert_async(chunk.pcm, last=chunk.phrase_end)
                 if not context.sent_audio and context.first_text_at is not None:
                     self._metrics.first_audio.observe(time.monotonic() - context.first_text_at)
                 context.sent_audio = True
                 await self._send(self._audio_message(context, audio, chunk))
+            if tail := await converter.finish():
+                # A compressed format's last frames: audio that the messages before already aligned.
+                await self._send({"audio": base64.b64encode(tail).decode(), "isFinal": False, **self._ids(context)})
         except GatewayError as exc:
             await self._fail(context, exc)
             return
@@ -331,12 +337,12 @@ class TextStreamSession:
         self._metrics.failed.labels(error.code or "synthesis_failed").inc()
         await self._send({"error": error.code or "synthesis_failed", "message": error.message, **self._ids(context)})
         code = TRY_LATER if isinstance(error, RateLimitError) else INTERNAL
-        self._end(code, f"synthesis failed: {error.message}")
+        self._end(code, f"synthesis failed: {error.message}", self._ids(context))
 
-    def _audio_message(self, context: _Context, audio: bytes, chunk: SpeechChunk) -> dict[str, Any]:
-        spoken, normalized = chunk.align(self._output.duration_ms(audio))
+    def _audio_message(self, context: _Context, audio: ConvertedAudio, chunk: SpeechChunk) -> dict[str, Any]:
+        spoken, normalized = chunk.align(audio.duration_ms)
         return {
-            "audio": base64.b64encode(audio).decode(),
+            "audio": base64.b64encode(audio.data).decode(),
             "isFinal": False,
             "alignment": spoken.to_json(),
             "normalizedAlignment": normalized.to_json(),
@@ -387,9 +393,12 @@ class TextStreamSession:
             await self._discard(context)
 
 
-async def close_socket(websocket: WebSocket, code: int, reason: str, metrics: TextStreamMetrics) -> None:
+async def close_socket(
+    websocket: WebSocket, code: int, reason: str, metrics: TextStreamMetrics, ids: dict[str, str] | None = None
+) -> None:
     """Close an accepted socket; an abnormal close is also told in an ``error`` message first
-    (clients show messages, few show close reasons), and logged (rate-limited: clients cause it).
+    (clients show messages, few show close reasons), with the ``contextId`` of a context it is about
+    (LiveKit's plugin drops an error without one), and logged (rate-limited: clients cause it).
 
     A client that reads nothing cannot take the close frame: it is given up after a few seconds.
     """
@@ -402,7 +411,7 @@ async def close_socket(websocket: WebSocket, code: int, reason: str, metrics: Te
                 metrics.closes.labels(_label(reason)).inc()
                 where = client_address(websocket.scope.get("client"))
                 _closes_log.log(logging.INFO, "text stream from %s closed with %d: %s", where, code, reason)
-                await websocket.send_text(json.dumps({"error": reason, "message": reason, "code": code}))
+                await websocket.send_text(json.dumps({"error": reason, "message": reason, "code": code, **(ids or {})}))
             await websocket.close(code, reason.encode()[:_MAX_REASON_BYTES].decode(errors="ignore"))
 
 

@@ -31,6 +31,7 @@ from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.speech_service import SpeechStream, StreamAborted
 from tts_gateway.gateway.text_stream.alignment import CharAlignment, PhraseAligner
+from tts_gateway.gateway.text_stream.output_format import pcm_pieces
 from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker, push_async
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,6 @@ class TextStreamSynthesizer(Protocol):
 
     async def flush(self) -> None:
         """Synthesise everything received so far, without waiting for more."""
-        ...
-
-    async def trigger(self) -> None:
-        """Synthesise the complete words received so far (``try_trigger_generation``)."""
         ...
 
     async def end_input(self) -> None:
@@ -260,9 +257,6 @@ class PhrasePipeline:
     async def flush(self) -> None:
         self._start(self._chunker.flush())
 
-    async def trigger(self) -> None:
-        self._start(self._chunker.take_words())
-
     async def end_input(self) -> None:
         if not self._ended:
             self._start(self._chunker.flush())
@@ -286,7 +280,8 @@ class PhrasePipeline:
                     phrase.normalized = audio.normalized
                     try:
                         async for data in audio:
-                            await phrase.queue.put(data)
+                            for piece in pcm_pieces(data):
+                                await phrase.queue.put(piece)
                     finally:
                         await audio.aclose()
         except GatewayError as exc:
@@ -306,10 +301,12 @@ class PhrasePipeline:
                 if isinstance(item, GatewayError):
                     raise item
                 if spoken is None or aligned is None:
+                    # The spaces around a phrase belong to both alignments: clients join them into words.
                     lead = phrase.text[: len(phrase.text) - len(phrase.text.lstrip())]
+                    trail = phrase.text[len(phrase.text.rstrip()) :]
                     rate = {} if ms_per_weight is None else {"ms_per_weight": ms_per_weight}
                     spoken = PhraseAligner(phrase.text, **rate)
-                    aligned = PhraseAligner(lead + phrase.normalized, **rate)
+                    aligned = PhraseAligner(lead + phrase.normalized + trail, **rate)
                 if pending is not None:
                     yield SpeechChunk(pending, spoken, aligned, phrase_end=False)
                 # One chunk is held back: only once the next one (or the end) has come is it
