@@ -79,9 +79,9 @@ class Phrases:
 
 
 class StubVoices:
-    def __init__(self, phrases: Phrases) -> None:
+    def __init__(self, phrases: Phrases, sample_rate: int = RATE) -> None:
         self._phrases = phrases
-        self.catalog = ModelCatalog([_model("piper", cloning=False, voices=("joe",))])
+        self.catalog = ModelCatalog([_model("piper", cloning=False, voices=("joe",), sample_rate=sample_rate)])
 
     def info(self) -> Info:
         return describe([])
@@ -91,14 +91,22 @@ class StubVoices:
         await self._phrases.check(choice)
         return choice
 
+    def sample_rate(self, voice: VoiceChoice) -> int:
+        return self.catalog.models[voice.model].sample_rate
+
 
 def _model(
-    name: str, *, cloning: bool, voices: tuple[str, ...] = (), languages: tuple[str, ...] = ("en",)
+    name: str,
+    *,
+    cloning: bool,
+    voices: tuple[str, ...] = (),
+    languages: tuple[str, ...] = ("en",),
+    sample_rate: int = 22_050,
 ) -> SpeechModel:
     return SpeechModel(
         id=name,
         description=f"{name} model",
-        sample_rate=22_050,
+        sample_rate=sample_rate,
         supports_cloning=cloning,
         speed_variants=frozenset(),
         builtin_voices=voices,
@@ -111,13 +119,16 @@ def _model(
 
 @asynccontextmanager
 async def running(
-    phrases: Phrases, limits: WyomingLimits | None = None, metrics: GatewayMetrics | None = None
+    phrases: Phrases,
+    limits: WyomingLimits | None = None,
+    metrics: GatewayMetrics | None = None,
+    sample_rate: int = RATE,
 ) -> AsyncIterator[int]:
     port = free_port()
     server = WyomingServer(
         "127.0.0.1",
         port,
-        voices=StubVoices(phrases),
+        voices=StubVoices(phrases, sample_rate),
         synthesizers=lambda voice, chunker, slots: PhrasePipeline(phrases, voice, chunker, speech_slots=slots),
         limits=limits or WyomingLimits(),
         metrics=metrics or GatewayMetrics(),
@@ -159,6 +170,22 @@ async def test_synthesize_is_answered_with_audio_in_order() -> None:
     assert (start.rate, start.width, start.channels) == (RATE, 2, 1)
     assert "".join(phrases.opened).replace(" ", "") == text.replace(" ", "")
     assert len(audio_of(events)) == sum(len(p) for p in phrases.opened) * BYTES_PER_CHAR
+
+
+@pytest.mark.parametrize(("model_rate", "sent_rate"), [(22_050, 22_050), (16_000, 16_000), (11_025, RATE)])
+async def test_audio_is_sent_at_the_models_rate_where_pcm_offers_it(model_rate: int, sent_rate: int) -> None:
+    phrases = Phrases()
+    text = "The first sentence is here. And the second one follows it."
+    async with running(phrases, sample_rate=model_rate) as port, AsyncTcpClient("127.0.0.1", port) as client:
+        await client.write_event(Synthesize(text=text, voice=SynthesizeVoice(name="joe")).event())
+        events = await events_until(client, AudioStop().event().type)
+    start = AudioStart.from_event(events[0])
+    chunks = [AudioChunk.from_event(e) for e in events if AudioChunk.is_type(e.type)]
+    assert start.rate == sent_rate and {c.rate for c in chunks} == {sent_rate}
+    # Each phrase resampled whole: as many samples as its 24 kHz audio lasts at the new rate, give or take one.
+    sent = sum(len(c.audio) for c in chunks) // 2
+    samples = [len(p) * BYTES_PER_CHAR // 2 for p in phrases.opened]
+    assert abs(sent - sum(n * sent_rate / RATE for n in samples)) <= len(samples)
 
 
 async def test_streamed_text_is_spoken_before_it_ends_and_its_repeat_is_not() -> None:

@@ -1,7 +1,9 @@
 """One Wyoming connection: its events, what it says, its limits.
 
 - ``describe`` is answered with ``info`` (:mod:`.voices`).
-- ``synthesize`` is spoken: ``audio-start``, ``audio-chunk``\\ s as the backend produces audio, ``audio-stop``.
+- ``synthesize`` is spoken: ``audio-start``, ``audio-chunk``\\ s as the backend produces audio, ``audio-stop``,
+  16-bit mono at the rate of the model that speaks it (the socket's ``pcm_<rate>`` conversion of the
+  speech service's audio), or at the speech service's 24 kHz where that conversion has no such rate.
 - ``synthesize-start`` opens a streamed request: each ``synthesize-chunk``'s text goes to the same phrase
   chunker and synthesis as the text-streaming WebSocket's, so speech starts while text still comes;
   ``synthesize-stop`` ends the text, and ``synthesize-stopped`` follows the request's ``audio-stop``.
@@ -37,13 +39,14 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
 from tts_gateway.gateway.errors import GatewayError
 from tts_gateway.gateway.protocol import clean_text
+from tts_gateway.gateway.text_stream.output_format import FORMATS, AudioConverter
 from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
 from tts_gateway.gateway.text_stream.session import SynthesizerFactory
 from tts_gateway.gateway.text_stream.synthesis import TextStreamSynthesizer, VoiceChoice
 
 logger = logging.getLogger(__name__)
 
-# The speech service's output: 16-bit mono PCM at 24 kHz, whatever the model's rate.
+# The speech service's output rate: sent for a model whose own rate no ``pcm_<rate>`` format offers.
 RATE: Final = OUTPUT_SAMPLE_RATE
 WIDTH: Final = 2
 CHANNELS: Final = 1
@@ -76,6 +79,10 @@ class Voices(Protocol):
 
     async def choose(self, requested: SynthesizeVoice | None) -> VoiceChoice:
         """The voice a request means; raises :class:`GatewayError` if it cannot be spoken."""
+        ...
+
+    def sample_rate(self, voice: VoiceChoice) -> int:
+        """The rate of the model that speaks ``voice``."""
         ...
 
 
@@ -117,6 +124,8 @@ class _Request:
 
     synthesizer: TextStreamSynthesizer
     streamed: bool
+    audio: AudioConverter
+    """The speech service's audio as 16-bit PCM at the rate this request's audio is sent at."""
     sender: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -232,7 +241,8 @@ class WyomingHandler(AsyncEventHandler):
             voice = await self._voices.choose(requested)
         except GatewayError as exc:
             raise WyomingFailure(exc.message, exc.code or "invalid_voice") from None
-        request = _Request(self._synthesizers(voice, PhraseChunker(), self._speech_slots), streamed)
+        fmt = FORMATS.get(f"pcm_{self._voices.sample_rate(voice)}", FORMATS[f"pcm_{RATE}"])
+        request = _Request(self._synthesizers(voice, PhraseChunker(), self._speech_slots), streamed, fmt.converter())
         self._request = request
         request.sender = asyncio.create_task(self._send_audio(request), name="wyoming-audio")
         await self._push(request, text)
@@ -252,16 +262,18 @@ class WyomingHandler(AsyncEventHandler):
     async def _send_audio(self, request: _Request) -> None:
         """Send the request's audio as it comes; a failure is told, and ends the connection."""
         started = failed = False
+        rate = request.audio.format.sample_rate
         try:
             async for chunk in request.synthesizer.chunks():
-                for offset in range(0, len(chunk.pcm), _CHUNK_BYTES):
+                pcm = (await request.audio.convert_async(chunk.pcm, last=chunk.phrase_end)).data
+                for offset in range(0, len(pcm), _CHUNK_BYTES):
                     if not started:
-                        await self._send(AudioStart(rate=RATE, width=WIDTH, channels=CHANNELS))
+                        await self._send(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS))
                         started = True
-                    piece = chunk.pcm[offset : offset + _CHUNK_BYTES]
-                    await self._send(AudioChunk(rate=RATE, width=WIDTH, channels=CHANNELS, audio=piece))
+                    piece = pcm[offset : offset + _CHUNK_BYTES]
+                    await self._send(AudioChunk(rate=rate, width=WIDTH, channels=CHANNELS, audio=piece))
             if not started:
-                await self._send(AudioStart(rate=RATE, width=WIDTH, channels=CHANNELS))
+                await self._send(AudioStart(rate=rate, width=WIDTH, channels=CHANNELS))
             await self._send(AudioStop())
             if request.streamed:
                 await self._send(SynthesizeStopped())

@@ -21,6 +21,7 @@ from typing import Final
 from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 from wyoming.tts import SynthesizeVoice
 
+from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
 from tts_gateway.gateway.errors import InvalidRequestError
 from tts_gateway.gateway.live_catalog import LiveCatalog
 from tts_gateway.gateway.model_catalog import ModelCatalog
@@ -143,3 +144,8 @@ class GatewayVoices:
         choice = choose(requested, list_voices(catalog, self._registry), catalog)
         await self._phrases.check(choice)
         return choice
+
+    def sample_rate(self, voice: VoiceChoice) -> int:
+        """The rate of the model that speaks ``voice``; the speech service's own if the model has gone."""
+        model = self._catalog.current.models.get(voice.model)
+        return OUTPUT_SAMPLE_RATE if model is None else model.sample_rate
