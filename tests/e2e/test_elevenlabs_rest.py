@@ -164,12 +164,29 @@ def test_errors_come_in_elevenlabs_envelope(sdk: ElevenLabs, gateway: GatewayPro
     assert bad_format.value.status_code == 400
     assert bad_format.value.body["detail"]["status"] == "invalid_output_format"
     assert "mp3_44100_<32" in bad_format.value.body["detail"]["message"]
+    for speak in (sdk.text_to_speech.convert, sdk.text_to_speech.stream):
+        with pytest.raises(ApiError) as bad_voice:
+            b"".join(speak("nobody", text=SHORT))
+        assert bad_voice.value.status_code == 404
+        assert bad_voice.value.body["detail"]["status"] == "voice_not_found"
+        assert "nobody" in bad_voice.value.body["detail"]["message"]
     with pytest.raises(ApiError) as bad_voice:
-        b"".join(sdk.text_to_speech.convert("nobody", text=SHORT))
-    assert bad_voice.value.status_code == 400
-    assert "nobody" in bad_voice.value.body["detail"]["message"]
+        sdk.text_to_speech.convert_with_timestamps("nobody", text=SHORT)
+    assert bad_voice.value.status_code == 404
     with pytest.raises(UnprocessableEntityError) as empty:
         sdk.text_to_speech.convert_with_timestamps("joe", text="   ")
     assert empty.value.body["detail"]["message"].startswith("text:")
     response = httpx.post(f"{gateway.url}/v1/text-to-speech/joe/stream", content=b"{", timeout=10)
     assert response.status_code == 422 and set(response.json()["detail"]) == {"status", "message"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("GET", "/v1/text-to-speech/joe", "POST"), ("DELETE", "/v1/voices/joe", "GET"), ("POST", "/v1/voices", "GET")],
+)
+def test_a_method_a_path_does_not_serve_is_405_in_elevenlabs_envelope(
+    gateway: GatewayProcess, method: str, path: str, allow: str
+) -> None:
+    response = httpx.request(method, f"{gateway.url}{path}", timeout=10)
+    assert response.status_code == 405 and response.headers["allow"] == allow
+    assert response.json()["detail"]["status"] == "method_not_allowed"

@@ -14,6 +14,7 @@ import base64
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Final
 
 from tts_gateway.gateway.elevenlabs_api import (
     AudioWithTimestamps,
@@ -21,7 +22,7 @@ from tts_gateway.gateway.elevenlabs_api import (
     TextToSpeechBody,
     TextToSpeechQuery,
 )
-from tts_gateway.gateway.errors import InvalidRequestError
+from tts_gateway.gateway.errors import InvalidRequestError, NotFoundError
 from tts_gateway.gateway.protocol import SpeechRequest
 from tts_gateway.gateway.speech_plan import SpeechPlan
 from tts_gateway.gateway.speech_service import SpeechStream
@@ -33,6 +34,8 @@ from tts_gateway.gateway.text_stream.output_format import (
     UnsupportedOutputFormat,
     pcm_pieces,
 )
+
+VOICE_NOT_FOUND: Final = "voice_not_found"
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,15 @@ class ElevenLabsSpeech:
             fmt = OutputFormat.parse(query.output_format)
         except UnsupportedOutputFormat as exc:
             raise InvalidRequestError(str(exc), param="output_format", code="invalid_output_format") from None
-        plan = await self.plan(body.speech_request(voice_id))
+        try:
+            plan = await self.plan(body.speech_request(voice_id))
+        except InvalidRequestError as exc:
+            # ElevenLabs answers a voice id it does not know with 404 (its SDK's NotFoundError).
+            if exc.code != VOICE_NOT_FOUND:
+                raise
+            raise NotFoundError(
+                f"voice {voice_id!r} does not exist; GET /v1/voices lists the voices", param="voice_id", code=exc.code
+            ) from None
         stream = await self.open_stream(plan)
         return ElevenLabsAudio(fmt, fmt.converter(streaming=streaming), stream, body.text, " ".join(plan.sentences))
 

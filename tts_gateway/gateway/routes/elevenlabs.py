@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
 from tts_gateway.gateway.dependencies import Services, ServicesDep
 from tts_gateway.gateway.elevenlabs_api import (
@@ -26,10 +27,11 @@ from tts_gateway.gateway.elevenlabs_api import (
     TextToSpeechQuery,
     VoicesPage,
     VoicesResponse,
+    error_response,
     gateway_error_response,
     validation_error_response,
 )
-from tts_gateway.gateway.elevenlabs_speech import ElevenLabsAudio, ElevenLabsSpeech
+from tts_gateway.gateway.elevenlabs_speech import VOICE_NOT_FOUND, ElevenLabsAudio, ElevenLabsSpeech
 from tts_gateway.gateway.errors import GatewayError, NotFoundError
 from tts_gateway.gateway.protocol import MAX_NAME_CHARS
 from tts_gateway.gateway.routes.speech import SpeechResponse
@@ -41,7 +43,18 @@ _NDJSON = "application/x-ndjson"
 
 
 class ElevenLabsRoute(APIRoute):
-    """A route whose errors (validation included) answer in ElevenLabs' envelope, not OpenAI's."""
+    """A route whose errors (validation and a method it does not serve included) answer in ElevenLabs'
+    envelope, not OpenAI's."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette raises a 405 here, which the app would answer in OpenAI's envelope; every ElevenLabs
+        # path has one route, so its methods are all the path allows.
+        if self.methods and scope["method"] not in self.methods:
+            allow = ", ".join(sorted(self.methods))
+            message = f"method {scope['method']} is not allowed on {scope['path']}; allowed: {allow}"
+            await error_response(405, "method_not_allowed", message, {"Allow": allow})(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -164,4 +177,4 @@ async def get_voice(voice_id: str, services: ServicesDep) -> ElevenLabsVoice:
     for voice in _voices(services):
         if voice.voice_id == voice_id:
             return voice
-    raise NotFoundError(f"voice {voice_id!r} does not exist", code="voice_not_found")
+    raise NotFoundError(f"voice {voice_id!r} does not exist", code=VOICE_NOT_FOUND)
