@@ -78,3 +78,41 @@ async def test_the_contexts_of_a_socket_share_its_speech_slots() -> None:
         await pipeline.end_input()
         assert len([chunk async for chunk in pipeline.chunks()]) == 1
     assert len(phrases.opened) == 3
+
+
+class SlowlyClosedPhrase(HeldPhrase):
+    """A phrase whose backend call takes until ``closed`` is set to end (the speech stream's aclose)."""
+
+    def __init__(self, release: asyncio.Event, closed: asyncio.Event) -> None:
+        super().__init__(release)
+        self._closed = closed
+
+    async def aclose(self) -> None:
+        await self._closed.wait()
+
+
+class SlowlyClosedPhrases(Phrases):
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = asyncio.Event()
+        self.speaking = asyncio.Event()
+
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> HeldPhrase:
+        self.opened.append((text, continued))
+        self.speaking.set()
+        return SlowlyClosedPhrase(self.release, self.closed)
+
+
+async def test_closing_keeps_the_callers_own_cancellation() -> None:
+    phrases = SlowlyClosedPhrases()
+    pipeline = PhrasePipeline(phrases, VOICE, PhraseChunker(auto_mode=True))
+    await pipeline.push("One sentence.")
+    await phrases.speaking.wait()
+    closer = asyncio.create_task(pipeline.aclose())
+    await asyncio.sleep(0.05)
+    assert not closer.done(), "closing waits for the phrase's backend call to end"
+    # The session that closes it ends meanwhile: its cancellation is not taken for the phrase's.
+    closer.cancel()
+    phrases.closed.set()
+    await asyncio.wait({closer})
+    assert closer.cancelled()

@@ -379,8 +379,9 @@ class TextStreamSession:
             self._metrics.contexts.dec()
         if context.forwarder is not None and context.forwarder is not asyncio.current_task():
             context.forwarder.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await context.forwarder
+            # Not ``await``: the caller's own cancellation meanwhile (the session ending) would be taken for the
+            # forwarder's and lost, and the receiver would go on reading after the session's end.
+            await asyncio.wait({context.forwarder})
         await context.synthesizer.aclose()
 
     async def _wait_all(self) -> None:

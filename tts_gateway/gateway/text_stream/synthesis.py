@@ -20,7 +20,6 @@ deadline instead of failing at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -324,6 +323,6 @@ class PhrasePipeline:
         self._started_chars = 0
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if tasks:
+            # Not ``await task``: the caller's own cancellation meanwhile would pass for the task's and be lost.
+            await asyncio.wait(tasks)
