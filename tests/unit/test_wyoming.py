@@ -31,7 +31,7 @@ from tts_gateway.gateway.errors import BackendError, InvalidRequestError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.model_catalog import ModelCatalog, SpeechModel
 from tts_gateway.gateway.settings import Settings
-from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, VoiceChoice
+from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
 from tts_gateway.gateway.voice_registry import VoiceRegistry
 from tts_gateway.gateway.wyoming import discovery
 from tts_gateway.gateway.wyoming.handler import RATE, WyomingLimits
@@ -123,13 +123,14 @@ async def running(
     limits: WyomingLimits | None = None,
     metrics: GatewayMetrics | None = None,
     sample_rate: int = RATE,
+    pipeline: type[PhrasePipeline] = PhrasePipeline,
 ) -> AsyncIterator[int]:
     port = free_port()
     server = WyomingServer(
         "127.0.0.1",
         port,
         voices=StubVoices(phrases, sample_rate),
-        synthesizers=lambda voice, chunker, slots: PhrasePipeline(phrases, voice, chunker, speech_slots=slots),
+        synthesizers=lambda voice, chunker, slots: pipeline(phrases, voice, chunker, speech_slots=slots),
         limits=limits or WyomingLimits(),
         metrics=metrics or GatewayMetrics(),
     )
@@ -231,6 +232,30 @@ async def test_backend_failure_mid_request_is_an_error_event() -> None:
         assert Error.from_event(events[-1]).code == "backend_error"
         assert "audio-stop" not in [e.type for e in events]
         assert await closed(client)
+
+
+class FaultyPipeline(PhrasePipeline):
+    """Synthesis whose audio fails after its first chunk with a fault of the gateway's own (no GatewayError)."""
+
+    async def chunks(self) -> AsyncIterator[SpeechChunk]:
+        async for chunk in super().chunks():
+            yield chunk
+            raise RuntimeError("a fault of the gateway")
+
+
+async def test_a_fault_while_sending_audio_is_an_error_event_and_the_connection_is_counted_closed() -> None:
+    metrics = GatewayMetrics()
+    async with running(Phrases(), metrics=metrics, pipeline=FaultyPipeline) as port:
+        async with AsyncTcpClient("127.0.0.1", port) as client:
+            await client.write_event(Synthesize(text="This one works fine.").event())
+            events = await events_until(client, "error")
+            assert Error.from_event(events[-1]).code == "internal_error"
+            assert await closed(client)
+        for _ in range(100):
+            if metrics.registry.get_sample_value("tts_wyoming_connections_open") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert metrics.registry.get_sample_value("tts_wyoming_connections_open") == 0
 
 
 @pytest.mark.parametrize(

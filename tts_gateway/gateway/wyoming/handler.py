@@ -284,6 +284,11 @@ class WyomingHandler(AsyncEventHandler):
         except (ConnectionError, TimeoutError):
             logger.info("Wyoming client stopped taking audio; synthesis cancelled")
             failed = True
+        except Exception:
+            # A fault of the gateway: the client is told, as the reading loop tells its own.
+            logger.exception("Wyoming audio failed")
+            await self._send_error("internal error", "internal_error")
+            failed = True
         finally:
             await request.synthesizer.aclose()
         if failed:
@@ -308,5 +313,5 @@ class WyomingHandler(AsyncEventHandler):
         if request.speaking:
             logger.info("Wyoming connection closed while speaking; synthesis cancelled")
         request.sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await request.sender
+        # Not ``await``: a failure of the sender would skip the connection's closing and its count.
+        await asyncio.wait({request.sender})
