@@ -358,11 +358,17 @@ class TextStreamSession:
             self._done.set()
 
     async def _send(self, payload: dict[str, Any]) -> None:
-        """Send a message; a client that has gone ends the session instead of failing the sender."""
+        """Send a message; a client that has gone ends the session instead of failing the sender, and so
+        does one that takes nothing for the inactivity timeout: the receiver, which checks that between
+        messages, may itself be the one waiting here (an interruption's ``isFinal``)."""
+        timeout = self._query.inactivity_timeout
         async with self._send_lock:
             self._sending_since = time.monotonic()
             try:
-                await self._ws.send_text(json.dumps(payload, separators=(",", ":")))
+                async with asyncio.timeout(timeout):
+                    await self._ws.send_text(json.dumps(payload, separators=(",", ":")))
+            except TimeoutError:
+                self._end(POLICY, f"inactivity timeout: no audio read for {timeout} s")
             except (WebSocketDisconnect, RuntimeError, OSError):
                 self._done.set()
             finally:

@@ -1,0 +1,86 @@
+"""TextStreamSession in process, over a socket whose client sends and then reads nothing: the session
+gives it up after its inactivity timeout, whichever of its tasks waits to send."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from starlette.websockets import WebSocket, WebSocketState
+
+from tts_gateway.gateway.metrics import GatewayMetrics
+from tts_gateway.gateway.text_stream.messages import StreamQuery
+from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
+from tts_gateway.gateway.text_stream.output_format import OutputFormat
+from tts_gateway.gateway.text_stream.session import TextStreamLimits, TextStreamSession
+from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, VoiceChoice
+
+VOICE = VoiceChoice("joe", "piper")
+
+
+class Phrase:
+    normalized = "x"
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b"\x00\x00" * 2400
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Phrases:
+    async def check(self, voice: VoiceChoice) -> None:
+        pass
+
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> Phrase:
+        return Phrase()
+
+
+class UnreadSocket:
+    """The server's side of a socket whose client has sent ``messages`` and reads nothing: each send waits
+    for good (its buffers are full), and nothing more comes in."""
+
+    client_state = WebSocketState.CONNECTED
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.scope: dict[str, Any] = {"client": ("127.0.0.1", 50000)}
+        self._messages: asyncio.Queue[str] = asyncio.Queue()
+        for message in messages:
+            self._messages.put_nowait(json.dumps(message))
+
+    async def receive_text(self) -> str:
+        return await self._messages.get()
+
+    async def send_text(self, data: str) -> None:
+        await asyncio.Event().wait()
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        pass
+
+
+async def test_a_client_that_reads_nothing_is_given_up_while_the_receiver_waits_to_answer_it() -> None:
+    # The interruption's isFinal is sent by the receiver, which thus waits on the client instead of
+    # watching the inactivity timeout between messages.
+    socket = UnreadSocket(
+        [
+            {"text": "A sentence to speak. ", "context_id": "a", "flush": True},
+            {"context_id": "a", "close_context": True, "immediate": True},
+        ]
+    )
+    metrics = GatewayMetrics()
+    session = TextStreamSession(
+        cast(WebSocket, socket),
+        StreamQuery(inactivity_timeout=1),
+        OutputFormat.parse("pcm_24000", socket=True),
+        multi=True,
+        voice=VOICE,
+        synthesizers=lambda voice, chunker, slots: PhrasePipeline(Phrases(), voice, chunker, speech_slots=slots),
+        limits=TextStreamLimits(),
+        metrics=TextStreamMetrics(metrics),
+    )
+    # Well past the timeout and the close's own wait for a client that reads nothing.
+    await asyncio.wait_for(session.run(), 30)
+    closes = metrics.registry.get_sample_value("tts_ws_closes_total", {"reason": "inactivity timeout"})
+    assert closes == 1
