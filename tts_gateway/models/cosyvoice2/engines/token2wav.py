@@ -34,6 +34,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 from torch._dynamo.exc import TorchDynamoException
 
+from tts_gateway.models.cosyvoice2.engines.encoder_graphs import MAX_ROWS as ENCODER_GRAPH_ROWS
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import EncoderGraphs
 from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
 from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
@@ -197,7 +198,7 @@ class Token2Wav:
         ``graph_rows`` > 0 on a CUDA device records the flow-matching solve, in segments of Euler
         steps, as CUDA graphs for batches of up to that many calls and ``graph_frames`` mel frames, in
         buckets of ``graph_frame_step`` frames (:class:`FlowSolverGraphs`), and the flow's token encoder
-        for the same rows and frames (:class:`EncoderGraphs`).
+        for the same frames and up to :data:`~.encoder_graphs.MAX_ROWS` rows (:class:`EncoderGraphs`).
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
@@ -252,7 +253,7 @@ class Token2Wav:
             ratio = cfg.flow.token_mel_ratio
             encoder_graphs = EncoderGraphs(
                 flow,
-                max_rows=graph_rows,
+                max_rows=min(graph_rows, ENCODER_GRAPH_ROWS),
                 max_tokens=graph_frames // ratio,
                 token_step=max(1, graph_frame_step // ratio),
             )
