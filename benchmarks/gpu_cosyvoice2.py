@@ -14,14 +14,14 @@ throughput figure) and GPU memory, next to upstream's L20 figures, and for direc
 each first chunk's time went (queueing, voice prompt, LLM prefill, LLM tokens up to the first hop,
 flow, HiFT, transport; ``gpu_stages.py``), in ``NAME.json`` and ``NAME.md`` under ``--out`` (``--name``,
 default ``gpu_cosyvoice2``; rewritten after every pass, so an interrupted run keeps what it measured); the
-server's and the gateways' logs go to ``WORKDIR/logs``. ``--out docs/benchmarks --name gpu-h100`` updates
+server's and the gateways' logs go to ``WORKDIR/logs``. ``--out docs/benchmarks --name gpu-h200`` updates
 the published report in place.
 
 Random weights cost what real ones cost per token; only the output length has to be imposed: the
 checkpoint's LLM stops as soon as the profile's ``min_token_text_ratio`` allows, so every request
 yields a known number of speech tokens (checked) and the audio seconds are the same in every pass.
 
-    python -m benchmarks.gpu_cosyvoice2 --out docs/benchmarks --name gpu-h100  # GPU: about 8 minutes
+    python -m benchmarks.gpu_cosyvoice2 --out docs/benchmarks --name gpu-h200  # GPU: about 4-8 minutes
     python -m benchmarks.gpu_cosyvoice2 --cpu --levels 1,2 --prompts 2  # rehearsal without a GPU
 
 Passes that would overrun ``--budget-s`` (counted from the start) are skipped and reported as such;
@@ -1081,7 +1081,7 @@ def main() -> int:
     )
     parser.add_argument("--prompts", type=int, default=16, help=f"the first N of {len(PROMPTS)} prompts")
     parser.add_argument("--out", type=Path, default=None, help="report folder; default WORKDIR/report")
-    parser.add_argument("--name", default="gpu_cosyvoice2", help="file stem of the report, e.g. gpu-h100")
+    parser.add_argument("--name", default="gpu_cosyvoice2", help="file stem of the report, e.g. gpu-h200")
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2", help="checkpoint, repo, logs")
     parser.add_argument(
         "--cuda-mps",

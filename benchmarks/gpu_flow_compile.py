@@ -10,11 +10,17 @@ prompt, flow and HiFT split), how many graphs dynamo compiled during the load an
 conversions (none is expected after the load), and the compiled flow's relative difference from
 the uncompiled one.
 
+``--encoder-graphs`` instead loads token2wav once as the GPU profiles do (compiled levels, graphs) and
+times the same conversions with the flow's token encoder replayed from CUDA graphs
+(:mod:`tts_gateway.models.cosyvoice2.engines.encoder_graphs`) and eagerly, alternating, with the
+relative difference of the two encoders' ``mu`` and of the mel after them.
+
 ``--whole-estimator`` instead times the 10-step solve over ``--frames`` frames at 1 and 16 rows:
 eager, as one CUDA graph, and with the estimator compiled whole (static shapes) then recorded.
 
     python -m benchmarks.gpu_flow_compile --out /tmp/compile                    # GPU: about 3 minutes
     python -m benchmarks.gpu_flow_compile --whole-estimator --out /tmp/compile  # about 4 minutes
+    python -m benchmarks.gpu_flow_compile --encoder-graphs --graph-frames 512 --out /tmp/compile  # about 2 minutes
 """
 
 from __future__ import annotations
@@ -70,6 +76,20 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _gpu_token2wav(model_dir: Path, backend: str, *, graph_frames: int = 1536) -> Token2Wav:
+    """token2wav as the GPU profiles load it (fp16 flow, graphs up to 32 rows), its flow compiled by ``backend``."""
+    return Token2Wav.from_model_dir(
+        model_dir,
+        device="cuda",
+        dtype=torch.float16,
+        graph_rows=32,
+        graph_frames=graph_frames,
+        hift_graph_rows=32,
+        hift_graph_hops=HIFT_HOPS,
+        compile_backend=backend,
+    )
+
+
 def compare_token2wav(model_dir: Path, report: dict[str, Any], counts: list[int], save: Callable[[], None]) -> None:
     rng = np.random.default_rng(0)
     prompt = four_second_voice(rng)
@@ -79,15 +99,7 @@ def compare_token2wav(model_dir: Path, report: dict[str, Any], counts: list[int]
         label = backend or "uncompiled"
         graphs_before = _compiled_graphs()
         started = time.monotonic()
-        t2w = Token2Wav.from_model_dir(
-            model_dir,
-            device="cuda",
-            dtype=torch.float16,
-            graph_rows=32,
-            hift_graph_rows=32,
-            hift_graph_hops=HIFT_HOPS,
-            compile_backend=backend,
-        )
+        t2w = _gpu_token2wav(model_dir, backend)
         report[f"{label}_load_s"] = round(time.monotonic() - started, 1)
         loaded_graphs = _compiled_graphs()
         report[f"{label}_graphs_compiled_at_load"] = loaded_graphs - graphs_before
@@ -108,6 +120,61 @@ def compare_token2wav(model_dir: Path, report: dict[str, Any], counts: list[int]
         torch.cuda.reset_peak_memory_stats()
         save()
     report["inductor_flow_vs_uncompiled_rel_error"] = _relative(mels["inductor"], mels["uncompiled"])
+
+
+def compare_encoders(
+    model_dir: Path, report: dict[str, Any], counts: list[int], graph_frames: int, save: Callable[[], None]
+) -> None:
+    """The flow's encoder replayed from graphs against eager, in one token2wav (see the module's doc)."""
+    rng = np.random.default_rng(0)
+    prompt = four_second_voice(rng)
+    tokens = rng.integers(0, 6561, 130)
+    started = time.monotonic()
+    t2w = _gpu_token2wav(model_dir, "inductor", graph_frames=graph_frames)
+    graphs = t2w.encoder_graphs
+    assert graphs is not None, "token2wav records encoder graphs with its flow graphs on CUDA"
+    report["load_s"] = round(time.monotonic() - started, 1)
+    report["encoder_capture_s"] = round(graphs.capture_s, 1)
+    report["encoder_buckets"] = len(graphs.buckets)
+    t2w.sync_timing = True
+    # Three rows of different lengths: the graph pads them into a bucket, eager to the longest.
+    items = [item for length in (60, 90, 30) for item in _items(t2w, prompt, tokens[:length])]
+    with torch.inference_mode():
+        mels = {}
+        for label, encoder in (("graphs", graphs), ("eager", None)):
+            mels[label] = t2w.flow.inference_batch(items, solver=t2w.solver, encoder=encoder)
+        report["mel_rel_error_graphs_vs_eager"] = max(
+            _relative(graphed, eager) for graphed, eager in zip(mels["graphs"], mels["eager"], strict=True)
+        )
+        flow = t2w.flow
+        row = torch.as_tensor(np.concatenate([prompt.speech_tokens, tokens[:60]]))[None]
+        lengths = torch.tensor([row.size(1) - 3], device="cuda")
+        yes = torch.tensor([True], device="cuda")
+        eager_mu = flow.encode(row.cuda(), lengths, yes, yes)
+        graphed_mu = graphs(row, lengths, yes, yes)
+        assert graphed_mu is not None
+        report["mu_rel_error_graphs_vs_eager"] = _relative(graphed_mu.float(), eager_mu.float())
+        for rows in counts:
+            batch = (row.expand(rows, -1), lengths.expand(rows), yes.expand(rows), yes.expand(rows))
+            report[f"encoder_graphs_{rows}_rows_ms"] = _time(lambda batch=batch: graphs(*batch))
+            report[f"encoder_eager_{rows}_rows_ms"] = _time(
+                lambda batch=batch: flow.encode(batch[0].cuda(), *batch[1:])
+            )
+        save()
+    for count in counts:
+        # Untimed first: a count's first conversions meet new shapes (HiFT's, cuBLAS's heuristics).
+        for encoder in (graphs, None):
+            t2w.encoder_graphs = encoder
+            _first_then_later(t2w, prompt, tokens, count)
+        for label, encoder in (("graphs", graphs), ("eager", None)) * 3:
+            t2w.encoder_graphs = encoder
+            times = _first_then_later(t2w, prompt, tokens, count)
+            for name, (ms, split) in times.items():
+                report.setdefault(f"{label}_{name}_chunks_{count}_ms", []).append(ms)
+                report.setdefault(f"{label}_{name}_chunks_{count}_flow_ms", []).append(round(1000 * split["flow_s"], 1))
+        save()
+    t2w.encoder_graphs = graphs
+    report["gpu_memory_peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
 
 
 def whole_estimator(model_dir: Path, report: dict[str, Any], frames: int, save: Callable[[], None]) -> None:
@@ -151,6 +218,8 @@ def main() -> int:
     parser.add_argument("--counts", default="1,4,16,32", help="streams converted together")
     parser.add_argument("--whole-estimator", action="store_true", help="the static-shape probe of the estimator")
     parser.add_argument("--frames", type=int, default=256, help="--whole-estimator: mel frames of the solve")
+    parser.add_argument("--encoder-graphs", action="store_true", help="the flow's encoder from graphs against eager")
+    parser.add_argument("--graph-frames", type=int, default=1536, help="--encoder-graphs: token2wav's graph_frames")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = _flow_and_hift(args.workdir.resolve() / "token2wav_only")
@@ -159,11 +228,14 @@ def main() -> int:
     def save() -> None:
         (args.out / "gpu_flow_compile.json").write_text(json.dumps(report, indent=1) + "\n")
 
-    if args.whole_estimator:
+    counts = [int(count) for count in args.counts.split(",")]
+    if args.encoder_graphs:
+        compare_encoders(model_dir, report, counts, args.graph_frames, save)
+    elif args.whole_estimator:
         report["frames"] = args.frames
         whole_estimator(model_dir, report, args.frames, save)
     else:
-        compare_token2wav(model_dir, report, [int(count) for count in args.counts.split(",")], save)
+        compare_token2wav(model_dir, report, counts, save)
     save()
     print(json.dumps(report, indent=1), flush=True)
     return 0

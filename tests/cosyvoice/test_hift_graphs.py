@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cosyvoice.test_token2wav_batching import voice
+from tests.cosyvoice.test_token2wav_batching import two_streams_in_step, voice
 from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
-from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
+from tts_gateway.models.cosyvoice2.engines.token2wav import Token2Wav
 from tts_gateway.models.cosyvoice2.model.hift import ExcitationNoise, HiFTGenerator
 
 pytestmark = pytest.mark.cosyvoice
@@ -119,12 +119,7 @@ def test_streams_vocoded_by_the_graphs_sound_as_without(token2wav_dir: Path) -> 
     tokens = np.random.default_rng(0).integers(0, 6561, 60)
     audio: dict[str, list[np.ndarray]] = {}
     for name, t2w in (("eager", eager), ("graphs", graphed)):
-        chunks = []
-        for offset, end, final in ((0, 18, False), (15, 43, False), (40, 60, True)):
-            calls = [Conversion(f"{name}-{n}", tokens[:end], prompt, offset, final) for n in range(2)]
-            results = t2w.convert(calls)
-            assert all(isinstance(result, np.ndarray) for result in results)
-            chunks.append(np.concatenate(results))
+        chunks = two_streams_in_step(t2w, name, prompt, tokens)
         audio[name] = chunks
     # The first two chunks of both streams came from the graphs (one batch each); the final chunk did not.
     assert graphs.replayed == 2

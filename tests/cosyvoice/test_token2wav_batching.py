@@ -36,6 +36,18 @@ def tokens(count: int, seed: int) -> NDArray[np.int64]:
     return np.random.default_rng(100 + seed).integers(0, 6561, count)
 
 
+def two_streams_in_step(t2w: Token2Wav, name: str, prompt: VoicePrompt, tokens: NDArray[np.int64]) -> list[Any]:
+    """The audio of two streams ``name-0`` and ``name-1`` converted in step, one batch a chunk: a first hop of 15
+    tokens, then 25, then the final chunk (60 ``tokens`` in all)."""
+    chunks = []
+    for offset, end, final in ((0, 18, False), (15, 43, False), (40, 60, True)):
+        batch = [Conversion(f"{name}-{n}", tokens[:end], prompt, offset, final) for n in range(2)]
+        results = t2w.convert(batch)
+        assert all(isinstance(result, np.ndarray) for result in results)
+        chunks.append(np.concatenate(results))
+    return chunks
+
+
 def calls(tag: str) -> list[Conversion]:
     """A mix as a busy server sees it: first chunks, a later chunk, a final chunk, offline calls, two voices."""
     a, b = voice(1, 10), voice(2, 17)

@@ -34,6 +34,8 @@ from numpy.typing import NDArray
 from torch import Tensor
 from torch._dynamo.exc import TorchDynamoException
 
+from tts_gateway.models.cosyvoice2.engines.encoder_graphs import MAX_ROWS as ENCODER_GRAPH_ROWS
+from tts_gateway.models.cosyvoice2.engines.encoder_graphs import EncoderGraphs
 from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
 from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
 from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
@@ -143,6 +145,7 @@ class Token2Wav:
         prefix_cache: VoicePrefixCache | None = None,
         prefix_limit: int = NOISE_FRAMES,
         hift_graphs: HiftGraphs | None = None,
+        encoder_graphs: EncoderGraphs | None = None,
     ) -> None:
         if state_ttl_s <= 0:
             raise ValueError("state_ttl_s must be positive")
@@ -160,6 +163,7 @@ class Token2Wav:
         self._lock = threading.Lock()
         self.solver = solver
         self.hift_graphs = hift_graphs
+        self.encoder_graphs = encoder_graphs
         self.prefix_cache = prefix_cache
         self.prefix_limit = prefix_limit
         if prefix_cache is not None:
@@ -193,7 +197,8 @@ class Token2Wav:
         keeps it even when the flow runs in fp16: it is cheap and its exp/iSTFT head is sensitive).
         ``graph_rows`` > 0 on a CUDA device records the flow-matching solve, in segments of Euler
         steps, as CUDA graphs for batches of up to that many calls and ``graph_frames`` mel frames, in
-        buckets of ``graph_frame_step`` frames (:class:`FlowSolverGraphs`).
+        buckets of ``graph_frame_step`` frames (:class:`FlowSolverGraphs`), and the flow's token encoder
+        for the same frames and up to :data:`~.encoder_graphs.MAX_ROWS` rows (:class:`EncoderGraphs`).
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
         (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
@@ -243,6 +248,15 @@ class Token2Wav:
                 raise compile_failed(compile_backend, exc) from exc
             if compile_backend:
                 _log.info("flow U-Net levels compiled (%s) while the first graph was recorded", compile_backend)
+        encoder_graphs = None
+        if records_graphs:
+            ratio = cfg.flow.token_mel_ratio
+            encoder_graphs = EncoderGraphs(
+                flow,
+                max_rows=min(graph_rows, ENCODER_GRAPH_ROWS),
+                max_tokens=graph_frames // ratio,
+                token_step=max(1, graph_frame_step // ratio),
+            )
         hift_graphs = None
         if hift_graph_rows > 0 and hift_graph_hops and device.type == "cuda":
             hift_graphs = HiftGraphs(
@@ -262,6 +276,7 @@ class Token2Wav:
             prefix_cache=prefix_cache,
             prefix_limit=prefix_frames,
             hift_graphs=hift_graphs,
+            encoder_graphs=encoder_graphs,
         )
 
     @property
@@ -415,6 +430,7 @@ class Token2Wav:
                 solver=self.solver,
                 prefix=prefixes[members[0]],
                 between_segments=lend_the_gpu,
+                encoder=self.encoder_graphs,
             )
             for index, mel in zip(members, grouped, strict=True):
                 mels[index] = mel

@@ -41,6 +41,13 @@ def _padded(frames: int, multiple: int, *, limit: int) -> int:
     return max(frames, min(-(-frames // multiple) * multiple, limit))
 
 
+class TokenEncoder(Protocol):
+    """A replacement for the eager :meth:`CausalFlow.encode` (CUDA-graph replays): ``mu``, or None where it has no
+    fitting shape. ``tokens`` are on the CPU, the other inputs on the flow's device."""
+
+    def __call__(self, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor | None: ...
+
+
 class MelSolver(Protocol):
     """A replacement for the eager solve (CUDA-graph replays): the mel, or None where it has no fitting shape.
 
@@ -128,16 +135,21 @@ class CausalFlow(nn.Module):
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
         tokens = prompt_token.reshape(1, -1).to(device).clamp(min=0)
-        x = self.input_embedding(torch.cat([tokens, tokens.new_zeros(1, self.cfg.pre_lookahead_len)], dim=1))
+        padded = torch.cat([tokens, tokens.new_zeros(1, self.cfg.pre_lookahead_len)], dim=1)
         yes = torch.tensor([True], device=device)
-        h = self.encoder(x, torch.tensor([tokens.size(1)], device=device), ~yes, yes)
-        mu = self.encoder_proj(h).transpose(1, 2)[:, :, :frames].contiguous()
+        mu = self.encode(padded, torch.tensor([tokens.size(1)], device=device), ~yes, yes)[:, :, :frames].contiguous()
         speaker = self.spk_embed_affine_layer(F.normalize(embedding.reshape(1, -1).to(device, dtype), dim=1))
         cond = prompt_feat[:frames].transpose(0, 1).unsqueeze(0).to(device, dtype)
         recorder = PrefixRecorder()
         mask = torch.ones(1, 1, frames, device=device, dtype=dtype)
         self.decoder(mu, mask, speaker, cond, n_timesteps, yes, tape=recorder)
         return VoicePrefix(frames, n_timesteps, tuple(recorder.tensors))
+
+    def encode(self, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor:
+        """``mu`` ``[B, 80, ratio * (W - lookahead)]`` of token rows ``[B, W]`` right-padded with zeros (see
+        :meth:`UpsampleConformerEncoder.forward` for ``lengths``, ``has_context`` and ``streaming``)."""
+        h = self.encoder(self.input_embedding(tokens.clamp(min=0)), lengths, has_context, streaming)
+        return self.encoder_proj(h).transpose(1, 2)
 
     def mel_frames(self, target_tokens: int, *, finalize: bool) -> int:
         """Frames :meth:`inference` returns for ``target_tokens`` target tokens."""
@@ -208,6 +220,7 @@ class CausalFlow(nn.Module):
         solver: MelSolver | None = None,
         prefix: VoicePrefix | None = None,
         between_segments: Callable[[], None] | None = None,
+        encoder: TokenEncoder | None = None,
     ) -> list[Tensor]:
         """Mel ``[80, frames_i]`` (float32) of each item's target tokens, computed as one batch.
 
@@ -215,7 +228,8 @@ class CausalFlow(nn.Module):
         each row gets what it would get alone (up to floating-point reordering). ``solver`` (for
         example CUDA-graph replays, :mod:`tts_gateway.models.cosyvoice2.engines.flow_graphs`) replaces the eager
         flow-matching solve where it has a shape that fits (and calls ``between_segments`` between the
-        parts of its solve, see :class:`MelSolver`). With ``prefix`` (recorded for the
+        parts of its solve, see :class:`MelSolver`); ``encoder`` likewise replaces the eager encoder (for
+        example :mod:`tts_gateway.models.cosyvoice2.engines.encoder_graphs`). With ``prefix`` (recorded for the
         items' voice, which all items must share, all streaming) the solve runs only after it.
         """
         start = 0 if prefix is None else prefix.frames
@@ -239,9 +253,9 @@ class CausalFlow(nn.Module):
         lengths = torch.tensor(voiced, device=device)
         has_context = torch.tensor([not item.finalize for item in items], device=device)
         streaming = torch.tensor([item.streaming for item in items], device=device)
-        x = self.input_embedding(tokens.to(device).clamp(min=0))
-        h = self.encoder(x, lengths, has_context, streaming)
-        mu = self.encoder_proj(h).transpose(1, 2).contiguous()
+        mu = None if encoder is None else encoder(tokens, lengths, has_context, streaming)
+        if mu is None:
+            mu = self.encode(tokens.to(device), lengths, has_context, streaming).contiguous()
 
         frames = mu.size(2)
         embeddings = torch.stack([item.embedding.reshape(-1) for item in items]).to(device, dtype)
