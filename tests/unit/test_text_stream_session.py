@@ -15,7 +15,7 @@ from tts_gateway.gateway.text_stream.messages import StreamQuery
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
 from tts_gateway.gateway.text_stream.output_format import OutputFormat
 from tts_gateway.gateway.text_stream.session import TextStreamLimits, TextStreamSession
-from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, VoiceChoice
+from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
 
 VOICE = VoiceChoice("joe", "piper")
 
@@ -84,3 +84,62 @@ async def test_a_client_that_reads_nothing_is_given_up_while_the_receiver_waits_
     await asyncio.wait_for(session.run(), 30)
     closes = metrics.registry.get_sample_value("tts_ws_closes_total", {"reason": "inactivity timeout"})
     assert closes == 1
+
+
+class FaultySynthesizer:
+    """A context's synthesis that fails with an error of the gateway's own (not a :class:`GatewayError`)."""
+
+    buffered = 0
+    in_progress = False
+
+    async def push(self, text: str) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def end_input(self) -> None:
+        pass
+
+    async def chunks(self) -> AsyncIterator[SpeechChunk]:
+        raise RuntimeError("a fault of the gateway's own")
+        yield
+
+    async def aclose(self) -> None:
+        pass
+
+
+class RecordingSocket(UnreadSocket):
+    """A client that reads everything: what it was sent, and how it was closed."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        super().__init__(messages)
+        self.sent: list[dict[str, Any]] = []
+        self.closed: tuple[int, str | None] | None = None
+
+    async def send_text(self, data: str) -> None:
+        self.sent.append(json.loads(data))
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        self.closed = (code, reason)
+        self.client_state = WebSocketState.DISCONNECTED
+
+
+async def test_an_unexpected_fault_in_a_context_fails_the_socket_instead_of_leaving_it_open() -> None:
+    socket = RecordingSocket([{"text": "A sentence to speak. ", "context_id": "a", "flush": True}])
+    metrics = GatewayMetrics()
+    session = TextStreamSession(
+        cast(WebSocket, socket),
+        StreamQuery(inactivity_timeout=20),
+        OutputFormat.parse("pcm_24000", socket=True),
+        multi=True,
+        voice=VOICE,
+        synthesizers=lambda voice, chunker, slots: FaultySynthesizer(),
+        limits=TextStreamLimits(),
+        metrics=TextStreamMetrics(metrics),
+    )
+    # Well under the inactivity timeout: the fault, not the idle socket, ends the session.
+    await asyncio.wait_for(session.run(), 10)
+    assert socket.closed is not None and socket.closed[0] == 1011
+    assert {"error": "internal_error", "message": "internal error", "contextId": "a"} in socket.sent
+    assert not any(message.get("isFinal") for message in socket.sent)

@@ -325,6 +325,12 @@ class TextStreamSession:
         except GatewayError as exc:
             await self._fail(context, exc)
             return
+        except Exception:
+            # A fault of the gateway's own ends the socket as a failed synthesis does: a context left
+            # registered and unfinished would keep the socket from ever going idle.
+            logger.exception("text stream context failed")
+            await self._fail(context, GatewayError("internal error", code="internal_error"))
+            return
         if self._contexts.get(context.id) is context:
             del self._contexts[context.id]
             self._metrics.contexts.dec()
@@ -337,7 +343,7 @@ class TextStreamSession:
         self._metrics.failed.labels(error.code or "synthesis_failed").inc()
         await self._send({"error": error.code or "synthesis_failed", "message": error.message, **self._ids(context)})
         code = TRY_LATER if isinstance(error, RateLimitError) else INTERNAL
-        self._end(code, f"synthesis failed: {error.message}", self._ids(context))
+        self._end(code, f"synthesis failed: {error.message.removeprefix('synthesis failed: ')}", self._ids(context))
 
     def _audio_message(self, context: _Context, audio: ConvertedAudio, chunk: SpeechChunk) -> dict[str, Any]:
         spoken, normalized = chunk.align(audio.duration_ms)
