@@ -14,7 +14,7 @@ from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.text_stream.messages import StreamQuery
 from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
 from tts_gateway.gateway.text_stream.output_format import OutputFormat
-from tts_gateway.gateway.text_stream.session import TextStreamLimits, TextStreamSession
+from tts_gateway.gateway.text_stream.session import SynthesizerFactory, TextStreamLimits, TextStreamSession
 from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
 
 VOICE = VoiceChoice("joe", "piper")
@@ -60,6 +60,21 @@ class UnreadSocket:
         pass
 
 
+def multi_stream_session(
+    socket: UnreadSocket, synthesizers: SynthesizerFactory, metrics: GatewayMetrics, *, inactivity_timeout: int
+) -> TextStreamSession:
+    return TextStreamSession(
+        cast(WebSocket, socket),
+        StreamQuery(inactivity_timeout=inactivity_timeout),
+        OutputFormat.parse("pcm_24000", socket=True),
+        multi=True,
+        voice=VOICE,
+        synthesizers=synthesizers,
+        limits=TextStreamLimits(),
+        metrics=TextStreamMetrics(metrics),
+    )
+
+
 async def test_a_client_that_reads_nothing_is_given_up_while_the_receiver_waits_to_answer_it() -> None:
     # The interruption's isFinal is sent by the receiver, which thus waits on the client instead of
     # watching the inactivity timeout between messages.
@@ -70,15 +85,11 @@ async def test_a_client_that_reads_nothing_is_given_up_while_the_receiver_waits_
         ]
     )
     metrics = GatewayMetrics()
-    session = TextStreamSession(
-        cast(WebSocket, socket),
-        StreamQuery(inactivity_timeout=1),
-        OutputFormat.parse("pcm_24000", socket=True),
-        multi=True,
-        voice=VOICE,
-        synthesizers=lambda voice, chunker, slots: PhrasePipeline(Phrases(), voice, chunker, speech_slots=slots),
-        limits=TextStreamLimits(),
-        metrics=TextStreamMetrics(metrics),
+    session = multi_stream_session(
+        socket,
+        lambda voice, chunker, slots: PhrasePipeline(Phrases(), voice, chunker, speech_slots=slots),
+        metrics,
+        inactivity_timeout=1,
     )
     # Well past the timeout and the close's own wait for a client that reads nothing.
     await asyncio.wait_for(session.run(), 30)
@@ -127,16 +138,8 @@ class RecordingSocket(UnreadSocket):
 
 async def test_an_unexpected_fault_in_a_context_fails_the_socket_instead_of_leaving_it_open() -> None:
     socket = RecordingSocket([{"text": "A sentence to speak. ", "context_id": "a", "flush": True}])
-    metrics = GatewayMetrics()
-    session = TextStreamSession(
-        cast(WebSocket, socket),
-        StreamQuery(inactivity_timeout=20),
-        OutputFormat.parse("pcm_24000", socket=True),
-        multi=True,
-        voice=VOICE,
-        synthesizers=lambda voice, chunker, slots: FaultySynthesizer(),
-        limits=TextStreamLimits(),
-        metrics=TextStreamMetrics(metrics),
+    session = multi_stream_session(
+        socket, lambda voice, chunker, slots: FaultySynthesizer(), GatewayMetrics(), inactivity_timeout=20
     )
     # Well under the inactivity timeout: the fault, not the idle socket, ends the session.
     await asyncio.wait_for(session.run(), 10)
