@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from tts_gateway.gateway.errors import BackendUnavailableError
 from tts_gateway.gateway.metrics import GatewayMetrics
@@ -21,7 +21,8 @@ from tts_gateway.gateway.triton_pool import TritonPool
 
 logger = logging.getLogger(__name__)
 
-# How often a caller waiting for a ready server looks again.
+# How often start-up checks the servers again, and how often a caller waiting on the watcher looks again.
+_REFRESH_STEP = 0.2
 _WAIT_STEP = 0.1
 
 
@@ -92,24 +93,18 @@ class LiveCatalog:
             logger.warning("no Triton server serves a speech model")
 
     async def wait_ready(self, within: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while not await self.refresh():
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.2)
-        return True
+        """Whether the default model is served within ``within`` seconds, checking the servers itself
+        (start-up, before the watcher runs)."""
+        return await _poll(self.refresh, within, _REFRESH_STEP)
 
     async def until_ready(self, within: float) -> bool:
         """Whether some server serves a speech model within ``within`` seconds; the watcher, not this
         call, checks the servers (many callers may wait at once)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while self._catalog is None or not self._catalog.models:
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(_WAIT_STEP)
-        return True
+
+        async def serves_speech() -> bool:
+            return self._catalog is not None and bool(self._catalog.models)
+
+        return await _poll(serves_speech, within, _WAIT_STEP)
 
     def start_watching(self) -> None:
         self._watcher = asyncio.create_task(self._watch(), name="triton-watch")
@@ -128,3 +123,14 @@ class LiveCatalog:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
+
+
+async def _poll(condition: Callable[[], Awaitable[bool]], within: float, step: float) -> bool:
+    """Whether ``condition`` holds within ``within`` seconds, asked every ``step`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await condition():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(step)
+    return True
