@@ -178,6 +178,9 @@ def test_errors_come_in_elevenlabs_envelope(sdk: ElevenLabs, gateway: GatewayPro
     assert empty.value.body["detail"]["message"].startswith("text:")
     response = httpx.post(f"{gateway.url}/v1/text-to-speech/joe/stream", content=b"{", timeout=10)
     assert response.status_code == 422 and set(response.json()["detail"]) == {"status", "message"}
+    json_header = {"content-type": "application/json"}
+    not_utf8 = httpx.post(f"{gateway.url}/v1/text-to-speech/joe", content=b"\xff", headers=json_header, timeout=10)
+    assert not_utf8.status_code == 400 and not_utf8.json()["detail"]["status"] == "invalid_request"
 
 
 @pytest.mark.parametrize(

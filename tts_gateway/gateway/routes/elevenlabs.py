@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from tts_gateway.gateway.dependencies import Services, ServicesDep
@@ -64,6 +65,9 @@ class ElevenLabsRoute(APIRoute):
                 return await handler(request)
             except RequestValidationError as exc:
                 return validation_error_response(exc)
+            except HTTPException as exc:
+                # FastAPI's own refusals inside the handler, such as a body that is not UTF-8 at all.
+                return error_response(exc.status_code, "invalid_request", str(exc.detail), dict(exc.headers or {}))
             except GatewayError as exc:
                 if exc.status_code >= 500:
                     logger.warning("request failed: %s (%s)", exc.message, exc.code)
