@@ -22,10 +22,10 @@ import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 
 from tests.conftest import CosyVoiceServer
-from tts_gateway.gateway.bistream_client import BistreamSession
 from tts_gateway.gateway.errors import InvalidRequestError
-from tts_gateway.gateway.model_catalog import ModelCatalog
-from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.gateway.triton.client import TritonClient
+from tts_gateway.gateway.triton.model_catalog import ModelCatalog
+from tts_gateway.gateway.triton.text_stream_call import BistreamSession
 from tts_gateway.models import contract
 from tts_gateway.paths import REFERENCE_VOICES
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, crash, free_ports, processes_under
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -9,9 +9,9 @@ import pytest
 
 from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS
 from tests.fixtures.silent_server import silent_server
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.gateway.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
-from tts_gateway.gateway.triton_client import Readiness, TritonClient
+from tts_gateway.gateway.triton.client import Readiness, TritonClient
 from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from tts_gateway.gateway.auth import ApiKeyMiddleware
+from tts_gateway.gateway.api.auth import ApiKeyMiddleware
 from tts_gateway.gateway.errors import install_error_handlers
 
 KEYS = ("key-one", "key-two")

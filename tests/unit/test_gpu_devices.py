@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tts_gateway.gateway.gpu_devices import cuda_ids, parse_setting, server_gpus, visible_gpus
+from tts_gateway.gateway.embedded.gpu_devices import cuda_ids, parse_setting, server_gpus, visible_gpus
 from tts_gateway.gateway.settings import Settings
 
 

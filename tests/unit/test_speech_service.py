@@ -29,8 +29,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tts_gateway.gateway.admission import AdmissionControl
-from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat
 from tts_gateway.gateway.errors import (
     BackendError,
     BackendTimeoutError,
@@ -38,13 +36,15 @@ from tts_gateway.gateway.errors import (
     GatewayError,
     RequestTimeoutError,
 )
-from tts_gateway.gateway.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.model_catalog import SpeechModel
-from tts_gateway.gateway.speech_plan import SpeechPlan
-from tts_gateway.gateway.speech_service import Audio, SpeechService, SpeechStream, StreamAborted
-from tts_gateway.gateway.triton_pool import Failover
-from tts_gateway.gateway.voice_registry import ResolvedVoice
+from tts_gateway.gateway.speech.admission import AdmissionControl
+from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat
+from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
+from tts_gateway.gateway.speech.plan import SpeechPlan
+from tts_gateway.gateway.speech.service import Audio, SpeechService, SpeechStream, StreamAborted
+from tts_gateway.gateway.speech.voice_registry import ResolvedVoice
+from tts_gateway.gateway.triton.model_catalog import SpeechModel
+from tts_gateway.gateway.triton.pool import Failover
 from tts_gateway.models import contract
 
 CHUNK = 100

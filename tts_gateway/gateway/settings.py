@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from tts_gateway.gateway import gpu_devices
-from tts_gateway.gateway.cuda_mps import MpsMode
+from tts_gateway.gateway.embedded import gpu_devices
+from tts_gateway.gateway.embedded.cuda_mps import MpsMode
 from tts_gateway.models.model_repository import parse_overrides
 from tts_gateway.paths import REFERENCE_VOICES, TRITON_REPOSITORY, invocation_path
 
