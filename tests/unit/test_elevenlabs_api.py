@@ -13,7 +13,7 @@ from tts_gateway.gateway.api.elevenlabs_api import (
     TextToSpeechQuery,
     gateway_model,
 )
-from tts_gateway.gateway.api.openai_schema import VoiceInfo
+from tts_gateway.gateway.speech.voice_registry import VoiceInfo
 from tts_gateway.gateway.triton.model_catalog import SpeechModel
 
 

@@ -13,13 +13,13 @@ from fastapi import FastAPI
 from tts_gateway.allocator import keep_audio_buffers_in_heap, limit_malloc_arenas
 from tts_gateway.gateway.api.auth import ApiKeyMiddleware
 from tts_gateway.gateway.api.dependencies import Services
+from tts_gateway.gateway.api.error_handlers import install_error_handlers
 from tts_gateway.gateway.api.request_limits import RequestBodyLimitMiddleware
 from tts_gateway.gateway.api.routes import elevenlabs, health, models, speech, text_to_speech_ws, voices
 from tts_gateway.gateway.api.text_stream.wiring import text_streams
 from tts_gateway.gateway.api.wyoming.server import serving
 from tts_gateway.gateway.api.wyoming.wiring import wyoming_server
 from tts_gateway.gateway.embedded.fleet import start_embedded_fleet
-from tts_gateway.gateway.errors import install_error_handlers
 from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from tts_gateway.gateway.request_ids import RequestIdMiddleware
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings

@@ -15,8 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tts_gateway.gateway.api.openai_schema import MAX_INPUT_CHARS, MAX_NAME_CHARS, SpeechRequest, VoiceInfo, clean_text
 from tts_gateway.gateway.errors import GatewayError
+from tts_gateway.gateway.speech.request import MAX_INPUT_CHARS, MAX_NAME_CHARS, SpeechRequest, clean_text
+from tts_gateway.gateway.speech.voice_registry import VoiceInfo
 from tts_gateway.gateway.triton.model_catalog import SpeechModel
 
 # ElevenLabs' own model ids all start so; any of them means the gateway's default model, as

@@ -22,9 +22,9 @@ from tts_gateway.gateway.api.elevenlabs_api import (
     TextToSpeechBody,
     TextToSpeechQuery,
 )
-from tts_gateway.gateway.api.openai_schema import SpeechRequest
 from tts_gateway.gateway.errors import InvalidRequestError, NotFoundError
 from tts_gateway.gateway.speech.plan import SpeechPlan
+from tts_gateway.gateway.speech.request import SpeechRequest
 from tts_gateway.gateway.speech.service import SpeechStream
 from tts_gateway.gateway.speech.text_stream.alignment import CharAlignment, PhraseAligner
 from tts_gateway.gateway.speech.text_stream.output_format import (

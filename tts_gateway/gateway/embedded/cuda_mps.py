@@ -23,9 +23,10 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 from tts_gateway.gateway.embedded.gpu_devices import VISIBLE_DEVICES
+from tts_gateway.gateway.settings import MpsMode
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ CONTROL: Final = "nvidia-cuda-mps-control"
 PIPE_VARIABLE: Final = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VARIABLE: Final = "CUDA_MPS_LOG_DIRECTORY"
 _TIMEOUT_S: Final = 30.0
-
-MpsMode = Literal["auto", "on", "off"]
 
 
 class CudaMpsError(RuntimeError):

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack, ExitStack
 from pathlib import Path
 
-from tts_gateway.gateway.embedded.cuda_mps import CudaMps, MpsMode
+from tts_gateway.gateway.embedded.cuda_mps import CudaMps
 from tts_gateway.gateway.embedded.gpu_devices import VISIBLE_DEVICES, cuda_ids, server_gpus
 from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.gateway.embedded.supervisor import TritonSupervisor
-from tts_gateway.gateway.settings import Settings
+from tts_gateway.gateway.settings import MpsMode, Settings
 from tts_gateway.models.model_repository import (
     deployment_overrides,
     load_profile,

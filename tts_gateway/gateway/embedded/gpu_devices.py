@@ -10,28 +10,12 @@ given it sees that one GPU as device 0.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from typing import Final
 
 VISIBLE_DEVICES: Final = "CUDA_VISIBLE_DEVICES"
 _NVIDIA_SMI_TIMEOUT_S: Final = 30.0
-# What CUDA_VISIBLE_DEVICES takes: an index, or a GPU's or MIG instance's UUID.
-_DEVICE: Final = re.compile(r"\d+|(GPU|MIG)-[\w-]+")
-
-
-def parse_setting(value: str) -> str:
-    """``auto``, ``none`` or comma-separated device names, normalised; raises ``ValueError`` otherwise."""
-    value = value.strip()
-    if value in ("auto", "none"):
-        return value
-    devices = [device.strip() for device in value.split(",")]
-    if not all(_DEVICE.fullmatch(device) for device in devices):
-        raise ValueError(f"TTS_EMBEDDED_GPUS takes auto, none or GPU ids such as 0,1; got {value!r}")
-    if len(set(devices)) != len(devices):
-        raise ValueError(f"TTS_EMBEDDED_GPUS names a GPU twice: {value!r}")
-    return ",".join(devices)
 
 
 def visible_gpus() -> list[str]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tts_gateway.gateway.api.openai_schema import SpeechRequest
 from tts_gateway.gateway.settings import Settings
 from tts_gateway.gateway.speech.audio_encoding import AudioFormat
+from tts_gateway.gateway.speech.request import SpeechRequest
 from tts_gateway.gateway.speech.text_normalization import TextNormalizer
 from tts_gateway.gateway.speech.text_splitting import split_sentences
 from tts_gateway.gateway.speech.voice_registry import ResolvedVoice, VoiceRegistry

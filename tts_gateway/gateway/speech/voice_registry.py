@@ -44,9 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from tts_gateway.gateway.api.openai_schema import VoiceInfo, clean_text
+from pydantic import BaseModel, Field
+
 from tts_gateway.gateway.errors import ConflictError, ForbiddenError, InvalidRequestError, NotFoundError
 from tts_gateway.gateway.speech.reference_audio import ReferenceAudio, ReferenceAudioError, load_reference_audio
+from tts_gateway.gateway.speech.request import clean_text
 from tts_gateway.gateway.triton.model_catalog import ModelCatalog, SpeechModel
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,18 @@ GENERATION_FILE: Final = ".generation"
 _RESCANS: Final = 3
 # A file's identity on disk: inode, size, modification time.
 _FileIdentity = tuple[int, int, int]
+
+
+class VoiceInfo(BaseModel):
+    """A voice as the voice listings (OpenAI's and ElevenLabs') describe it."""
+
+    id: str
+    name: str
+    type: Literal["builtin", "reference", "uploaded"]
+    models: list[str] = Field(description="models that can speak with this voice")
+    transcript: str | None = None
+    duration: float | None = None
+    created_at: int | None = None
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from tts_gateway.gateway.api.elevenlabs_api import (
     validation_error_response,
 )
 from tts_gateway.gateway.api.elevenlabs_speech import VOICE_NOT_FOUND, ElevenLabsAudio, ElevenLabsSpeech
-from tts_gateway.gateway.api.openai_schema import MAX_NAME_CHARS
 from tts_gateway.gateway.api.routes.speech import SpeechResponse
 from tts_gateway.gateway.errors import GatewayError, NotFoundError
+from tts_gateway.gateway.speech.request import MAX_NAME_CHARS
 from tts_gateway.gateway.speech.text_stream.output_format import FORMATS
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tts_gateway.gateway.api.dependencies import ServicesDep
-from tts_gateway.gateway.api.openai_schema import ERROR_RESPONSES, SpeechRequest
+from tts_gateway.gateway.api.openai_schema import ERROR_RESPONSES
 from tts_gateway.gateway.speech.audio_encoding import CONTENT_TYPES
+from tts_gateway.gateway.speech.request import SpeechRequest
 from tts_gateway.gateway.speech.service import StreamAborted
 
 router = APIRouter()

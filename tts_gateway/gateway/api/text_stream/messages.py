@@ -12,7 +12,7 @@ from typing import Final
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tts_gateway.gateway.api.elevenlabs_api import Normalization, VoiceSettings, gateway_model, text_normalization
-from tts_gateway.gateway.api.openai_schema import MAX_NAME_CHARS, clean_text
+from tts_gateway.gateway.speech.request import MAX_NAME_CHARS, clean_text
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import SCHEDULE_MAX, SCHEDULE_MIN
 
 MAX_INACTIVITY_TIMEOUT: Final = 180

@@ -36,10 +36,10 @@ from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
-from tts_gateway.gateway.api.openai_schema import clean_text
 from tts_gateway.gateway.api.text_stream.session import SynthesizerFactory
 from tts_gateway.gateway.errors import GatewayError
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE
+from tts_gateway.gateway.speech.request import clean_text
 from tts_gateway.gateway.speech.text_stream.output_format import FORMATS, AudioConverter
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
 from tts_gateway.gateway.speech.text_stream.synthesis import TextStreamSynthesizer, VoiceChoice

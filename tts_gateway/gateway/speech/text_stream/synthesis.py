@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from tts_gateway.gateway.api.openai_schema import SpeechRequest
 from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
 from tts_gateway.gateway.speech.plan import SpeechPlan
+from tts_gateway.gateway.speech.request import SpeechRequest
 from tts_gateway.gateway.speech.service import SpeechStream, StreamAborted
 from tts_gateway.gateway.speech.text_stream.alignment import CharAlignment, PhraseAligner
 from tts_gateway.gateway.speech.text_stream.output_format import pcm_pieces

@@ -26,11 +26,11 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
-from tts_gateway.gateway.api.openai_schema import SpeechRequest
 from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
 from tts_gateway.gateway.speech.admission import AdmissionControl
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, create_encoder
 from tts_gateway.gateway.speech.plan import SpeechPlan
+from tts_gateway.gateway.speech.request import SpeechRequest
 from tts_gateway.gateway.speech.text_stream.alignment import PhraseAligner
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker, push_async
 from tts_gateway.gateway.speech.text_stream.synthesis import SpeechChunk, VoiceChoice, speech_request
