@@ -272,7 +272,7 @@ async def direct_plan(
             sse=False,
             input_chars=len(text.text),
         )
-        inputs[text.name] = [plan.backend_inputs(i, s) for i, s in enumerate(plan.sentences)]
+        inputs[text.name] = [plan.model_inputs(i, s) for i, s in enumerate(plan.sentences)]
     streaming = triton_model == speech_model.stream_model
     return DirectPlan(triton_model, streaming, speech_model.sample_rate, texts, inputs)
 

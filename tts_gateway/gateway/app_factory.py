@@ -16,7 +16,7 @@ from tts_gateway.gateway.api.dependencies import Services
 from tts_gateway.gateway.api.error_handlers import install_error_handlers
 from tts_gateway.gateway.api.request_limits import RequestBodyLimitMiddleware
 from tts_gateway.gateway.api.routes import elevenlabs, health, models, speech, text_to_speech_ws, voices
-from tts_gateway.gateway.api.text_stream.wiring import text_streams
+from tts_gateway.gateway.api.text_stream.wiring import text_stream_service
 from tts_gateway.gateway.api.wyoming.server import serving
 from tts_gateway.gateway.api.wyoming.wiring import wyoming_server
 from tts_gateway.gateway.embedded.fleet import start_embedded_fleet
@@ -122,8 +122,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 metrics=metrics,
                 started_at=int(time.time()),
             )
-            app.state.text_streams = text_streams(app.state.services, settings)
-            wyoming = wyoming_server(app.state.services, app.state.text_streams, settings)
+            app.state.text_stream_service = text_stream_service(app.state.services, settings)
+            wyoming = wyoming_server(app.state.services, app.state.text_stream_service, settings)
             if wyoming is not None:
                 await stack.enter_async_context(serving(wyoming, announce=settings.wyoming_zeroconf))
             yield

@@ -101,18 +101,22 @@ class RateLimitError(GatewayError):
         return {"Retry-After": str(self.retry_after)}
 
 
-class BackendUnavailableError(GatewayError):
+class ServerUnavailableError(GatewayError):
+    """No ready Triton server can take the call (down, starting, or unreachable)."""
+
     status_code = 503
     error_type = "server_error"
     default_code = "backend_unavailable"
 
 
-class ModelUnavailableError(BackendUnavailableError):
+class ModelUnavailableError(ServerUnavailableError):
     """A model on a Triton that answers says it cannot serve now (a server it relies on, such as an
     LLM server, is down; or it is unloading): the Triton itself is not down, and stays in rotation."""
 
 
-class BackendTimeoutError(GatewayError):
+class ServerTimeoutError(GatewayError):
+    """A Triton server took the call but did not answer (or send the next chunk) in time."""
+
     status_code = 504
     error_type = "server_error"
     default_code = "backend_timeout"
@@ -126,8 +130,8 @@ class RequestTimeoutError(GatewayError):
     default_code = "request_timeout"
 
 
-class BackendError(GatewayError):
-    """The backend failed on a request the gateway considered valid."""
+class SynthesisError(GatewayError):
+    """Synthesis failed on a request the gateway considered valid (in the model or in handling its audio)."""
 
     status_code = 502
     error_type = "server_error"

@@ -168,7 +168,7 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(30.0, gt=0, description="seconds a speech request may wait for a slot")
     request_timeout: float = Field(300.0, gt=0, description="seconds one speech request may take, queue included")
     backend_chunk_timeout: float = Field(
-        30.0, gt=0, description="longest gap between the chunks of a streamed backend call"
+        30.0, gt=0, description="longest gap between the chunks of a streamed Triton call"
     )
     ws_max_sockets: int = Field(64, ge=1, description="text-streaming WebSockets open at once per worker")
     ws_max_contexts: int = Field(5, ge=1, description="contexts open at once on one text-streaming WebSocket")

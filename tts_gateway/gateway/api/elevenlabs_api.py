@@ -182,7 +182,7 @@ class ErrorResponse(BaseModel):
 
 ERROR_RESPONSES: Final[dict[int | str, dict[str, Any]]] = {
     "4XX": {"model": ErrorResponse, "description": "The request is invalid (ElevenLabs error envelope)"},
-    "5XX": {"model": ErrorResponse, "description": "The server or its backend failed (ElevenLabs error envelope)"},
+    "5XX": {"model": ErrorResponse, "description": "The gateway or a Triton server failed (ElevenLabs error envelope)"},
 }
 
 

@@ -27,7 +27,7 @@ class ErrorResponse(BaseModel):
 # keeps FastAPI from documenting its 422, which this API never sends (validation errors are 400).
 ERROR_RESPONSES: Final[dict[int | str, dict[str, Any]]] = {
     "4XX": {"model": ErrorResponse, "description": "The request is invalid (OpenAI error envelope)"},
-    "5XX": {"model": ErrorResponse, "description": "The server or its backend failed (OpenAI error envelope)"},
+    "5XX": {"model": ErrorResponse, "description": "The gateway or a Triton server failed (OpenAI error envelope)"},
 }
 
 
@@ -80,7 +80,7 @@ class VoiceDeleted(BaseModel):
     deleted: bool = True
 
 
-class BackendHealth(BaseModel):
+class ServerHealth(BaseModel):
     address: str = Field(description="the Triton server's gRPC address")
     entry: str = Field(description="the configured address it came from (a name may resolve to several servers)")
     ready: bool
@@ -92,4 +92,4 @@ class HealthStatus(BaseModel):
     status: Literal["ok", "unavailable"]
     backend: str = Field(description="the configured Triton addresses")
     models: list[str]
-    backends: list[BackendHealth] = Field(default_factory=list)
+    backends: list[ServerHealth] = Field(default_factory=list)

@@ -214,7 +214,7 @@ class EmbeddedTriton:
             link = python_backend / name
             link.unlink(missing_ok=True)
             link.symlink_to(layout.python_backend / name)
-        # Copied, not linked: the backend runs the stub found in its own directory. Copied aside
+        # Copied, not linked: the Python backend runs the stub found in its own directory. Copied aside
         # and renamed into place: stubs of a crashed previous run may still be executing the old file.
         staged = python_backend / f".{layout.stub.name}.new"
         shutil.copy2(layout.stub, staged)
@@ -356,7 +356,7 @@ def _find_wheel_layout() -> _WheelLayout:
 
 
 def _check_numpy() -> None:
-    """The wheel's backend stub was built against NumPy 1's C API; under NumPy 2 it corrupts tensors."""
+    """The wheel's Python backend stub was built against NumPy 1's C API; under NumPy 2 it corrupts tensors."""
     if int(numpy.__version__.split(".", 1)[0]) >= 2:
         raise EmbeddedTritonError(
             f"the embedded Triton's Python backend needs numpy<2, this environment has numpy {numpy.__version__}"

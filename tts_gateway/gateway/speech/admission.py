@@ -3,7 +3,7 @@
 A request synthesises only while it holds a :class:`Slot`. When all slots are taken it
 waits in a first-come, first-served queue of bounded length for at most ``queue_timeout``
 seconds; a full queue or a wait that runs out is a 429 with ``Retry-After``, so load
-beyond what the backend can serve is shed at once instead of piling up. A freed slot
+beyond what the Triton servers can serve is shed at once instead of piling up. A freed slot
 passes straight to the longest-waiting request.
 """
 

@@ -1,6 +1,6 @@
 """Streaming encoders for the response formats of OpenAI's speech API.
 
-Every encoder takes mono float32 audio at the backend's sample rate, resamples it
+Every encoder takes mono float32 audio at the model's sample rate, resamples it
 to 24 kHz (the rate OpenAI clients such as Pipecat and LiveKit hard-code for pcm,
 used for every format so all outputs agree; ElevenLabs' formats name rates of their
 own), and returns encoded bytes as soon as
@@ -127,7 +127,7 @@ class _Resampler:
     @staticmethod
     def _sanitise(samples: NDArray[np.float32]) -> NDArray[np.float32]:
         # The resampler can overshoot full-scale input slightly; a NaN from a broken
-        # backend must not reach the codec as garbage.
+        # model must not reach the codec as garbage.
         # Clipping maps the infinities to full scale; NaN survives it and makes the sum NaN,
         # a cheap test (nan_to_num on every chunk cost more than the rest of the encoding).
         cleaned: NDArray[np.float32] = np.clip(samples, np.float32(-1.0), np.float32(1.0))

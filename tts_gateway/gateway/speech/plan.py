@@ -50,7 +50,7 @@ class SpeechPlan:
     instructions: str | None = None
 
     @property
-    def streaming_backend(self) -> bool:
+    def streaming_model(self) -> bool:
         """The Triton model called is the decoupled twin: audio arrives in chunks."""
         return self.triton_model == self.model.stream_model
 
@@ -61,11 +61,11 @@ class SpeechPlan:
         return self.seed is not None and contract.SEED in self.model.inputs
 
     @property
-    def backend_speed(self) -> bool:
+    def model_speed(self) -> bool:
         """The Triton model called changes tempo itself; otherwise the gateway time-stretches."""
         return self.triton_model in self.model.speed_variants
 
-    def backend_inputs(self, index: int, sentence: str) -> dict[str, Any]:
+    def model_inputs(self, index: int, sentence: str) -> dict[str, Any]:
         values: dict[str, Any] = {contract.TARGET_TEXT: sentence}
         inputs = self.model.inputs
         if self.seed is not None and contract.SEED in inputs:
@@ -73,7 +73,7 @@ class SpeechPlan:
             values[contract.SEED] = (self.seed + index) % 2**63
         if self.instructions and contract.INSTRUCTIONS in inputs:
             values[contract.INSTRUCTIONS] = self.instructions
-        if self.backend_speed and self.speed != 1.0:
+        if self.model_speed and self.speed != 1.0:
             values[contract.SPEED] = self.speed
         return values | self.voice_inputs()
 

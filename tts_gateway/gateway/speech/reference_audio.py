@@ -2,7 +2,7 @@
 
 Voice cloning conditions the model on a short recording of the target voice. Users
 upload it in whatever format their phone or browser produced, so this module
-accepts any common format, and turns it into what every backend expects (see
+accepts any common format, and turns it into what every model expects (see
 :mod:`tts_gateway.models.contract`): mono float32 at 16 kHz, without leading or trailing
 silence, peak-normalised. Uploads are untrusted: every problem surfaces as
 :class:`ReferenceAudioError` with a message fit for the API user, and decoding

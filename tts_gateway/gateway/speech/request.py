@@ -29,7 +29,7 @@ _SURROGATES: Final = re.compile(r"[\ud800-\udfff]")
 def clean_text(value: str) -> str:
     """``value`` with every control character but tab, line feed and carriage return replaced by a space.
 
-    Raises ``ValueError`` for a lone surrogate, which no encoder (UTF-8 to the backend) accepts.
+    Raises ``ValueError`` for a lone surrogate, which no encoder (UTF-8 to Triton) accepts.
     """
     if _SURROGATES.search(value):
         raise ValueError("text must be valid Unicode (it contains a lone surrogate)")

@@ -3,7 +3,7 @@
 :meth:`SpeechService.open_stream` waits for a synthesis slot (admission control) and
 synthesises: up to ``synthesis_parallelism`` sentences are in flight at the synthesizer at
 once, and their audio is emitted strictly in order, chunk by chunk, as it arrives. The first
-chunk is awaited before the response starts, so a backend that is down still yields a 503
+chunk is awaited before the response starts, so a Triton server that is down still yields a 503
 rather than an empty 200. The whole request, queue included, runs against one deadline
 (``request_timeout``); before the first byte running out is a 504.
 
@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from tts_gateway.gateway.errors import BackendError, GatewayError, InvalidRequestError, RequestTimeoutError
+from tts_gateway.gateway.errors import GatewayError, InvalidRequestError, RequestTimeoutError, SynthesisError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.request_ids import current_request_id
 from tts_gateway.gateway.speech.admission import AdmissionControl, Slot
@@ -93,7 +93,7 @@ class _End:
 _END = _End()
 
 # Chunks one sentence may have ready before its producer waits for the reader. A slow reader
-# then stalls the backend stream (gRPC flow control) instead of growing the gateway's memory.
+# then stalls the Triton stream (gRPC flow control) instead of growing the gateway's memory.
 _SENTENCE_QUEUE_CHUNKS = 32
 
 
@@ -228,7 +228,7 @@ class SpeechService:
     # -- audio ---------------------------------------------------------------------------------------
 
     # Every generator below closes the one it reads from (``aclosing``), so closing the response's
-    # stream stops the backend work at once rather than whenever the garbage collector gets to it.
+    # stream stops the Triton work at once rather than whenever the garbage collector gets to it.
 
     async def _sse_body(
         self, plan: SpeechPlan, progress: _Progress, encoded: AsyncGenerator[bytes, None]
@@ -285,7 +285,7 @@ class SpeechService:
     async def _audio(self, plan: SpeechPlan, progress: _Progress) -> AsyncGenerator[Audio, None]:
         """Audio at the model's rate, tempo-adjusted here when the model cannot do it."""
         async with contextlib.aclosing(self._synthesise(plan, progress)) as synthesised:
-            if plan.backend_speed or plan.speed == 1.0:
+            if plan.model_speed or plan.speed == 1.0:
                 async for chunk in synthesised:
                     yield chunk
                 return
@@ -301,7 +301,7 @@ class SpeechService:
     async def _synthesise(self, plan: SpeechPlan, progress: _Progress) -> AsyncGenerator[Audio, None]:
         """Sentences pipelined at the synthesizer with bounded parallelism, audio in order.
 
-        The first sentence runs alone until its first audio arrives: it then has the backend to
+        The first sentence runs alone until its first audio arrives: it then has the server to
         itself (no competition for the first byte), and the later sentences still start long
         before they are due.
         """
@@ -348,7 +348,7 @@ class SpeechService:
         queue: asyncio.Queue[Audio | _End | GatewayError],
         progress: _Progress,
     ) -> None:
-        values = plan.backend_inputs(index, sentence)
+        values = plan.model_inputs(index, sentence)
         # Every sentence but the first starts once the response has: waiting for a server beats failing.
         patient = index > 0 or progress.continued
 
@@ -367,9 +367,9 @@ class SpeechService:
         failover = Failover(skip_sent=plan.reproducible, notify=failed_over)
         synthesizer = self._synthesizer
         try:
-            if plan.streaming_backend:
+            if plan.streaming_model:
                 stream = synthesizer.stream(plan.triton_model, values, request_id, patient=patient, failover=failover)
-                # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
+                # Closed here, not by the garbage collector: a cancelled sentence frees its Triton call at once.
                 async with contextlib.aclosing(stream) as chunks:
                     async for chunk in chunks:
                         await queue.put(chunk)
@@ -383,7 +383,7 @@ class SpeechService:
         except Exception as exc:
             # A bug here must not leave the consumer waiting for an end that never comes.
             logger.exception("synthesis of sentence %s failed", request_id)
-            await queue.put(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+            await queue.put(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
         await queue.put(_END)
 
 

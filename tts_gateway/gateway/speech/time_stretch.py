@@ -1,4 +1,4 @@
-"""Tempo change without pitch change, for backends that cannot apply ``speed`` themselves.
+"""Tempo change without pitch change, for models that cannot apply ``speed`` themselves.
 
 WSOLA (waveform-similarity overlap-add, from ``audiotsm``) suits speech: it moves
 whole waveform periods around instead of touching the spectrum, so voices keep

@@ -2,7 +2,7 @@
 
 A reference voice is a recording plus its transcript; CosyVoice2 clones it. The
 recording is decoded, validated and normalised (mono, 16 kHz) once, when the voice
-is loaded or uploaded, and kept in memory; the backend caches what it derives from
+is loaded or uploaded, and kept in memory; the model caches what it derives from
 it (speech tokens, speaker embedding) by the recording's hash.
 
 Uploaded voices are stored as ``NAME.wav`` + ``NAME.json`` in the voices directory.

@@ -28,12 +28,12 @@ from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from tts_gateway.gateway.errors import (
-    BackendError,
-    BackendTimeoutError,
-    BackendUnavailableError,
     GatewayError,
     InvalidRequestError,
     ModelUnavailableError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+    SynthesisError,
 )
 from tts_gateway.models import contract
 
@@ -85,10 +85,10 @@ def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -
     if code == "[UNAVAILABLE":
         return ModelUnavailableError(f"model {model!r} is unavailable: {rest}")
     if status == "StatusCode.DEADLINE_EXCEEDED" or "Deadline Exceeded" in message:
-        return BackendTimeoutError(f"model {model!r} did not answer in time")
+        return ServerTimeoutError(f"model {model!r} did not answer in time")
     if status in _UNAVAILABLE_STATUSES or "failed to connect" in message.lower():
-        return BackendUnavailableError("speech backend is unavailable")
-    return BackendError(f"model {model!r} failed: {message}")
+        return ServerUnavailableError("the Triton server is unavailable")
+    return SynthesisError(f"model {model!r} failed: {message}")
 
 
 def build_inputs(values: Mapping[str, Any]) -> list[InferInput]:
@@ -150,7 +150,7 @@ class TritonClient:
         try:
             ready = await self._client.is_server_ready(client_timeout=_PROBE_TIMEOUT_S)
         except InferenceServerException as exc:
-            timed_out = isinstance(translate_error(exc, "<readiness>"), BackendTimeoutError)
+            timed_out = isinstance(translate_error(exc, "<readiness>"), ServerTimeoutError)
             return Readiness.SILENT if timed_out else Readiness.NOT_READY
         return Readiness.READY if ready else Readiness.NOT_READY
 
@@ -199,7 +199,7 @@ class TritonClient:
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    raise BackendTimeoutError(f"model {model!r} sent nothing for {self._chunk_timeout:g} s") from None
+                    raise ServerTimeoutError(f"model {model!r} sent nothing for {self._chunk_timeout:g} s") from None
                 if error is not None:
                     raise translate_error(error, model)
                 chunk = _waveform(result)

@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from tts_gateway.gateway.errors import BackendUnavailableError
+from tts_gateway.gateway.errors import ServerUnavailableError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.triton.client import TritonModelConfig
 from tts_gateway.gateway.triton.model_catalog import ModelCatalog
@@ -52,7 +52,7 @@ class LiveCatalog:
     def current(self) -> ModelCatalog:
         """The current catalog; raises 503 while no Triton server is ready."""
         if self._catalog is None or not self._catalog.models:
-            raise BackendUnavailableError("speech backend is not ready yet; retry shortly")
+            raise ServerUnavailableError("the Triton servers are not ready yet; retry shortly")
         return self._catalog
 
     @property
@@ -69,7 +69,7 @@ class LiveCatalog:
         """Check every Triton server once; rebuild the catalog if what is served changed. Returns readiness."""
         if await self.pool.refresh() or self._catalog is None:
             self._rebuild()
-        self._metrics.backend_ready.set(1 if self.ready else 0)
+        self._metrics.servers_ready.set(1 if self.ready else 0)
         return self.ready
 
     def _rebuild(self) -> None:

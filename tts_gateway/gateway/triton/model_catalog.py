@@ -1,4 +1,4 @@
-"""Speech models the backend serves, what each can do, and the names clients use for them.
+"""Speech models the Triton servers serve, what each can do, and the names clients use for them.
 
 The catalog is built from Triton's model configs: a model is a speech model when its
 config carries ``tts_contract``; its decoupled ``NAME_stream`` twin, if deployed, is

@@ -43,7 +43,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 
-from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError, ModelUnavailableError
+from tts_gateway.gateway.errors import GatewayError, ModelUnavailableError, ServerUnavailableError, SynthesisError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.triton.client import Readiness, TritonClient, TritonModelConfig
 from tts_gateway.models import contract
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 _RESOLVE_TIMEOUT = 5.0
 SILENT_PROBES_TOLERATED: Final = 2
 # Failures worth another server: it is down or broke, not the request (a 400) or a slow model (a 504).
-_FAILOVER = (BackendUnavailableError, BackendError)
+_FAILOVER = (ServerUnavailableError, SynthesisError)
 # How often a call that waits for a ready server looks again (the watcher refreshes the ready set).
 _WAIT_STEP = 0.1
 
@@ -350,12 +350,12 @@ class TritonPool:
             if server is not None:
                 return server
             if loop.time() >= deadline:
-                raise failure or BackendUnavailableError(f"no ready speech backend serves model {model!r}")
+                raise failure or ServerUnavailableError(f"no ready Triton server serves model {model!r}")
             await asyncio.sleep(_WAIT_STEP)
 
     def _failed(self, server: TritonServer, exc: GatewayError, request_id: str, *, before_audio: bool) -> None:
         # A model that reports itself unavailable answered: its Triton is up and keeps its other models.
-        if isinstance(exc, BackendUnavailableError) and not isinstance(exc, ModelUnavailableError):
+        if isinstance(exc, ServerUnavailableError) and not isinstance(exc, ModelUnavailableError):
             self.mark_down(server)
             for listener in self._listeners:
                 listener()

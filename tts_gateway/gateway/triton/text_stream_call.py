@@ -7,7 +7,7 @@ text's end or a close is a request of its own on a short stream of its own, answ
 model took it, so a piece's error is never mistaken for the session's and pieces awaited one
 after another arrive in order.
 
-Leaving the audio iterator early, or :meth:`BistreamSession.cancel`, closes the session in the
+Leaving the audio iterator early, or :meth:`TextStreamCall.cancel`, closes the session in the
 model and cancels the audio stream; the model frees the LLM slot the session holds.
 """
 
@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
-from tts_gateway.gateway.errors import BackendError, BackendTimeoutError, GatewayError, InvalidRequestError
+from tts_gateway.gateway.errors import GatewayError, InvalidRequestError, ServerTimeoutError, SynthesisError
 from tts_gateway.gateway.triton.client import build_inputs, translate_error
 from tts_gateway.models import contract
 
@@ -36,7 +36,7 @@ _ACK_TIMEOUT_S = 30.0
 _CLOSE_WAIT_S = 10.0
 
 
-class BistreamSession:
+class TextStreamCall:
     """One session: :meth:`send_text` pieces, then :meth:`finish`; iterate for float32 audio chunks."""
 
     def __init__(self, client: grpcclient.InferenceServerClient, model: str, session_id: str) -> None:
@@ -57,7 +57,7 @@ class BistreamSession:
         model: str,
         session_id: str,
         voice: Mapping[str, Any],
-    ) -> BistreamSession:
+    ) -> TextStreamCall:
         """Open a session on ``model`` with the contract inputs ``voice`` (see ``SpeechPlan.voice_inputs``; sampling
         inputs such as ``seed`` may join them); returns once the model holds the session."""
         if not session_id:
@@ -73,7 +73,7 @@ class BistreamSession:
             yield request
 
         session._responses = client.stream_infer(one_request())
-        session._reader = asyncio.create_task(session._read(), name=f"bistream-{session_id}")
+        session._reader = asyncio.create_task(session._read(), name=f"text-stream-{session_id}")
         try:
             async with asyncio.timeout(_ACK_TIMEOUT_S):
                 await asyncio.shield(session._opened)
@@ -153,7 +153,7 @@ class BistreamSession:
                     if error is not None:
                         raise translate_error(error, self._model)
         except TimeoutError:
-            raise BackendTimeoutError(f"model {self._model!r} did not take a text piece in time") from None
+            raise ServerTimeoutError(f"model {self._model!r} did not take a text piece in time") from None
         except (InferenceServerException, grpc.RpcError) as exc:
             raise translate_error(exc, self._model) from exc
 
@@ -175,7 +175,7 @@ class BistreamSession:
         except (InferenceServerException, grpc.RpcError) as exc:
             failure = translate_error(exc, self._model)
         except Exception as exc:
-            failure = BackendError(f"model {self._model!r}: the session's stream failed: {exc}")
+            failure = SynthesisError(f"model {self._model!r}: the session's stream failed: {exc}")
         finally:
             self._ended = True
             if not self._opened.done():

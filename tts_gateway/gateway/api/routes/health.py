@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tts_gateway.gateway.api.dependencies import ServicesDep
-from tts_gateway.gateway.api.openai_schema import ERROR_RESPONSES, BackendHealth, HealthStatus
+from tts_gateway.gateway.api.openai_schema import ERROR_RESPONSES, HealthStatus, ServerHealth
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -21,7 +21,7 @@ async def health(services: ServicesDep) -> JSONResponse:
         backend=",".join(services.pool.entries),
         models=models,
         backends=[
-            BackendHealth(
+            ServerHealth(
                 address=s.address, entry=s.entry, ready=s.ready, models=sorted(s.models), outstanding=s.outstanding
             )
             for s in services.pool.servers

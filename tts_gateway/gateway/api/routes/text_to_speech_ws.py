@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, WebSocket
 
-from tts_gateway.gateway.api.text_stream.service import TextStreams
+from tts_gateway.gateway.api.text_stream.service import TextStreamService
 
 router = APIRouter()
 
 
-def _streams(websocket: WebSocket) -> TextStreams:
-    streams: TextStreams = websocket.app.state.text_streams
+def _streams(websocket: WebSocket) -> TextStreamService:
+    streams: TextStreamService = websocket.app.state.text_stream_service
     return streams
 
 

@@ -26,18 +26,18 @@ from tts_gateway.gateway.speech.text_stream.synthesis import (
     TextStreamSynthesizer,
     VoiceChoice,
 )
-from tts_gateway.gateway.speech.text_stream.text_streaming_model import BistreamSessions, BistreamSynthesis
+from tts_gateway.gateway.speech.text_stream.text_streaming_model import StreamedTextSynthesis, TextStreamCalls
 
 logger = logging.getLogger(__name__)
 
 
-class TextStreams:
+class TextStreamService:
     def __init__(
         self,
         phrases: PhraseSynthesizer,
         limits: TextStreamLimits,
         metrics: TextStreamMetrics,
-        sessions: BistreamSessions | None = None,
+        sessions: TextStreamCalls | None = None,
     ) -> None:
         """``sessions``: text-streaming sessions, for the models that have them; phrases for the rest."""
         self._phrases = phrases
@@ -53,7 +53,7 @@ class TextStreams:
         follows what the Triton servers serve now. ``speech_slots``: its connection's share of the
         speech slots."""
         if self._sessions is not None and self._sessions.serves(voice):
-            return BistreamSynthesis(self._sessions, voice, chunker, speech_slots)
+            return StreamedTextSynthesis(self._sessions, voice, chunker, speech_slots)
         return PhrasePipeline(self._phrases, voice, chunker, speech_slots=speech_slots)
 
     async def serve(self, websocket: WebSocket, voice_id: str, *, multi: bool) -> None:

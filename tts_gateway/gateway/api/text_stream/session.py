@@ -7,7 +7,7 @@ named ``""``), each answered with its ``contextId``; ``{"text": ""}`` only keeps
 
 ``close_context`` after a ``flush`` (nothing sent since) lets the flushed text finish speaking,
 then ``isFinal`` follows: the end of a turn. Otherwise (text not flushed, a second
-``close_context``, or ``"immediate": true``) it is an interruption: the context's backend calls
+``close_context``, or ``"immediate": true``) it is an interruption: the context's Triton calls
 are cancelled at once, nothing more of its audio is sent, and ``isFinal`` follows straight away.
 Other contexts go on.
 
@@ -385,7 +385,7 @@ class TextStreamSession:
     # -- ending ------------------------------------------------------------------------------------
 
     async def _discard(self, context: _Context) -> None:
-        """Stop ``context`` at once: its forwarder, then its backend calls."""
+        """Stop ``context`` at once: its forwarder, then its Triton calls."""
         if self._contexts.get(context.id) is context:
             del self._contexts[context.id]
             self._metrics.contexts.dec()

@@ -6,14 +6,14 @@ import functools
 
 from tts_gateway.gateway.api.dependencies import Services
 from tts_gateway.gateway.api.text_stream.metrics import TextStreamMetrics
-from tts_gateway.gateway.api.text_stream.service import TextStreams
+from tts_gateway.gateway.api.text_stream.service import TextStreamService
 from tts_gateway.gateway.api.text_stream.session import TextStreamLimits
 from tts_gateway.gateway.settings import Settings
 from tts_gateway.gateway.speech.text_stream.synthesis import SpeechServicePhrases
-from tts_gateway.gateway.speech.text_stream.text_streaming_model import BistreamSessions
+from tts_gateway.gateway.speech.text_stream.text_streaming_model import TextStreamCalls
 
 
-def text_streams(services: Services, settings: Settings) -> TextStreams:
+def text_stream_service(services: Services, settings: Settings) -> TextStreamService:
     limits = TextStreamLimits(
         max_sockets=settings.ws_max_sockets,
         max_contexts=settings.ws_max_contexts,
@@ -21,8 +21,8 @@ def text_streams(services: Services, settings: Settings) -> TextStreams:
         max_socket_buffered_chars=settings.ws_max_socket_buffered_chars,
         speech_slots=settings.ws_socket_speech_slots,
     )
-    sessions = BistreamSessions(services.catalog, services.planner.plan, services.pool, services.admission)
-    return TextStreams(speech_phrases(services, settings), limits, TextStreamMetrics(services.metrics), sessions)
+    sessions = TextStreamCalls(services.catalog, services.planner.plan, services.pool, services.admission)
+    return TextStreamService(speech_phrases(services, settings), limits, TextStreamMetrics(services.metrics), sessions)
 
 
 def speech_phrases(services: Services, settings: Settings) -> SpeechServicePhrases:

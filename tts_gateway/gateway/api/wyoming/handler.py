@@ -1,7 +1,7 @@
 """One Wyoming connection: its events, what it says, its limits.
 
 - ``describe`` is answered with ``info`` (:mod:`.voices`).
-- ``synthesize`` is spoken: ``audio-start``, ``audio-chunk``\\ s as the backend produces audio, ``audio-stop``,
+- ``synthesize`` is spoken: ``audio-start``, ``audio-chunk``\\ s as the model produces audio, ``audio-stop``,
   16-bit mono at the rate of the model that speaks it (the socket's ``pcm_<rate>`` conversion of the
   speech service's audio), or at the speech service's 24 kHz where that conversion has no such rate.
 - ``synthesize-start`` opens a streamed request: each ``synthesize-chunk``'s text goes to the same phrase
@@ -14,7 +14,7 @@ Events are read while audio is sent, so a streamed request takes text while it s
 that goes away (end of its stream) has its synthesis cancelled at once. Requests on one connection
 are spoken one after the other, in order.
 
-Every failure a client can cause or see (an unknown voice, a backend failure, a limit, an event out of
+Every failure a client can cause or see (an unknown voice, a Triton server failure, a limit, an event out of
 place) is answered with an ``error`` event, and then the connection is closed, as ``wyoming-piper``
 does: a client waiting for ``audio-stop`` learns that none is coming.
 """

@@ -133,7 +133,7 @@ class GatewayVoices:
         self._phrases = phrases
 
     def info(self) -> Info:
-        """Every voice while some model is ready; none while the backend is down."""
+        """Every voice while some model is ready; none while no Triton server is ready."""
         if not self._catalog.ready:
             return describe([])
         return describe(list_voices(self._catalog.current, self._registry))

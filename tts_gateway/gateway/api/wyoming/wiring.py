@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tts_gateway.gateway.api.dependencies import Services
-from tts_gateway.gateway.api.text_stream.service import TextStreams
+from tts_gateway.gateway.api.text_stream.service import TextStreamService
 from tts_gateway.gateway.api.text_stream.wiring import speech_phrases
 from tts_gateway.gateway.api.wyoming.handler import WyomingLimits
 from tts_gateway.gateway.api.wyoming.server import WyomingServer
@@ -11,7 +11,9 @@ from tts_gateway.gateway.api.wyoming.voices import GatewayVoices
 from tts_gateway.gateway.settings import Settings
 
 
-def wyoming_server(services: Services, text_streams: TextStreams, settings: Settings) -> WyomingServer | None:
+def wyoming_server(
+    services: Services, text_stream_service: TextStreamService, settings: Settings
+) -> WyomingServer | None:
     """The server ``settings`` ask for (``None``: Wyoming is off). Its requests are planned and
     synthesised as the text-streaming WebSocket's contexts are."""
     port = settings.wyoming_port
@@ -21,7 +23,7 @@ def wyoming_server(services: Services, text_streams: TextStreams, settings: Sett
         settings.wyoming_host,
         port,
         voices=GatewayVoices(services.catalog, services.voices, speech_phrases(services, settings)),
-        synthesizers=text_streams.synthesizer,
+        synthesizers=text_stream_service.synthesizer,
         limits=WyomingLimits(
             max_connections=settings.wyoming_max_connections,
             max_buffered_chars=settings.wyoming_max_buffered_chars,

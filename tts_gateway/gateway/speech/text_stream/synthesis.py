@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
+from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
 from tts_gateway.gateway.speech.plan import SpeechPlan
 from tts_gateway.gateway.speech.request import SpeechRequest
 from tts_gateway.gateway.speech.service import SpeechStream, StreamAborted
@@ -36,7 +36,7 @@ from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker,
 logger = logging.getLogger(__name__)
 
 # Chunks one phrase may have ready before its producer waits for the socket: a slow client
-# then slows the backend stream instead of growing the gateway's memory.
+# then slows the Triton stream instead of growing the gateway's memory.
 _PHRASE_QUEUE_CHUNKS: Final = 32
 
 
@@ -97,7 +97,7 @@ class TextStreamSynthesizer(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Stop at once: cancel every backend call of the context."""
+        """Stop at once: cancel every Triton call of the context."""
         ...
 
 
@@ -148,7 +148,7 @@ class SpeechServicePhrases:
     """Phrases synthesised by the speech service, one speech request each.
 
     It uses only the service's two entry points, planning and opening a stream, passed in as
-    callables so that this module depends on nothing else of the service, and ``backend_back``:
+    callables so that this module depends on nothing else of the service, and ``servers_back``:
     whether a server is ready again within the time a started response waits for one (planning
     needs a ready server, and a continued phrase waits for one as its sentences would).
     """
@@ -157,11 +157,11 @@ class SpeechServicePhrases:
         self,
         plan: Callable[[SpeechRequest], Awaitable[SpeechPlan]],
         open_stream: OpenStream,
-        backend_back: Callable[[], Awaitable[bool]],
+        servers_back: Callable[[], Awaitable[bool]],
     ) -> None:
         self._plan = plan
         self._open_stream = open_stream
-        self._backend_back = backend_back
+        self._servers_back = servers_back
 
     async def check(self, voice: VoiceChoice) -> None:
         await self._plan(speech_request(voice, "a"))
@@ -170,8 +170,8 @@ class SpeechServicePhrases:
         request = speech_request(voice, text)
         try:
             plan = await self._plan(request)
-        except BackendUnavailableError:
-            if not continued or not await self._backend_back():
+        except ServerUnavailableError:
+            if not continued or not await self._servers_back():
                 raise
             plan = await self._plan(request)
         try:
@@ -288,7 +288,7 @@ class PhrasePipeline:
         except Exception as exc:
             # A bug here must not leave the reader waiting for an end that never comes.
             logger.exception("synthesis of a streamed phrase failed")
-            await phrase.queue.put(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+            await phrase.queue.put(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
         await phrase.queue.put(_END)
 
     async def chunks(self) -> AsyncIterator[SpeechChunk]:

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
-from tts_gateway.gateway.errors import BackendError, BackendUnavailableError, GatewayError
+from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
 from tts_gateway.gateway.speech.admission import AdmissionControl
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, create_encoder
 from tts_gateway.gateway.speech.plan import SpeechPlan
@@ -36,12 +36,12 @@ from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker,
 from tts_gateway.gateway.speech.text_stream.synthesis import SpeechChunk, VoiceChoice, speech_request
 from tts_gateway.gateway.triton.live_catalog import LiveCatalog
 from tts_gateway.gateway.triton.pool import TritonPool
-from tts_gateway.gateway.triton.text_stream_call import BistreamSession
+from tts_gateway.gateway.triton.text_stream_call import TextStreamCall
 
 logger = logging.getLogger(__name__)
 
 
-class BistreamSessions:
+class TextStreamCalls:
     """Text-streaming sessions over the gateway's services: the catalog, the planner, the pool, admission."""
 
     def __init__(
@@ -72,16 +72,16 @@ class BistreamSessions:
         return await self._plan(speech_request(voice, text))
 
     @contextlib.asynccontextmanager
-    async def open(self, plan: SpeechPlan) -> AsyncIterator[BistreamSession]:
+    async def open(self, plan: SpeechPlan) -> AsyncIterator[TextStreamCall]:
         """A session for ``plan``'s model and voice, holding an admission slot; cancelled on leaving."""
         model = plan.model.text_stream_model
         if model is None:
-            raise BackendUnavailableError(f"model {plan.model.id!r} has no text-streaming deployment now")
+            raise ServerUnavailableError(f"model {plan.model.id!r} has no text-streaming deployment now")
         slot = await self._admission.acquire()
         try:
             async with self._pool.session(model) as client:
                 session_id = f"text-stream-{uuid.uuid4().hex}"
-                session = await BistreamSession.open(client, model, session_id, plan.voice_inputs())
+                session = await TextStreamCall.open(client, model, session_id, plan.voice_inputs())
                 try:
                     yield session
                 finally:
@@ -103,11 +103,11 @@ class _End:
 _END: Final = _End()
 
 
-class BistreamSynthesis:
-    """A :class:`TextStreamSynthesizer` over one :class:`BistreamSession` (see the module's docstring)."""
+class StreamedTextSynthesis:
+    """A :class:`TextStreamSynthesizer` over one :class:`TextStreamCall` (see the module's docstring)."""
 
     def __init__(
-        self, sessions: BistreamSessions, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
+        self, sessions: TextStreamCalls, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
     ) -> None:
         """``speech_slots``: the socket's share of the speech slots, shared by its contexts."""
         self._sessions = sessions
@@ -156,7 +156,7 @@ class BistreamSynthesis:
         """Opens the session with the first text, sends the rest as it comes, then waits for the audio's end."""
         try:
             async with contextlib.AsyncExitStack() as stack:
-                session: BistreamSession | None = None
+                session: TextStreamCall | None = None
                 reader: asyncio.Task[None] | None = None
                 while (text := await self._texts.get()) is not None:
                     plan = await self._sessions.prepare(self._voice, text.strip())
@@ -182,9 +182,9 @@ class BistreamSynthesis:
         except Exception as exc:
             # A bug here must not leave the reader waiting for an end that never comes.
             logger.exception("a text-streaming session failed")
-            self._audio.put_nowait(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+            self._audio.put_nowait(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
 
-    async def _read(self, session: BistreamSession, sample_rate: int) -> None:
+    async def _read(self, session: TextStreamCall, sample_rate: int) -> None:
         encoder = create_encoder("pcm", sample_rate)
         try:
             async for chunk in session:
@@ -195,7 +195,7 @@ class BistreamSynthesis:
             self._audio.put_nowait(exc)
         except Exception as exc:
             logger.exception("reading a text-streaming session's audio failed")
-            self._audio.put_nowait(BackendError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+            self._audio.put_nowait(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
 
     def _put(self, pcm: bytes) -> None:
         for start in range(0, len(pcm), _MAX_CHUNK_BYTES):
