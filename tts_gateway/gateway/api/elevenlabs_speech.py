@@ -3,9 +3,9 @@
 A request becomes a gateway speech request (:meth:`TextToSpeechBody.speech_request`), which the speech
 planner plans and the speech service synthesises as 24 kHz PCM, with the same checks, admission control,
 sentence pipelining and failover as ``/v1/audio/speech``. This module only converts that audio into the
-``output_format`` asked for (the socket's format table, :mod:`text_stream.output_format`) and, for the
+``output_format`` asked for (the socket's format table, :mod:`speech.text_stream.output_format`) and, for the
 timestamped forms, estimates which characters each piece speaks (the socket's estimate,
-:mod:`text_stream.alignment`), in seconds from the start of the response.
+:mod:`speech.text_stream.alignment`), in seconds from the start of the response.
 """
 
 from __future__ import annotations

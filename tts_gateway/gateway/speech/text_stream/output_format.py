@@ -5,7 +5,7 @@ The speech service hands out 16-bit PCM at :data:`OUTPUT_SAMPLE_RATE` (its ``pcm
 ``pcm_<rate>`` resamples that (soxr, streaming); ``ulaw_8000`` and ``alaw_8000`` resample to 8 kHz
 and encode G.711 (FFmpeg's ``pcm_mulaw`` / ``pcm_alaw`` through PyAV); ``mp3_<rate>_<kbps>``,
 ``opus_48000_<kbps>`` (Ogg Opus) and ``wav_<rate>`` go through the gateway's own encoders
-(:mod:`audio_encoding`) at the rate and bit rate the name gives. ``wav`` is served over REST
+(:mod:`speech.audio_encoding`) at the rate and bit rate the name gives. ``wav`` is served over REST
 only: on the socket every message is a piece of one stream, which a header per context would break.
 """
 
