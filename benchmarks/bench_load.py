@@ -2,7 +2,7 @@
 
 Both targets get the same text and produce the same audio. The gateway gets
 ``POST /v1/audio/speech``; the direct target gets, over gRPC, exactly the contract
-inputs the gateway would send for that text (its own :class:`~tts_gateway.gateway.speech_plan.SpeechPlan`
+inputs the gateway would send for that text (its own :class:`~tts_gateway.gateway.speech.plan.SpeechPlan`
 builds them: same sentence split, same voice inputs), one Triton request per sentence on
 the gateway's schedule (the first sentence alone until its first audio, then the gateway's
 sentence parallelism). Times: first audio byte (for the direct target, the first chunk of
@@ -35,12 +35,12 @@ import aiohttp
 import tritonclient.grpc.aio as grpcclient
 
 from benchmarks.bench_texts import BenchText, select_texts
-from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
-from tts_gateway.gateway.model_catalog import ModelCatalog
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
-from tts_gateway.gateway.speech_plan import SpeechPlan, synthesis_pieces
-from tts_gateway.gateway.triton_client import TritonClient, build_inputs
-from tts_gateway.gateway.voice_registry import VoiceRegistry
+from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE
+from tts_gateway.gateway.speech.plan import SpeechPlan, synthesis_pieces
+from tts_gateway.gateway.speech.voice_registry import VoiceRegistry
+from tts_gateway.gateway.triton.client import TritonClient, build_inputs
+from tts_gateway.gateway.triton.model_catalog import ModelCatalog
 from tts_gateway.models import contract
 
 WAV_HEADER_BYTES = 44
@@ -272,7 +272,7 @@ async def direct_plan(
             sse=False,
             input_chars=len(text.text),
         )
-        inputs[text.name] = [plan.backend_inputs(i, s) for i, s in enumerate(plan.sentences)]
+        inputs[text.name] = [plan.model_inputs(i, s) for i, s in enumerate(plan.sentences)]
     streaming = triton_model == speech_model.stream_model
     return DirectPlan(triton_model, streaming, speech_model.sample_rate, texts, inputs)
 

@@ -19,7 +19,7 @@ from typing import Self
 
 import httpx
 
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.model_repository import parse_overrides, render_repository
 from tts_gateway.paths import TRITON_REPOSITORY
 

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tts_gateway.gateway.cuda_mps import CudaMps
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import CheckpointSize, ensure_checkpoint, full_size
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import tiny_size
 from tts_gateway.models.model_repository import load_profiles

@@ -25,7 +25,7 @@ from typing import Any
 from benchmarks.bench_load import GatewayTarget, Sample, gateway_session
 from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_texts import FIVE_SENTENCES, BenchText, select_texts
-from tts_gateway.gateway.text_splitting import split_sentences
+from tts_gateway.gateway.speech.text_splitting import split_sentences
 
 MODEL = "piper"
 VOICE = "alloy"

@@ -1,7 +1,7 @@
 """CPU cost of the gateway's streaming encoders, as a share of one core per real-time stream.
 
 Real speech (Piper's ``joe`` voice, repeated to ``--seconds``) goes through
-``tts_gateway.gateway.audio_encoding``'s streaming encoder for each format in chunks the size of a
+``tts_gateway.gateway.speech.audio_encoding``'s streaming encoder for each format in chunks the size of a
 streamed backend chunk, the way a response does. The process CPU time spent, over the
 seconds of audio encoded, is the share of one core that one listener in real time costs.
 Input at 22.05 kHz (Piper) includes resampling to 24 kHz; input at 24 kHz (CosyVoice2) does not.
@@ -21,7 +21,7 @@ import soxr
 from numpy.typing import NDArray
 
 from benchmarks.bench_texts import FIVE_SENTENCES
-from tts_gateway.gateway.audio_encoding import AUDIO_FORMATS, AudioFormat, create_encoder
+from tts_gateway.gateway.speech.audio_encoding import AUDIO_FORMATS, AudioFormat, create_encoder
 from tts_gateway.models.piper import PiperEngine
 
 INPUT_RATES = (22_050, 24_000)

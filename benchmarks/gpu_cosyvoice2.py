@@ -64,8 +64,8 @@ from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.gpu_query import nvidia_smi
 from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_startup import load_timeline
-from tts_gateway.gateway.embedded_fleet import EmbeddedFleet, embedded_servers
-from tts_gateway.gateway.embedded_triton import EmbeddedTritonError
+from tts_gateway.gateway.embedded.fleet import EmbeddedFleet, embedded_servers
+from tts_gateway.gateway.embedded.server import EmbeddedTritonError
 from tts_gateway.models import contract, stage_trace
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_checkpoint, full_size
 from tts_gateway.models.cosyvoice2.model import vocab

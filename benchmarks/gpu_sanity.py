@@ -38,7 +38,7 @@ from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
 from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
 from tts_gateway.models.triton_logging import STACK_DUMP_SIGNAL

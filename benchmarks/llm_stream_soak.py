@@ -29,7 +29,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.e2e.gateway_process import cmdline, model_processes, tritonserver_pid
 from tests.fixtures.scripted_llm import LLM_CONFIG
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 ROOT = Path(__file__).resolve().parents[1]
 

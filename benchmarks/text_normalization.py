@@ -33,8 +33,8 @@ from typing import Any
 from benchmarks.bench_load import GatewayTarget, Sample, gateway_session
 from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_texts import TEXTS, BenchText
-from tts_gateway.gateway.text_normalization import TextNormalizer
-from tts_gateway.gateway.text_splitting import split_sentences
+from tts_gateway.gateway.speech.text_normalization import TextNormalizer
+from tts_gateway.gateway.speech.text_splitting import split_sentences
 
 NUMBER_HEAVY = (
     "It costs $5 today.",

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
-from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
+from tts_gateway.gateway.triton.client import TritonClient
 from tts_gateway.models.model_repository import render_repository
 from tts_gateway.paths import TRITON_REPOSITORY
 

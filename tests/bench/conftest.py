@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.model_repository import render_repository
 from tts_gateway.paths import TRITON_REPOSITORY
 

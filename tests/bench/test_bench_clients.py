@@ -14,7 +14,7 @@ from benchmarks.bench_stack import format_cpus, parse_cpus, pinned
 from benchmarks.bench_stats import summarize
 from benchmarks.bench_texts import BenchText
 from tests.bench.conftest import FIXTURE_VALUES, STREAM_FIRST_CHUNK_DELAY_MS
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models import contract
 
 TEXT = BenchText("one", "en", "Hello there.")

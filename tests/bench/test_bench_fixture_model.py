@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tests.bench.conftest import STREAM_FIRST_CHUNK_DELAY_MS
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.gateway.errors import InvalidRequestError
-from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.gateway.triton.client import TritonClient
 from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton

@@ -10,7 +10,7 @@ import tritonclient.grpc.aio as grpcclient
 from benchmarks.bench_load import DirectTarget
 from benchmarks.bench_texts import BenchText
 from tests.bench.conftest import STREAM_FIRST_CHUNK_DELAY_MS
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import bench
 from tests.bench.conftest import STREAM_FIRST_CHUNK_DELAY_MS
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.fixtures.scripted_llm import LLM_CONFIG
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest

@@ -23,7 +23,7 @@ import pytest
 
 from tests.unit.test_cuda_mps import calls, stand_in
 from tts_gateway.allocator import SERVER_MALLOC_ENV
-from tts_gateway.gateway.cuda_mps import PIPE_VARIABLE
+from tts_gateway.gateway.embedded.cuda_mps import PIPE_VARIABLE
 from tts_gateway.models import contract
 from tts_gateway.paths import TRITON_REPOSITORY
 from tts_gateway.tools import hub_download, model_prep, trtllm_engine

@@ -1,4 +1,4 @@
-"""Text-streaming sessions end to end: the gateway's BistreamSession against a real tritonserver.
+"""Text-streaming sessions end to end: the gateway's TextStreamCall against a real tritonserver.
 
 The cosyvoice2-cpu profile over the tiny checkpoint deploys ``cosyvoice2_bistream`` (one orchestrator
 instance holding the sessions) next to the PyTorch LLM that interleaves text and speech. With random
@@ -22,10 +22,10 @@ import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 
 from tests.conftest import CosyVoiceServer
-from tts_gateway.gateway.bistream_client import BistreamSession
 from tts_gateway.gateway.errors import InvalidRequestError
-from tts_gateway.gateway.model_catalog import ModelCatalog
-from tts_gateway.gateway.triton_client import TritonClient
+from tts_gateway.gateway.triton.client import TritonClient
+from tts_gateway.gateway.triton.model_catalog import ModelCatalog
+from tts_gateway.gateway.triton.text_stream_call import TextStreamCall
 from tts_gateway.models import contract
 from tts_gateway.paths import REFERENCE_VOICES
 
@@ -58,7 +58,7 @@ async def client(cosyvoice_server: CosyVoiceServer) -> AsyncIterator[grpcclient.
     await client.close()
 
 
-async def _collect(session: BistreamSession, into: list[tuple[float, NDArray[np.float32]]]) -> None:
+async def _collect(session: TextStreamCall, into: list[tuple[float, NDArray[np.float32]]]) -> None:
     async for chunk in session:
         into.append((time.monotonic(), chunk))
 
@@ -76,7 +76,7 @@ async def test_the_catalog_sees_the_text_streaming_deployment(cosyvoice_server: 
 async def test_audio_arrives_while_the_text_still_comes(
     client: grpcclient.InferenceServerClient, voice: dict[str, object]
 ) -> None:
-    session = await BistreamSession.open(client, MODEL, "first-session", voice)
+    session = await TextStreamCall.open(client, MODEL, "first-session", voice)
     chunks: list[tuple[float, NDArray[np.float32]]] = []
     reader = asyncio.create_task(_collect(session, chunks))
     sent_last = 0.0
@@ -113,7 +113,7 @@ def _llm_requests_done(server: CosyVoiceServer) -> int:
 async def test_a_cancelled_session_ends_its_llm_request(
     client: grpcclient.InferenceServerClient, voice: dict[str, object], cosyvoice_server: CosyVoiceServer
 ) -> None:
-    session = await BistreamSession.open(client, MODEL, "cancelled-session", voice)
+    session = await TextStreamCall.open(client, MODEL, "cancelled-session", voice)
     chunks: list[tuple[float, NDArray[np.float32]]] = []
     reader = asyncio.create_task(_collect(session, chunks))
     await session.send_text(PIECES[0])
@@ -131,7 +131,7 @@ async def test_a_cancelled_session_ends_its_llm_request(
         await asyncio.sleep(0.1)
     assert _llm_requests_done(cosyvoice_server) > done_before, "the LLM still holds the cancelled session"
     # The session id is free again, and a new session under it runs to its end.
-    again = await BistreamSession.open(client, MODEL, "cancelled-session", voice)
+    again = await TextStreamCall.open(client, MODEL, "cancelled-session", voice)
     await again.send_text(PIECES[1])
     await again.finish()
     audio = [chunk async for chunk in again]
@@ -141,15 +141,15 @@ async def test_a_cancelled_session_ends_its_llm_request(
 async def test_a_session_id_in_use_is_refused(
     client: grpcclient.InferenceServerClient, voice: dict[str, object]
 ) -> None:
-    session = await BistreamSession.open(client, MODEL, "twice", voice)
+    session = await TextStreamCall.open(client, MODEL, "twice", voice)
     try:
         with pytest.raises(InvalidRequestError, match="open already"):
-            await BistreamSession.open(client, MODEL, "twice", voice)
+            await TextStreamCall.open(client, MODEL, "twice", voice)
     finally:
         await session.cancel()
 
 
 async def test_text_for_a_session_not_open_is_refused(client: grpcclient.InferenceServerClient) -> None:
-    stranger = BistreamSession(client, MODEL, "never-opened")
+    stranger = TextStreamCall(client, MODEL, "never-opened")
     with pytest.raises(InvalidRequestError, match="no open session"):
         await stranger.send_text("hello")

@@ -12,7 +12,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.conftest import CosyVoiceServer
 from tests.e2e.gateway_process import GatewayProcess
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

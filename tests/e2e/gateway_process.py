@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import tritonclient.grpc as grpcclient
 
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 
 def processes_under(directory: Path) -> list[int]:

@@ -19,7 +19,7 @@ import pytest
 
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, crash, free_ports, processes_under
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 
@@ -101,7 +101,7 @@ def test_audio_stream_is_aborted_not_ended(doomed: tuple[EmbeddedTriton, Gateway
     assert audio.sample_rate == 24_000
     assert 0.5 < audio.duration < 120.0
     log = gateway.log_tail(200)
-    assert re.search(r"speech response aborted at sentence \d+ of 60: speech backend is unavailable", log), log
+    assert re.search(r"speech response aborted at sentence \d+ of 60: the Triton server is unavailable", log), log
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=5).text
     assert 'tts_speech_requests_total{format="wav",model="piper",outcome="aborted"} 1.0' in metrics
     speech = httpx.post(f"{gateway.url}/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": "Hi."})

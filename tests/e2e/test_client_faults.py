@@ -19,7 +19,7 @@ from tests.e2e.gateway_process import (
     rss_bytes,
     stream_requests_seen,
 )
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.model_repository import parse_overrides, render_repository
 from tts_gateway.paths import TRITON_REPOSITORY
 
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # all of it ready at once.
 TONE_SECONDS, CHUNK = 300, 0.5
 # What one response may hold: TTS_SYNTHESIS_PARALLELISM (2) sentences, each with up to 32 chunks queued
-# (speech_service's _SENTENCE_QUEUE_CHUNKS: 2 x 32 x 0.5 s x 24 kHz x 4 bytes = 3 MiB) and what gRPC has
-# received for it but not handed over (the triton_client's fixed 1 MiB window per stream); uvicorn stops
+# (speech/service.py's _SENTENCE_QUEUE_CHUNKS: 2 x 32 x 0.5 s x 24 kHz x 4 bytes = 3 MiB) and what gRPC has
+# received for it but not handed over (triton/client.py's fixed 1 MiB window per stream); uvicorn stops
 # at 64 KiB of unsent output. Measured: 20-25 MiB more for four slow readers, also with both cores busy
 # (with gRPC's BDP probing the windows grew under load: 50-80 MiB, once 112); unbounded buffering took
 # 187 MiB more in the first four seconds, and grows with the audio (4 x 2 x 27.5 MiB here).

@@ -22,7 +22,7 @@ from openai import OpenAI
 from tests.audio_checks import DecodedAudio, decode
 from tests.e2e.gateway_process import GatewayProcess, cpu_seconds, free_port
 from tests.llm_server_process import LLMServerProcess
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = [pytest.mark.triton, pytest.mark.cosyvoice]
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, crash, free_ports
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

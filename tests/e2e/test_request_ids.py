@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from tests.e2e.gateway_process import GatewayProcess
 from tests.fixtures.scripted_triton import start_scripted_triton
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -23,9 +23,9 @@ from schemathesis.checks import (
 
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess
+from tts_gateway.gateway.api.elevenlabs_api import REST_PATHS
 from tts_gateway.gateway.app_factory import create_app
-from tts_gateway.gateway.elevenlabs_api import REST_PATHS
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.gateway.settings import Settings
 
 pytestmark = pytest.mark.triton

@@ -19,7 +19,7 @@ import pytest
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
 from tests.fixtures.scripted_triton import TONE_SECONDS, start_scripted_triton
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

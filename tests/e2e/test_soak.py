@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.audio_checks import decode
 from tests.e2e.gateway_process import GatewayProcess, rss_bytes
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -17,7 +17,7 @@ import pytest
 from tests.audio_checks import DecodedAudio, decode
 from tests.e2e.gateway_process import GatewayProcess
 from tests.speech_recognition import which_was_said
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -29,7 +29,7 @@ from pipecat.services.openai.tts import OpenAITTSService
 
 from tests.e2e.gateway_process import GatewayProcess, crash, stream_requests_seen
 from tests.fixtures.scripted_triton import TONE_SECONDS, ScriptedPair, scripted_pair
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 
 pytestmark = pytest.mark.triton
 

@@ -13,7 +13,7 @@ from openai import OpenAI
 from tests.audio_checks import DecodedAudio, decode
 from tests.e2e.gateway_process import GatewayProcess
 from tests.speech_recognition import transcribe, which_was_said
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 
 @dataclass(frozen=True)

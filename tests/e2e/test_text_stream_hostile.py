@@ -27,7 +27,7 @@ from websockets.asyncio.client import ClientConnection
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess
 from tests.e2e.test_text_stream_ws import SENTENCE, Received, close_reason, metric, receive_until, send, ws_url
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

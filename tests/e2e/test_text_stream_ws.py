@@ -22,7 +22,7 @@ from websockets.asyncio.client import ClientConnection
 from tests.audio_checks import DecodedAudio
 from tests.e2e.gateway_process import GatewayProcess
 from tests.speech_recognition import transcribe, which_was_said
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

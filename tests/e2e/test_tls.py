@@ -21,7 +21,7 @@ from openai import OpenAI
 
 from tests.audio_checks import assert_speech, decode, decode_elevenlabs
 from tests.e2e.gateway_process import GatewayProcess
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

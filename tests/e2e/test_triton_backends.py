@@ -103,7 +103,9 @@ def test_load_is_shared_and_a_killed_backend_costs_no_request(pair: ScriptedPair
 
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     for triton in (first, second):
+        assert f'tts_triton_server_up{{server="{triton.grpc_url}"}} 1.0' in metrics
         assert f'tts_triton_backend_up{{backend="{triton.grpc_url}"}} 1.0' in metrics
+        assert f'tts_triton_server_calls_total{{outcome="ok",server="{triton.grpc_url}"}}' in metrics
         assert f'tts_triton_backend_calls_total{{backend="{triton.grpc_url}",outcome="ok"}}' in metrics
 
 
@@ -115,7 +117,9 @@ def test_request_fails_over_before_its_first_byte(pair: ScriptedPair) -> None:
     answers = [httpx.post(f"{gateway.url}/v1/audio/speech", json=SPEECH, timeout=30) for _ in range(4)]
     assert [(a.status_code, len(a.content)) for a in answers] == [(200, WHOLE_BYTES)] * 4
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert "tts_triton_server_retries_total 1.0" in metrics
     assert "tts_triton_backend_retries_total 1.0" in metrics
+    assert f'tts_triton_server_calls_total{{outcome="failed",server="{first.grpc_url}"}} 1.0' in metrics
     assert f'tts_triton_backend_calls_total{{backend="{first.grpc_url}",outcome="failed"}} 1.0' in metrics
     crash(second)
     down = httpx.post(f"{gateway.url}/v1/audio/speech", json=SPEECH, timeout=30)
@@ -136,8 +140,10 @@ def test_a_model_that_reports_itself_unavailable_leaves_its_backend_in_rotation(
     # taken out for it: the next request is served at once (/health, which re-checks, is asked last).
     assert httpx.post(f"{gateway.url}/v1/audio/speech", json=SPEECH, timeout=30).status_code == 200
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert "tts_triton_server_retries_total 2.0" in metrics
     assert "tts_triton_backend_retries_total 2.0" in metrics
     for triton in (first, second):
+        assert f'tts_triton_server_up{{server="{triton.grpc_url}"}} 1.0' in metrics
         assert f'tts_triton_backend_up{{backend="{triton.grpc_url}"}} 1.0' in metrics
     assert backends(gateway) == {first.grpc_url: True, second.grpc_url: True}
 
@@ -157,4 +163,5 @@ def test_a_call_is_counted_at_its_backend_until_the_client_leaves(pair: Scripted
     (address,) = [a for a, count in busy.items() if count == 1]
     wait_until(lambda: sum(outstanding().values()) == 0, within=10)
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert f'tts_triton_server_calls_total{{outcome="cancelled",server="{address}"}} 1.0' in metrics
     assert f'tts_triton_backend_calls_total{{backend="{address}",outcome="cancelled"}} 1.0' in metrics

@@ -22,8 +22,8 @@ import pytest
 import soundfile as sf
 
 from tests.e2e.gateway_process import GatewayProcess
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
-from tts_gateway.gateway.voice_registry import GENERATION_FILE, LOCK_FILE
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
+from tts_gateway.gateway.speech.voice_registry import GENERATION_FILE, LOCK_FILE
 
 pytestmark = pytest.mark.triton
 

@@ -149,7 +149,8 @@ def test_health_and_metrics(gateway: GatewayProcess, client: OpenAI) -> None:
     assert metrics.headers["content-type"].startswith("text/plain")
     assert 'tts_speech_requests_total{format="pcm",model="piper",outcome="ok"}' in metrics.text
     assert "tts_time_to_first_audio_seconds_bucket" in metrics.text
-    assert "tts_backend_ready 1.0" in metrics.text
+    assert "tts_triton_ready 1.0" in metrics.text
+    assert "tts_backend_ready 1.0" in metrics.text  # its former name, still exported
     assert "process_open_fds " in metrics.text
     assert "process_resident_memory_bytes " in metrics.text
     assert "tts_event_loop_tasks " in metrics.text

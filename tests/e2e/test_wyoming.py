@@ -31,8 +31,8 @@ from tests.audio_checks import DecodedAudio
 from tests.e2e.conftest import PiperReference
 from tests.e2e.gateway_process import GatewayProcess, free_port
 from tests.speech_recognition import transcribe
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
-from tts_gateway.gateway.wyoming import discovery
+from tts_gateway.gateway.api.wyoming import discovery
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fixtures.scripted_triton import start_scripted_triton
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,11 @@ from numpy.typing import NDArray
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
-import tts_gateway.gateway.embedded_triton as embedded_triton
+import tts_gateway.gateway.embedded.server as embedded_triton
 from tests.e2e.gateway_process import crash, free_ports, model_processes
 from tests.unit.test_cuda_mps import calls, stand_in_first_on_path
-from tts_gateway.gateway.cuda_mps import PIPE_VARIABLE, CudaMps
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded.cuda_mps import PIPE_VARIABLE, CudaMps
+from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton
@@ -418,7 +418,7 @@ def test_server_dies_with_its_parent(empty_repository: Path, tmp_path: Path) -> 
         f"""
         import sys, time
         from pathlib import Path
-        from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+        from tts_gateway.gateway.embedded.server import EmbeddedTriton
         server = EmbeddedTriton(Path({str(empty_repository)!r}), workdir=Path({str(tmp_path / "work")!r}))
         server.start()
         print(server.pid, flush=True)

@@ -10,7 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from benchmarks.memory_soak import rss_mib
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 
 pytestmark = pytest.mark.triton
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e.gateway_process import cmdline, model_processes
 from tests.fixtures.scripted_triton import start_scripted_triton
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.triton_logging import STACK_DUMP_SIGNAL
 
 pytestmark = pytest.mark.triton

@@ -9,9 +9,9 @@ import pytest
 
 from tests.fixtures.scripted_triton import SAMPLE_RATE, TONE_SECONDS
 from tests.fixtures.silent_server import silent_server
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton
-from tts_gateway.gateway.errors import BackendTimeoutError, BackendUnavailableError, InvalidRequestError
-from tts_gateway.gateway.triton_client import Readiness, TritonClient
+from tts_gateway.gateway.embedded.server import EmbeddedTriton
+from tts_gateway.gateway.errors import InvalidRequestError, ServerTimeoutError, ServerUnavailableError
+from tts_gateway.gateway.triton.client import Readiness, TritonClient
 from tts_gateway.models import contract
 
 pytestmark = pytest.mark.triton
@@ -59,7 +59,7 @@ async def test_a_server_that_is_not_there_is_unavailable() -> None:
     client = TritonClient(f"127.0.0.1:{free_port()}", timeout=5)
     try:
         assert await client.readiness() is Readiness.NOT_READY
-        with pytest.raises(BackendUnavailableError):
+        with pytest.raises(ServerUnavailableError):
             await client.infer("piper", {contract.TARGET_TEXT: "hi"}, request_id="d")
     finally:
         await client.close()
@@ -70,7 +70,7 @@ async def test_a_stalled_stream_is_given_up_after_the_chunk_timeout(scripted_tri
     chunks = []
     started = time.monotonic()
     try:
-        with pytest.raises(BackendTimeoutError, match="sent nothing for 1 s"):
+        with pytest.raises(ServerTimeoutError, match="sent nothing for 1 s"):
             async for chunk in client.stream("scripted_stream", {contract.TARGET_TEXT: "tone*2 hang"}, "stalled"):
                 chunks.append(chunk.size)
     finally:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.scripted_triton import REPOSITORY
-from tts_gateway.gateway.embedded_triton import EmbeddedTriton, EmbeddedTritonError
-from tts_gateway.gateway.triton_supervisor import TritonSupervisor
+from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded.supervisor import TritonSupervisor
 from tts_gateway.models.model_repository import render_repository
 
 pytestmark = pytest.mark.triton
@@ -49,7 +49,7 @@ def test_failed_restarts_back_off_up_to_the_cap_and_recovery_follows(
         address = server.grpc_url
         good = config.read_text()
         config.write_text("this is not a model config")  # every start now fails
-        with caplog.at_level(logging.INFO, logger="tts_gateway.gateway.triton_supervisor"):
+        with caplog.at_level(logging.INFO, logger="tts_gateway.gateway.embedded.supervisor"):
             first = server.pid
             assert first is not None
             os.kill(first, signal.SIGKILL)

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from tts_gateway.gateway.admission import AdmissionControl
 from tts_gateway.gateway.errors import RateLimitError
 from tts_gateway.gateway.metrics import GatewayMetrics
+from tts_gateway.gateway.speech.admission import AdmissionControl
 
 
 def _admission(slots: int = 1, max_queued: int = 1, queue_timeout: float = 5.0) -> AdmissionControl:

@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 from numpy.typing import NDArray
 
-from tts_gateway.gateway.audio_encoding import (
+from tts_gateway.gateway.speech.audio_encoding import (
     AUDIO_FORMATS,
     CONTENT_TYPES,
     OUTPUT_SAMPLE_RATE,

@@ -6,8 +6,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from tts_gateway.gateway.auth import ApiKeyMiddleware
-from tts_gateway.gateway.errors import install_error_handlers
+from tts_gateway.gateway.api.auth import ApiKeyMiddleware
+from tts_gateway.gateway.api.error_handlers import install_error_handlers
 
 KEYS = ("key-one", "key-two")
 MISSING = "missing API key; send it as 'Authorization: Bearer <key>' or 'xi-api-key: <key>'"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tts_gateway.gateway.cuda_mps import CONTROL, LOG_VARIABLE, PIPE_VARIABLE, CudaMps, CudaMpsError
+from tts_gateway.gateway.embedded.cuda_mps import CONTROL, LOG_VARIABLE, PIPE_VARIABLE, CudaMps, CudaMpsError
 
 
 def stand_in(directory: Path, status: int = 0) -> Path:

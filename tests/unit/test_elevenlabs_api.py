@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tts_gateway.gateway.elevenlabs_api import (
+from tts_gateway.gateway.api.elevenlabs_api import (
     ElevenLabsModel,
     ElevenLabsVoice,
     TextToSpeechBody,
     TextToSpeechQuery,
     gateway_model,
 )
-from tts_gateway.gateway.model_catalog import SpeechModel
-from tts_gateway.gateway.protocol import VoiceInfo
+from tts_gateway.gateway.speech.voice_registry import VoiceInfo
+from tts_gateway.gateway.triton.model_catalog import SpeechModel
 
 
 @pytest.mark.parametrize(

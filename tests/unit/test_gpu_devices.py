@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tts_gateway.gateway.gpu_devices import cuda_ids, parse_setting, server_gpus, visible_gpus
-from tts_gateway.gateway.settings import Settings
+from tts_gateway.gateway.embedded.gpu_devices import cuda_ids, server_gpus, visible_gpus
+from tts_gateway.gateway.settings import Settings, parse_gpu_setting
 
 
 def fake_nvidia_smi(directory: Path, indices: list[int], status: int = 0) -> Path:
@@ -32,7 +32,7 @@ def fake_nvidia_smi(directory: Path, indices: list[int], status: int = 0) -> Pat
     [("auto", "auto"), (" none ", "none"), ("0", "0"), ("0, 1", "0,1"), ("GPU-5e0c,GPU-77aa", "GPU-5e0c,GPU-77aa")],
 )
 def test_settings_accept_auto_none_and_gpu_ids(value: str, normalised: str) -> None:
-    assert parse_setting(value) == normalised
+    assert parse_gpu_setting(value) == normalised
     assert Settings(embedded_gpus=value).embedded_gpus == normalised
 
 

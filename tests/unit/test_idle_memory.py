@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from tts_gateway.gateway.idle_memory import IdleMemoryRelease
+from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
 
 
 class Releases:

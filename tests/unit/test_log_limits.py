@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tts_gateway.gateway.log_limits import RateLimitedLog, RefusedHandshakeFilter, log_refused_handshake
+from tts_gateway.gateway.api.log_limits import RateLimitedLog, RefusedHandshakeFilter, log_refused_handshake
 
 
 def test_lines_beyond_the_rate_are_held_back_and_counted(caplog: pytest.LogCaptureFixture) -> None:

@@ -127,6 +127,7 @@ def test_any_worker_answers_for_all_of_them(start_worker: StartWorker) -> None:
     assert _value(samples, "tts_speech_slots_in_use") == 3
     assert _value(samples, "tts_speech_slots") == 3 * _SLOTS_PER_WORKER
     assert _value(samples, "tts_backend_ready") == 1
+    assert _value(samples, "tts_triton_ready") == 1
     assert _value(samples, "tts_speech_requests_total", model="piper", format="wav", outcome="ok") == 7
     assert _value(samples, "tts_time_to_first_audio_seconds_count", model="piper") == 7
     assert _value(samples, "tts_time_to_first_audio_seconds_bucket", model="piper", le="0.35") == 7
@@ -137,6 +138,7 @@ def test_any_worker_answers_for_all_of_them(start_worker: StartWorker) -> None:
 
     workers[2].load(in_flight=0, finished=0, ready=0)
     assert _value(workers[0].render(), "tts_backend_ready") == 0
+    assert _value(workers[0].render(), "tts_triton_ready") == 0
 
 
 def test_a_killed_workers_gauges_are_swept_by_its_replacement(start_worker: StartWorker, tmp_path: Path) -> None:
@@ -155,6 +157,7 @@ def test_a_killed_workers_gauges_are_swept_by_its_replacement(start_worker: Star
     assert _value(samples, "tts_speech_in_flight") == 1
     assert _value(samples, "tts_speech_slots") == 2 * _SLOTS_PER_WORKER
     assert _value(samples, "tts_backend_ready") == 1
+    assert _value(samples, "tts_triton_ready") == 1
     # Counters keep what the dead worker counted: a restart does not make them go backwards.
     assert _value(samples, "tts_speech_requests_total", model="piper", format="wav", outcome="ok") == 4
     assert _process_pids(samples) == {survivor.pid, replacement.pid}
@@ -170,6 +173,7 @@ def test_render_leaves_out_a_worker_killed_since(start_worker: StartWorker) -> N
     samples = survivor.render()
     assert _value(samples, "tts_speech_in_flight") == 1
     assert _value(samples, "tts_backend_ready") == 1
+    assert _value(samples, "tts_triton_ready") == 1
     assert _value(samples, "tts_speech_requests_total", model="piper", format="wav", outcome="ok") == 1
     assert _process_pids(samples) == {survivor.pid}
 
@@ -230,7 +234,7 @@ def _serve() -> None:
         request = json.loads(line)
         reply = None
         if request["command"] == "load":
-            metrics.backend_ready.set(request["ready"])
+            metrics.servers_ready.set(request["ready"])
             metrics.speech_slots.set(_SLOTS_PER_WORKER)
             for _ in range(request["in_flight"]):
                 metrics.speech_slots_in_use.inc()

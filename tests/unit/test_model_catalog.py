@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tts_gateway.gateway.errors import NotFoundError
-from tts_gateway.gateway.model_catalog import ModelCatalog
-from tts_gateway.gateway.triton_client import TritonModelConfig
+from tts_gateway.gateway.triton.client import TritonModelConfig
+from tts_gateway.gateway.triton.model_catalog import ModelCatalog
 
 
 def _config(name: str, *, decoupled: bool = False, contract: bool = True, **params: str) -> TritonModelConfig:

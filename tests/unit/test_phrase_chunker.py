@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from tts_gateway.gateway.text_stream import phrase_chunker
-from tts_gateway.gateway.text_stream.phrase_chunker import MAX_PHRASE_CHARS, SCHEDULE_MAX, PhraseChunker
+from tts_gateway.gateway.speech.text_stream import phrase_chunker
+from tts_gateway.gateway.speech.text_stream.phrase_chunker import MAX_PHRASE_CHARS, SCHEDULE_MAX, PhraseChunker
 
 
 def feed(chunker: PhraseChunker, pieces: list[str]) -> list[str]:

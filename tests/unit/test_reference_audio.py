@@ -15,7 +15,7 @@ from av.audio.stream import AudioStream
 from numpy.typing import NDArray
 
 from tests.hostile_audio import flac_silence_bomb, wav_with_header
-from tts_gateway.gateway.reference_audio import (
+from tts_gateway.gateway.speech.reference_audio import (
     MAX_INPUT_SAMPLE_RATE,
     ReferenceAudio,
     ReferenceAudioError,

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from fastapi import FastAPI, UploadFile
 
-from tts_gateway.gateway.errors import install_error_handlers
-from tts_gateway.gateway.request_limits import RequestBodyLimitMiddleware
+from tts_gateway.gateway.api.error_handlers import install_error_handlers
+from tts_gateway.gateway.api.request_limits import RequestBodyLimitMiddleware
 
 LIMIT = 1000
 UPLOAD_LIMIT = 5000

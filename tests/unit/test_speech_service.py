@@ -5,7 +5,7 @@ Each sentence's text is its script, steps separated by spaces:
 - ``aN``: a 100-sample chunk whose samples are all ``N / 10`` (so the output says which sentence it came from);
 - ``pN``: pause N seconds;
 - ``hang``: wait until cancelled;
-- ``fail``, ``down``, ``stall``: raise BackendError (502), BackendUnavailableError (503), BackendTimeoutError (504,
+- ``fail``, ``down``, ``stall``: raise SynthesisError (502), ServerUnavailableError (503), ServerTimeoutError (504,
   what a chunk timeout raises);
 - ``resume``: report a failover mid-stream, as the pool does when it restarts a sentence on another server;
 - ``retried``: report a failover before the call's first audio (the pool sent the call to another server).
@@ -29,22 +29,22 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tts_gateway.gateway.admission import AdmissionControl
-from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat
 from tts_gateway.gateway.errors import (
-    BackendError,
-    BackendTimeoutError,
-    BackendUnavailableError,
     GatewayError,
     RequestTimeoutError,
+    ServerTimeoutError,
+    ServerUnavailableError,
+    SynthesisError,
 )
-from tts_gateway.gateway.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.model_catalog import SpeechModel
-from tts_gateway.gateway.speech_plan import SpeechPlan
-from tts_gateway.gateway.speech_service import Audio, SpeechService, SpeechStream, StreamAborted
-from tts_gateway.gateway.triton_pool import Failover
-from tts_gateway.gateway.voice_registry import ResolvedVoice
+from tts_gateway.gateway.speech.admission import AdmissionControl
+from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat
+from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
+from tts_gateway.gateway.speech.plan import SpeechPlan
+from tts_gateway.gateway.speech.service import Audio, SpeechService, SpeechStream, StreamAborted
+from tts_gateway.gateway.speech.voice_registry import ResolvedVoice
+from tts_gateway.gateway.triton.model_catalog import SpeechModel
+from tts_gateway.gateway.triton.pool import Failover
 from tts_gateway.models import contract
 
 CHUNK = 100
@@ -109,15 +109,15 @@ class FakeSynthesizer:
                     await asyncio.Event().wait()
                 elif step == "resume":
                     assert failover is not None
-                    failover.notify(BackendUnavailableError("speech backend is unavailable"), True)
+                    failover.notify(ServerUnavailableError("the Triton server is unavailable"), True)
                 elif step == "retried":
                     assert failover is not None
-                    failover.notify(BackendUnavailableError("speech backend is unavailable"), False)
+                    failover.notify(ServerUnavailableError("the Triton server is unavailable"), False)
                 else:
                     error: type[GatewayError] = {
-                        "fail": BackendError,
-                        "down": BackendUnavailableError,
-                        "stall": BackendTimeoutError,
+                        "fail": SynthesisError,
+                        "down": ServerUnavailableError,
+                        "stall": ServerTimeoutError,
                     }[step]
                     raise error(f"{step} as the script says")
             done = True
@@ -251,7 +251,7 @@ async def test_the_request_deadline_after_the_first_byte_aborts_the_response() -
 
 async def test_a_chunk_timeout_before_the_first_byte_is_a_504() -> None:
     s = setup()
-    with pytest.raises(BackendTimeoutError):
+    with pytest.raises(ServerTimeoutError):
         await s.service.open_stream(plan("stall", "a2"))
     assert s.synthesizer.started == ["0"]
 
@@ -265,7 +265,7 @@ async def test_a_chunk_timeout_after_the_first_byte_aborts_at_its_sentence() -> 
             received += piece
     await stream.aclose()
     assert aborted.value.sentence == 2
-    assert isinstance(aborted.value.error, BackendTimeoutError)
+    assert isinstance(aborted.value.error, ServerTimeoutError)
     # Everything before the broken sentence's failure was passed on, nothing after it.
     assert chunk_values(bytes(received)) == [1, 2, 3]
 

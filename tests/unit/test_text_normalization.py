@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tts_gateway.gateway.text_normalization import TextNormalizer, language_runs
+from tts_gateway.gateway.speech.text_normalization import TextNormalizer, language_runs
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tts_gateway.gateway.text_splitting import split_sentences
+from tts_gateway.gateway.speech.text_splitting import split_sentences
 
 
 def test_english_sentence_punctuation() -> None:

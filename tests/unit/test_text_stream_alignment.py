@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tts_gateway.gateway.text_stream.alignment import PhraseAligner, spread
+from tts_gateway.gateway.speech.text_stream.alignment import PhraseAligner, spread
 
 
 def check(alignment_chars: tuple[str, ...], starts: tuple[int, ...], durations: tuple[int, ...], ms: float) -> None:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.audio_checks import decode_elevenlabs
-from tts_gateway.gateway.audio_encoding import OUTPUT_SAMPLE_RATE
-from tts_gateway.gateway.text_stream.output_format import (
+from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE
+from tts_gateway.gateway.speech.text_stream.output_format import (
     FORMATS,
     MAX_PIECE_MS,
     OutputFormat,

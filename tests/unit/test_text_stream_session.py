@@ -10,12 +10,12 @@ from typing import Any, cast
 
 from starlette.websockets import WebSocket, WebSocketState
 
+from tts_gateway.gateway.api.text_stream.messages import StreamQuery
+from tts_gateway.gateway.api.text_stream.metrics import TextStreamMetrics
+from tts_gateway.gateway.api.text_stream.session import SynthesizerFactory, TextStreamLimits, TextStreamSession
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.text_stream.messages import StreamQuery
-from tts_gateway.gateway.text_stream.metrics import TextStreamMetrics
-from tts_gateway.gateway.text_stream.output_format import OutputFormat
-from tts_gateway.gateway.text_stream.session import SynthesizerFactory, TextStreamLimits, TextStreamSession
-from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
+from tts_gateway.gateway.speech.text_stream.output_format import OutputFormat
+from tts_gateway.gateway.speech.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
 
 VOICE = VoiceChoice("joe", "piper")
 

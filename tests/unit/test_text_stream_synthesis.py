@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from tts_gateway.gateway.text_stream.phrase_chunker import PhraseChunker
-from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, VoiceChoice
+from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
+from tts_gateway.gateway.speech.text_stream.synthesis import PhrasePipeline, VoiceChoice
 
 VOICE = VoiceChoice("v", "m")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from tts_gateway.gateway.time_stretch import TimeStretcher
+from tts_gateway.gateway.speech.time_stretch import TimeStretcher
 
 RATE = 24_000
 TONE_HZ = 300.0

@@ -11,8 +11,8 @@ import pytest
 from tests.e2e.gateway_process import free_port
 from tests.fixtures.silent_server import silent_server
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.triton_client import TritonClient, TritonModelConfig
-from tts_gateway.gateway.triton_pool import (
+from tts_gateway.gateway.triton.client import TritonClient, TritonModelConfig
+from tts_gateway.gateway.triton.pool import (
     SILENT_PROBES_TOLERATED,
     TritonPool,
     _addresses,

@@ -20,8 +20,8 @@ import pytest
 import soundfile as sf
 
 from tts_gateway.gateway.errors import ConflictError, ForbiddenError, InvalidRequestError, NotFoundError
-from tts_gateway.gateway.model_catalog import ModelCatalog, SpeechModel
-from tts_gateway.gateway.voice_registry import GENERATION_FILE, LOCK_FILE, VoiceRegistry
+from tts_gateway.gateway.speech.voice_registry import GENERATION_FILE, LOCK_FILE, VoiceRegistry
+from tts_gateway.gateway.triton.model_catalog import ModelCatalog, SpeechModel
 from tts_gateway.paths import REFERENCE_VOICES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,7 +247,7 @@ _CRASHING_UPLOAD = """
 import asyncio, os, signal, sys
 from pathlib import Path
 
-from tts_gateway.gateway.voice_registry import VoiceRegistry
+from tts_gateway.gateway.speech.voice_registry import VoiceRegistry
 
 voices, sample, crash_before = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 steps = 0
@@ -356,7 +356,7 @@ async def test_rescans_keep_unchanged_voices_and_report_a_broken_one_once(
     assert kept is not None
     (voices / "broken.json").write_text("{not json")  # by hand: noticed at the next change
 
-    with caplog.at_level(logging.WARNING, logger="tts_gateway.gateway.voice_registry"):
+    with caplog.at_level(logging.WARNING, logger="tts_gateway.gateway.speech.voice_registry"):
         for name in ("one", "two", "three"):
             await writer.add_upload(name, _wav(), None)
             assert reader.get(name) is not None
@@ -417,7 +417,7 @@ import asyncio, sys, time
 from pathlib import Path
 
 from tts_gateway.gateway.errors import ConflictError
-from tts_gateway.gateway.voice_registry import VoiceRegistry
+from tts_gateway.gateway.speech.voice_registry import VoiceRegistry
 
 voices, go, name, seconds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 sample = Path(sys.argv[5]).read_bytes()

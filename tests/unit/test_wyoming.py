@@ -27,16 +27,16 @@ from zeroconf import IPVersion
 from zeroconf.asyncio import AsyncZeroconf
 
 from tests.e2e.gateway_process import free_port
-from tts_gateway.gateway.errors import BackendError, InvalidRequestError
+from tts_gateway.gateway.api.wyoming import discovery
+from tts_gateway.gateway.api.wyoming.handler import RATE, WyomingLimits
+from tts_gateway.gateway.api.wyoming.server import WyomingServer, serving
+from tts_gateway.gateway.api.wyoming.voices import choose, describe, list_voices
+from tts_gateway.gateway.errors import InvalidRequestError, SynthesisError
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.model_catalog import ModelCatalog, SpeechModel
 from tts_gateway.gateway.settings import Settings
-from tts_gateway.gateway.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
-from tts_gateway.gateway.voice_registry import VoiceRegistry
-from tts_gateway.gateway.wyoming import discovery
-from tts_gateway.gateway.wyoming.handler import RATE, WyomingLimits
-from tts_gateway.gateway.wyoming.server import WyomingServer, serving
-from tts_gateway.gateway.wyoming.voices import choose, describe, list_voices
+from tts_gateway.gateway.speech.text_stream.synthesis import PhrasePipeline, SpeechChunk, VoiceChoice
+from tts_gateway.gateway.speech.voice_registry import VoiceRegistry
+from tts_gateway.gateway.triton.model_catalog import ModelCatalog, SpeechModel
 from tts_gateway.paths import REFERENCE_VOICES
 
 # Bytes of PCM the stand-in synthesizer makes per character of a phrase.
@@ -51,7 +51,7 @@ class PhraseAudioStub:
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self._owner.fail_on is not None and self._owner.fail_on in self._text:
-            raise BackendError("the backend broke", code="backend_error")
+            raise SynthesisError("the backend broke", code="backend_error")
         await self._owner.gate.wait()
         yield b"\x01\x00" * (len(self._text) * BYTES_PER_CHAR // 2)
 

@@ -11,26 +11,26 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from fastapi import FastAPI
 
 from tts_gateway.allocator import keep_audio_buffers_in_heap, limit_malloc_arenas
-from tts_gateway.gateway.admission import AdmissionControl
-from tts_gateway.gateway.auth import ApiKeyMiddleware
-from tts_gateway.gateway.dependencies import Services
-from tts_gateway.gateway.embedded_fleet import start_embedded_fleet
-from tts_gateway.gateway.errors import install_error_handlers
-from tts_gateway.gateway.live_catalog import LiveCatalog
+from tts_gateway.gateway.api.auth import ApiKeyMiddleware
+from tts_gateway.gateway.api.dependencies import Services
+from tts_gateway.gateway.api.error_handlers import install_error_handlers
+from tts_gateway.gateway.api.request_limits import RequestBodyLimitMiddleware
+from tts_gateway.gateway.api.routes import elevenlabs, health, models, speech, text_to_speech_ws, voices
+from tts_gateway.gateway.api.text_stream.wiring import text_stream_service
+from tts_gateway.gateway.api.wyoming.server import serving
+from tts_gateway.gateway.api.wyoming.wiring import wyoming_server
+from tts_gateway.gateway.embedded.fleet import start_embedded_fleet
 from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from tts_gateway.gateway.request_ids import RequestIdMiddleware
-from tts_gateway.gateway.request_limits import RequestBodyLimitMiddleware
-from tts_gateway.gateway.routes import elevenlabs, health, models, speech, text_to_speech_ws, voices
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
-from tts_gateway.gateway.speech_plan import SpeechPlanner
-from tts_gateway.gateway.speech_service import SpeechService
-from tts_gateway.gateway.text_normalization import TextNormalizer
-from tts_gateway.gateway.text_stream.wiring import text_streams
-from tts_gateway.gateway.triton_client import TritonClient
-from tts_gateway.gateway.triton_pool import TritonPool
-from tts_gateway.gateway.voice_registry import VoiceRegistry
-from tts_gateway.gateway.wyoming.server import serving
-from tts_gateway.gateway.wyoming.wiring import wyoming_server
+from tts_gateway.gateway.speech.admission import AdmissionControl
+from tts_gateway.gateway.speech.plan import SpeechPlanner
+from tts_gateway.gateway.speech.service import SpeechService
+from tts_gateway.gateway.speech.text_normalization import TextNormalizer
+from tts_gateway.gateway.speech.voice_registry import VoiceRegistry
+from tts_gateway.gateway.triton.client import TritonClient
+from tts_gateway.gateway.triton.live_catalog import LiveCatalog
+from tts_gateway.gateway.triton.pool import TritonPool
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 metrics=metrics,
                 started_at=int(time.time()),
             )
-            app.state.text_streams = text_streams(app.state.services, settings)
-            wyoming = wyoming_server(app.state.services, app.state.text_streams, settings)
+            app.state.text_stream_service = text_stream_service(app.state.services, settings)
+            wyoming = wyoming_server(app.state.services, app.state.text_stream_service, settings)
             if wyoming is not None:
                 await stack.enter_async_context(serving(wyoming, announce=settings.wyoming_zeroconf))
             yield

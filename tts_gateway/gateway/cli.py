@@ -15,11 +15,11 @@ from typing import Any, NoReturn
 
 import uvicorn
 
+from tts_gateway.gateway.api.websocket_protocol import GatewayWebSocketProtocol
 from tts_gateway.gateway.app_factory import create_app
-from tts_gateway.gateway.embedded_fleet import start_embedded_fleet
+from tts_gateway.gateway.embedded.fleet import start_embedded_fleet
 from tts_gateway.gateway.metrics import MULTIPROC_DIR_ENV, shared_restarts_counter
 from tts_gateway.gateway.settings import Settings
-from tts_gateway.gateway.websocket_protocol import GatewayWebSocketProtocol
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,7 +72,7 @@ def _log_config(level: str) -> dict[str, Any]:
         },
         "filters": {
             "request_id": {"()": "tts_gateway.gateway.request_ids.RequestIdLogFilter"},
-            "refused_handshake": {"()": "tts_gateway.gateway.log_limits.RefusedHandshakeFilter"},
+            "refused_handshake": {"()": "tts_gateway.gateway.api.log_limits.RefusedHandshakeFilter"},
         },
         "handlers": {
             "stderr": {

@@ -1,7 +1,7 @@
-"""Gateway errors and their one translation into OpenAI's error envelope.
+"""The gateway's errors: every failure a client is told about, with its HTTP status and OpenAI error type.
 
 Lower layers raise their own exceptions; services translate them once into a
-:class:`GatewayError` subclass, and the handlers here turn those into
+:class:`GatewayError` subclass, and ``api/error_handlers.py`` turns those into
 ``{"error": {"message", "type", "param", "code"}}`` with the right status.
 Status codes are deliberate: the OpenAI SDK retries 408/409/429/5xx, so a bad
 request must never come back as 5xx.
@@ -9,16 +9,9 @@ request must never come back as 5xx.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
-
-logger = logging.getLogger(__name__)
 
 
 class GatewayError(Exception):
@@ -108,18 +101,22 @@ class RateLimitError(GatewayError):
         return {"Retry-After": str(self.retry_after)}
 
 
-class BackendUnavailableError(GatewayError):
+class ServerUnavailableError(GatewayError):
+    """No ready Triton server can take the call (down, starting, or unreachable)."""
+
     status_code = 503
     error_type = "server_error"
     default_code = "backend_unavailable"
 
 
-class ModelUnavailableError(BackendUnavailableError):
+class ModelUnavailableError(ServerUnavailableError):
     """A model on a Triton that answers says it cannot serve now (a server it relies on, such as an
     LLM server, is down; or it is unloading): the Triton itself is not down, and stays in rotation."""
 
 
-class BackendTimeoutError(GatewayError):
+class ServerTimeoutError(GatewayError):
+    """A Triton server took the call but did not answer (or send the next chunk) in time."""
+
     status_code = 504
     error_type = "server_error"
     default_code = "backend_timeout"
@@ -133,8 +130,8 @@ class RequestTimeoutError(GatewayError):
     default_code = "request_timeout"
 
 
-class BackendError(GatewayError):
-    """The backend failed on a request the gateway considered valid."""
+class SynthesisError(GatewayError):
+    """Synthesis failed on a request the gateway considered valid (in the model or in handling its audio)."""
 
     status_code = 502
     error_type = "server_error"
@@ -143,66 +140,3 @@ class BackendError(GatewayError):
 
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def _validation_param(loc: tuple[int | str, ...]) -> str | None:
-    """The request field an error is about: ``("body", "voice", "str")`` -> ``"voice"``.
-
-    Deeper location parts name union members and list indexes, which mean nothing to clients.
-    """
-    if len(loc) >= 2 and loc[0] in ("body", "query", "path", "form") and isinstance(loc[1], str):
-        return loc[1]
-    return None
-
-
-async def _gateway_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, GatewayError)
-    if exc.status_code >= 500:
-        logger.warning("request failed: %s (%s)", exc.message, exc.code)
-    return exc.response()
-
-
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = _validation_param(tuple(first.get("loc", ())))
-    message = str(first.get("msg", "invalid request"))
-    if param:
-        message = f"{param}: {message}"
-    return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    headers = dict(exc.headers or {})
-    if exc.status_code == 405:
-        headers["Allow"] = ", ".join(_allowed_methods(request))
-    return JSONResponse(error_body(str(exc.detail), kind, None, code), status_code=exc.status_code, headers=headers)
-
-
-_HTTP_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
-
-
-def _allowed_methods(request: Request) -> list[str]:
-    """Methods some route serves on the request's path (Starlette's 405 names only the first route's)."""
-    routes = request.app.router.routes
-    return [
-        method
-        for method in _HTTP_METHODS
-        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
-    ]
-
-
-async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error", exc_info=exc)
-    return JSONResponse(error_body("internal server error", "server_error", None, "internal_error"), status_code=500)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(GatewayError, _gateway_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected_error)

@@ -11,7 +11,7 @@ there, and ``render()`` answers with the whole gateway, whichever worker is aske
 - counters and histograms are summed over every worker that ever ran, the dead ones too, so that a
   replaced worker does not make a counter go backwards;
 - gauges count live workers only. In-flight, queued, slots, slots in use and event-loop tasks are
-  summed; ``tts_backend_ready`` is the minimum, 1 only when every worker sees the backend ready, because
+  summed; ``tts_triton_ready`` is the minimum, 1 only when every worker sees the servers ready, because
   a request may land on any of them. A worker's event-loop task count is as fresh as its last HTTP
   request or ``/metrics`` answer;
 - ``process_*``: prometheus_client cannot add these up (a sum of start times or of open-file limits
@@ -91,31 +91,19 @@ class GatewayMetrics:
         self.audio_seconds = Counter(
             "tts_audio_seconds", "Seconds of audio produced", ["model"], registry=self.registry
         )
-        self.backend_ready = self._gauge("tts_backend_ready", "1 when the speech backend is ready", "livemin")
-        self.triton_up = Gauge(
-            "tts_triton_backend_up",
-            "1 while this Triton backend is ready and serves speech models",
-            ["backend"],
-            registry=self.registry,
-            multiprocess_mode="livemin",
+        self.servers_ready = RenamedGauge(
+            self._gauge("tts_triton_ready", "1 when the Triton servers serve speech", "livemin"),
+            self._gauge("tts_backend_ready", "Former name of tts_triton_ready", "livemin"),
         )
-        self.triton_outstanding = Gauge(
-            "tts_triton_backend_outstanding",
-            "Calls in flight at this Triton backend",
-            ["backend"],
-            registry=self.registry,
-            multiprocess_mode="livesum",
+        self.triton_up = self._server_gauge(
+            "up", "1 while this Triton server is ready and serves speech models", "livemin"
         )
-        self.triton_calls = Counter(
-            "tts_triton_backend_calls",
-            "Calls to this Triton backend by outcome (ok, failed, cancelled)",
-            ["backend", "outcome"],
-            registry=self.registry,
+        self.triton_outstanding = self._server_gauge("outstanding", "Calls in flight at this Triton server", "livesum")
+        self.triton_calls = self._server_counter(
+            "calls", "Calls to this Triton server by outcome (ok, failed, cancelled)", ["server", "outcome"]
         )
-        self.triton_retries = Counter(
-            "tts_triton_backend_retries",
-            "Calls that failed before their first audio and were sent again to another backend",
-            registry=self.registry,
+        self.triton_retries = self._server_counter(
+            "retries", "Calls that failed before their first audio and were sent again to another server", []
         )
         self.embedded_restarts = embedded_restarts_counter(self.registry)
         self.speech_slots = self._gauge(
@@ -135,6 +123,35 @@ class GatewayMetrics:
     def _gauge(self, name: str, documentation: str, mode: Literal["livesum", "livemin"]) -> Gauge:
         """``mode``: how the values of the live workers add up when there are several."""
         return Gauge(name, documentation, registry=self.registry, multiprocess_mode=mode)
+
+    def _server_gauge(self, suffix: str, documentation: str, mode: Literal["livesum", "livemin"]) -> RenamedGauge:
+        """``tts_triton_server_<suffix>{server}``, exported also as ``tts_triton_backend_<suffix>{backend}``."""
+        return RenamedGauge(
+            Gauge(
+                f"tts_triton_server_{suffix}", documentation, ["server"], registry=self.registry, multiprocess_mode=mode
+            ),
+            Gauge(
+                f"tts_triton_backend_{suffix}",
+                f"Former name of tts_triton_server_{suffix}",
+                ["backend"],
+                registry=self.registry,
+                multiprocess_mode=mode,
+            ),
+        )
+
+    def _server_counter(self, suffix: str, documentation: str, labels: list[str]) -> RenamedCounter:
+        """``tts_triton_server_<suffix>``, exported also as ``tts_triton_backend_<suffix>`` (its ``server`` label
+        named ``backend``)."""
+        former_labels = ["backend" if label == "server" else label for label in labels]
+        return RenamedCounter(
+            Counter(f"tts_triton_server_{suffix}", documentation, labels, registry=self.registry),
+            Counter(
+                f"tts_triton_backend_{suffix}",
+                f"Former name of tts_triton_server_{suffix}",
+                former_labels,
+                registry=self.registry,
+            ),
+        )
 
     @property
     def shared(self) -> bool:
@@ -160,6 +177,48 @@ class GatewayMetrics:
         """Takes this worker's gauges out of the sum; call once at shutdown. Nothing to do in one process."""
         if self._multiprocess_dir is not None:
             _mark_dead(os.getpid(), self._multiprocess_dir)
+
+
+class RenamedGauge:
+    """A gauge exported under its name and under its former one, so that dashboards on the old name keep working."""
+
+    def __init__(self, current: Gauge, former: Gauge) -> None:
+        self._current = current
+        self._former = former
+
+    def labels(self, *values: str) -> RenamedGauge:
+        return RenamedGauge(self._current.labels(*values), self._former.labels(*values))
+
+    def set(self, value: float) -> None:
+        self._current.set(value)
+        self._former.set(value)
+
+    def inc(self, amount: float = 1) -> None:
+        self._current.inc(amount)
+        self._former.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self._current.dec(amount)
+        self._former.dec(amount)
+
+    def remove(self, *values: str) -> None:
+        self._current.remove(*values)
+        self._former.remove(*values)
+
+
+class RenamedCounter:
+    """A counter exported under its name and under its former one (see :class:`RenamedGauge`)."""
+
+    def __init__(self, current: Counter, former: Counter) -> None:
+        self._current = current
+        self._former = former
+
+    def labels(self, *values: str) -> RenamedCounter:
+        return RenamedCounter(self._current.labels(*values), self._former.labels(*values))
+
+    def inc(self, amount: float = 1) -> None:
+        self._current.inc(amount)
+        self._former.inc(amount)
 
 
 def embedded_restarts_counter(registry: CollectorRegistry | None) -> Counter:

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from tts_gateway.gateway import gpu_devices
-from tts_gateway.gateway.cuda_mps import MpsMode
 from tts_gateway.models.model_repository import parse_overrides
 from tts_gateway.paths import REFERENCE_VOICES, TRITON_REPOSITORY, invocation_path
 
@@ -39,6 +37,24 @@ _DEFAULT_VOICE_ALIASES = {name: ("harbor" if index % 2 else "lumen") for index, 
 _GRPC_URL = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 # A path setting, relative to the directory the gateway was started in (defaults included).
 UserPath = Annotated[Path, AfterValidator(invocation_path)]
+
+# Whether the embedded servers run under CUDA MPS (see ``embedded/cuda_mps.py``).
+MpsMode = Literal["auto", "on", "off"]
+# What CUDA_VISIBLE_DEVICES takes: an index, or a GPU's or MIG instance's UUID.
+_GPU_DEVICE: Final = re.compile(r"\d+|(GPU|MIG)-[\w-]+")
+
+
+def parse_gpu_setting(value: str) -> str:
+    """``auto``, ``none`` or comma-separated device names, normalised; raises ``ValueError`` otherwise."""
+    value = value.strip()
+    if value in ("auto", "none"):
+        return value
+    devices = [device.strip() for device in value.split(",")]
+    if not all(_GPU_DEVICE.fullmatch(device) for device in devices):
+        raise ValueError(f"TTS_EMBEDDED_GPUS takes auto, none or GPU ids such as 0,1; got {value!r}")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"TTS_EMBEDDED_GPUS names a GPU twice: {value!r}")
+    return ",".join(devices)
 
 
 class Settings(BaseSettings):
@@ -152,7 +168,7 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(30.0, gt=0, description="seconds a speech request may wait for a slot")
     request_timeout: float = Field(300.0, gt=0, description="seconds one speech request may take, queue included")
     backend_chunk_timeout: float = Field(
-        30.0, gt=0, description="longest gap between the chunks of a streamed backend call"
+        30.0, gt=0, description="longest gap between the chunks of a streamed Triton call"
     )
     ws_max_sockets: int = Field(64, ge=1, description="text-streaming WebSockets open at once per worker")
     ws_max_contexts: int = Field(5, ge=1, description="contexts open at once on one text-streaming WebSocket")
@@ -246,7 +262,7 @@ class Settings(BaseSettings):
     @field_validator("embedded_gpus")
     @classmethod
     def _check_embedded_gpus(cls, value: str) -> str:
-        return gpu_devices.parse_setting(value)
+        return parse_gpu_setting(value)
 
     @field_validator("embedded_overrides")
     @classmethod

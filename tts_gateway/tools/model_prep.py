@@ -31,8 +31,8 @@ from pathlib import Path
 import httpx
 
 from tts_gateway.allocator import server_malloc_env
-from tts_gateway.gateway.cuda_mps import CudaMps
-from tts_gateway.gateway.embedded_triton import SERVER_MEMORY_OPTIONS, EmbeddedTriton, EmbeddedTritonError
+from tts_gateway.gateway.embedded.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded.server import SERVER_MEMORY_OPTIONS, EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.model_repository import (
     PROFILE_ROOT,

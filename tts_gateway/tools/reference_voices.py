@@ -16,7 +16,7 @@ import soundfile as sf
 import soxr
 from numpy.typing import NDArray
 
-from tts_gateway.gateway.time_stretch import TimeStretcher
+from tts_gateway.gateway.speech.time_stretch import TimeStretcher
 from tts_gateway.models.piper.engine import PiperEngine
 from tts_gateway.paths import REFERENCE_VOICES, invocation_path
 

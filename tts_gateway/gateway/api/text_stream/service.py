@@ -1,0 +1,101 @@
+"""The text-streaming sockets of one gateway worker: validation before accept, the socket limit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket
+
+from tts_gateway.gateway.api.text_stream.messages import StreamQuery
+from tts_gateway.gateway.api.text_stream.metrics import TextStreamMetrics
+from tts_gateway.gateway.api.text_stream.session import (
+    POLICY,
+    TRY_LATER,
+    TextStreamLimits,
+    TextStreamSession,
+    close_socket,
+)
+from tts_gateway.gateway.errors import GatewayError
+from tts_gateway.gateway.speech.text_stream.output_format import OutputFormat, UnsupportedOutputFormat
+from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
+from tts_gateway.gateway.speech.text_stream.synthesis import (
+    PhrasePipeline,
+    PhraseSynthesizer,
+    TextStreamSynthesizer,
+    VoiceChoice,
+)
+from tts_gateway.gateway.speech.text_stream.text_streaming_model import StreamedTextSynthesis, TextStreamCalls
+
+logger = logging.getLogger(__name__)
+
+
+class TextStreamService:
+    def __init__(
+        self,
+        phrases: PhraseSynthesizer,
+        limits: TextStreamLimits,
+        metrics: TextStreamMetrics,
+        sessions: TextStreamCalls | None = None,
+    ) -> None:
+        """``sessions``: text-streaming sessions, for the models that have them; phrases for the rest."""
+        self._phrases = phrases
+        self._limits = limits
+        self._metrics = metrics
+        self._sessions = sessions
+        self._open = 0
+
+    def synthesizer(
+        self, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
+    ) -> TextStreamSynthesizer:
+        """The synthesis of one context (or one Wyoming request), chosen per context: the catalog
+        follows what the Triton servers serve now. ``speech_slots``: its connection's share of the
+        speech slots."""
+        if self._sessions is not None and self._sessions.serves(voice):
+            return StreamedTextSynthesis(self._sessions, voice, chunker, speech_slots)
+        return PhrasePipeline(self._phrases, voice, chunker, speech_slots=speech_slots)
+
+    async def serve(self, websocket: WebSocket, voice_id: str, *, multi: bool) -> None:
+        """Validate the socket's parameters, accept it and serve it to its end.
+
+        A socket is accepted before it is refused for a bad parameter or a limit, so that the
+        client can read the reason in the close frame.
+        """
+        reason = ""
+        code = POLICY
+        try:
+            query = StreamQuery.model_validate(dict(websocket.query_params))
+            output = OutputFormat.parse(query.output_format, socket=True)
+            voice = VoiceChoice(voice_id, query.model, normalize=query.normalize)
+            await self._phrases.check(voice)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            reason = f"invalid query parameter {'.'.join(map(str, error['loc']))}: {error['msg']}"
+        except UnsupportedOutputFormat as exc:
+            reason = str(exc)
+        except GatewayError as exc:
+            reason = exc.message
+        if not reason and self._open >= self._limits.max_sockets:
+            code, reason = TRY_LATER, f"socket limit: {self._limits.max_sockets} text streams are open"
+        await websocket.accept()
+        if reason:
+            await close_socket(websocket, code, reason, self._metrics)
+            return
+        session = TextStreamSession(
+            websocket,
+            query,
+            output,
+            multi=multi,
+            voice=voice,
+            synthesizers=self.synthesizer,
+            limits=self._limits,
+            metrics=self._metrics,
+        )
+        self._open += 1
+        self._metrics.sockets.inc()
+        try:
+            await session.run()
+        finally:
+            self._open -= 1
+            self._metrics.sockets.dec()

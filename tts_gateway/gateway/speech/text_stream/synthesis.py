@@ -1,0 +1,328 @@
+"""From a context's text to its audio, behind a small interface.
+
+:class:`TextStreamSynthesizer` is what a socket's context talks to: text goes in piece by piece,
+chunks of audio with their alignment come out in order. A model that takes text as it arrives
+can implement it directly. :class:`PhrasePipeline` implements it for every other model: a
+:class:`PhraseChunker` cuts the text into phrases, each phrase is synthesised on its own by a
+:class:`PhraseSynthesizer` as soon as it is complete (up to ``parallel`` at once, so the next
+phrase is ready when the current one ends), and the audio goes out strictly in phrase order.
+Every phrase also holds one of the socket's share of the speech slots while it synthesises.
+
+:class:`SpeechServicePhrases` is the :class:`PhraseSynthesizer` of the gateway's models: each
+phrase is one request to the speech service (model and voice resolution, text normalisation,
+admission control, the Triton pool, the streamed model variant, resampling to 24 kHz PCM), so
+this package holds no synthesis machinery of its own. A phrase after a context's first continues
+audio the listener is already hearing, as a started response's later sentences do, so it follows
+their rule when a server fails: it waits for another (or the restarted one) within the request's
+deadline instead of failing at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
+from tts_gateway.gateway.speech.plan import SpeechPlan
+from tts_gateway.gateway.speech.request import SpeechRequest
+from tts_gateway.gateway.speech.service import SpeechStream, StreamAborted
+from tts_gateway.gateway.speech.text_stream.alignment import CharAlignment, PhraseAligner
+from tts_gateway.gateway.speech.text_stream.output_format import pcm_pieces
+from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker, push_async
+
+logger = logging.getLogger(__name__)
+
+# Chunks one phrase may have ready before its producer waits for the socket: a slow client
+# then slows the Triton stream instead of growing the gateway's memory.
+_PHRASE_QUEUE_CHUNKS: Final = 32
+
+
+@dataclass(frozen=True)
+class VoiceChoice:
+    """What a context speaks with."""
+
+    voice: str
+    model: str
+    speed: float = 1.0
+    normalize: bool | None = None
+    """Text normalisation; ``None`` follows the server's default."""
+
+
+@dataclass(frozen=True)
+class SpeechChunk:
+    pcm: bytes
+    """16-bit little-endian mono PCM at the speech service's output rate (24 kHz)."""
+    spoken: PhraseAligner
+    normalized: PhraseAligner
+    phrase_end: bool
+    """The last chunk of a phrase: resamplers and encoders may drain."""
+
+    def align(self, audio_ms: float) -> tuple[CharAlignment, CharAlignment]:
+        """The characters (as sent, as spoken) of this chunk's audio, once converted to ``audio_ms``
+        milliseconds: a resampler's delay moves a little audio from one message to the next."""
+        return (
+            self.spoken.take(audio_ms, last=self.phrase_end),
+            self.normalized.take(audio_ms, last=self.phrase_end),
+        )
+
+
+class TextStreamSynthesizer(Protocol):
+    """One context's synthesis: text in as it comes, audio out in order."""
+
+    @property
+    def buffered(self) -> int:
+        """Characters received and not yet spoken (whose audio has not all been handed out)."""
+        ...
+
+    @property
+    def in_progress(self) -> bool:
+        """Some of the text is being synthesised or its audio handed out (not merely buffered)."""
+        ...
+
+    async def push(self, text: str) -> None: ...
+
+    async def flush(self) -> None:
+        """Synthesise everything received so far, without waiting for more."""
+        ...
+
+    async def end_input(self) -> None:
+        """No more text: :meth:`chunks` ends once everything received is spoken."""
+        ...
+
+    def chunks(self) -> AsyncIterator[SpeechChunk]:
+        """The audio, in order; raises :class:`GatewayError` if synthesis fails."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop at once: cancel every Triton call of the context."""
+        ...
+
+
+class PhraseAudio(Protocol):
+    normalized: str
+    """The phrase as the model reads it (numbers, money... as words)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        """16-bit PCM at the speech service's output rate, as the model produces it."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class PhraseSynthesizer(Protocol):
+    async def check(self, voice: VoiceChoice) -> None:
+        """Raise :class:`GatewayError` if ``voice`` cannot be spoken (unknown voice or model)."""
+        ...
+
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudio | None:
+        """Start synthesising ``text``; ``None`` when it holds nothing to speak.
+
+        ``continued``: the listener already hears the context's audio, so a server that fails is
+        waited for rather than reported at once.
+        """
+        ...
+
+
+def speech_request(voice: VoiceChoice, text: str) -> SpeechRequest:
+    """``text`` as a speech request in ``voice``: what the speech service plans (model, voice, normalisation)."""
+    return SpeechRequest(
+        model=voice.model,
+        input=text,
+        voice=voice.voice,
+        response_format="pcm",
+        speed=voice.speed,
+        text_normalization=voice.normalize,
+    )
+
+
+class OpenStream(Protocol):
+    """:meth:`SpeechService.open_stream`."""
+
+    def __call__(self, plan: SpeechPlan, *, continued: bool = False) -> Awaitable[SpeechStream]: ...
+
+
+class SpeechServicePhrases:
+    """Phrases synthesised by the speech service, one speech request each.
+
+    It uses only the service's two entry points, planning and opening a stream, passed in as
+    callables so that this module depends on nothing else of the service, and ``servers_back``:
+    whether a server is ready again within the time a started response waits for one (planning
+    needs a ready server, and a continued phrase waits for one as its sentences would).
+    """
+
+    def __init__(
+        self,
+        plan: Callable[[SpeechRequest], Awaitable[SpeechPlan]],
+        open_stream: OpenStream,
+        servers_back: Callable[[], Awaitable[bool]],
+    ) -> None:
+        self._plan = plan
+        self._open_stream = open_stream
+        self._servers_back = servers_back
+
+    async def check(self, voice: VoiceChoice) -> None:
+        await self._plan(speech_request(voice, "a"))
+
+    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudio | None:
+        request = speech_request(voice, text)
+        try:
+            plan = await self._plan(request)
+        except ServerUnavailableError:
+            if not continued or not await self._servers_back():
+                raise
+            plan = await self._plan(request)
+        try:
+            stream = await self._open_stream(plan, continued=continued)
+        except GatewayError as exc:
+            if exc.code == "nothing_to_speak":
+                return None
+            raise
+        return _StreamedPhrase(" ".join(plan.sentences), stream)
+
+
+class _StreamedPhrase:
+    def __init__(self, normalized: str, stream: SpeechStream) -> None:
+        self.normalized = normalized
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._stream:
+                yield data
+        except StreamAborted as exc:
+            # The service could not complete the phrase (its failover included): the phrase's failure.
+            raise exc.error from exc
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class _End:
+    """Marks the end of one phrase's audio in its queue."""
+
+
+_END: Final = _End()
+
+
+@dataclass(eq=False)
+class _Phrase:
+    text: str
+    continued: bool
+    queue: asyncio.Queue[bytes | _End | GatewayError] = field(
+        default_factory=lambda: asyncio.Queue(_PHRASE_QUEUE_CHUNKS)
+    )
+    normalized: str = ""
+    task: asyncio.Task[None] | None = None
+
+
+class PhrasePipeline:
+    """A :class:`TextStreamSynthesizer` over any :class:`PhraseSynthesizer` (see the module's docstring)."""
+
+    def __init__(
+        self,
+        phrases: PhraseSynthesizer,
+        voice: VoiceChoice,
+        chunker: PhraseChunker,
+        *,
+        parallel: int = 2,
+        speech_slots: asyncio.Semaphore | None = None,
+    ) -> None:
+        """``speech_slots``: the socket's share of the speech slots, shared by its contexts."""
+        self._phrases = phrases
+        self._voice = voice
+        self._chunker = chunker
+        self._slots = asyncio.Semaphore(parallel)
+        self._speech_slots = speech_slots or asyncio.Semaphore(parallel)
+        self._order: asyncio.Queue[_Phrase | None] = asyncio.Queue()
+        self._started: list[_Phrase] = []
+        self._started_chars = 0
+        self._count = 0
+        self._ended = False
+
+    @property
+    def buffered(self) -> int:
+        return self._chunker.buffered + self._started_chars
+
+    @property
+    def in_progress(self) -> bool:
+        return self._started_chars > 0
+
+    async def push(self, text: str) -> None:
+        self._start(await push_async(self._chunker, text))
+
+    async def flush(self) -> None:
+        self._start(self._chunker.flush())
+
+    async def end_input(self) -> None:
+        if not self._ended:
+            self._start(self._chunker.flush())
+            self._ended = True
+            self._order.put_nowait(None)
+
+    def _start(self, texts: list[str]) -> None:
+        for text in texts:
+            phrase = _Phrase(text, continued=self._count > 0)
+            self._count += 1
+            phrase.task = asyncio.create_task(self._synthesise(phrase))
+            self._started.append(phrase)
+            self._started_chars += len(text)
+            self._order.put_nowait(phrase)
+
+    async def _synthesise(self, phrase: _Phrase) -> None:
+        try:
+            async with self._slots, self._speech_slots:
+                audio = await self._phrases.open(self._voice, phrase.text.strip(), continued=phrase.continued)
+                if audio is not None:
+                    phrase.normalized = audio.normalized
+                    try:
+                        async for data in audio:
+                            for piece in pcm_pieces(data):
+                                await phrase.queue.put(piece)
+                    finally:
+                        await audio.aclose()
+        except GatewayError as exc:
+            await phrase.queue.put(exc)
+        except Exception as exc:
+            # A bug here must not leave the reader waiting for an end that never comes.
+            logger.exception("synthesis of a streamed phrase failed")
+            await phrase.queue.put(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+        await phrase.queue.put(_END)
+
+    async def chunks(self) -> AsyncIterator[SpeechChunk]:
+        ms_per_weight: float | None = None
+        while (phrase := await self._order.get()) is not None:
+            spoken = aligned = None
+            pending: bytes | None = None
+            while not isinstance(item := await phrase.queue.get(), _End):
+                if isinstance(item, GatewayError):
+                    raise item
+                if spoken is None or aligned is None:
+                    # The spaces around a phrase belong to both alignments: clients join them into words.
+                    lead = phrase.text[: len(phrase.text) - len(phrase.text.lstrip())]
+                    trail = phrase.text[len(phrase.text.rstrip()) :]
+                    rate = {} if ms_per_weight is None else {"ms_per_weight": ms_per_weight}
+                    spoken = PhraseAligner(phrase.text, **rate)
+                    aligned = PhraseAligner(lead + phrase.normalized + trail, **rate)
+                if pending is not None:
+                    yield SpeechChunk(pending, spoken, aligned, phrase_end=False)
+                # One chunk is held back: only once the next one (or the end) has come is it
+                # known whether it is the phrase's last, which takes the remaining characters.
+                pending = item
+            if pending is not None and spoken is not None and aligned is not None:
+                yield SpeechChunk(pending, spoken, aligned, phrase_end=True)
+                ms_per_weight = spoken.measured_ms_per_weight or ms_per_weight
+            self._started.remove(phrase)
+            self._started_chars -= len(phrase.text)
+
+    async def aclose(self) -> None:
+        tasks = [phrase.task for phrase in self._started if phrase.task is not None]
+        self._started.clear()
+        self._started_chars = 0
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            # Not ``await task``: the caller's own cancellation meanwhile would pass for the task's and be lost.
+            await asyncio.wait(tasks)
