@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Final
 
 from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
@@ -29,7 +29,18 @@ from tts_gateway.gateway.triton.live_catalog import LiveCatalog
 from tts_gateway.gateway.triton.model_catalog import ModelCatalog
 
 PROGRAM_NAME: Final = "tts-gateway"
-_VERSION: Final = version("tts-gateway")
+
+
+def _package_version() -> str | None:
+    # A source tree on the path without an install (as GPU benchmarks carry it) has no metadata;
+    # Wyoming's version field is optional, so that is no reason to refuse to start.
+    try:
+        return version("tts-gateway")
+    except PackageNotFoundError:
+        return None
+
+
+_VERSION: Final = _package_version()
 _KINDS = {"builtin": "", "reference": "reference voice, ", "uploaded": "uploaded voice, "}
 
 
