@@ -5,7 +5,6 @@ from __future__ import annotations
 from tts_gateway.gateway.dependencies import Services
 from tts_gateway.gateway.settings import Settings
 from tts_gateway.gateway.text_stream.service import TextStreams
-from tts_gateway.gateway.text_stream.wiring import speech_phrases
 from tts_gateway.gateway.wyoming.handler import WyomingLimits
 from tts_gateway.gateway.wyoming.server import WyomingServer
 from tts_gateway.gateway.wyoming.voices import GatewayVoices
@@ -20,7 +19,7 @@ def wyoming_server(services: Services, text_streams: TextStreams, settings: Sett
     return WyomingServer(
         settings.wyoming_host,
         port,
-        voices=GatewayVoices(services.catalog, services.voices, speech_phrases(services, settings)),
+        voices=GatewayVoices(services.catalog, services.voices),
         synthesizers=text_streams.synthesizer,
         limits=WyomingLimits(
             max_connections=settings.wyoming_max_connections,
