@@ -18,7 +18,6 @@ import pytest
 import soundfile as sf
 import soxr
 import tritonclient.grpc as syncclient
-import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 
 from tests.conftest import CosyVoiceServer
@@ -52,8 +51,8 @@ def voice() -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-async def client(cosyvoice_server: CosyVoiceServer) -> AsyncIterator[grpcclient.InferenceServerClient]:
-    client = grpcclient.InferenceServerClient(cosyvoice_server.triton.grpc_url)
+async def client(cosyvoice_server: CosyVoiceServer) -> AsyncIterator[TritonClient]:
+    client = TritonClient(cosyvoice_server.triton.grpc_url, timeout=30.0)
     yield client
     await client.close()
 
@@ -73,9 +72,7 @@ async def test_the_catalog_sees_the_text_streaming_deployment(cosyvoice_server: 
     assert catalog.models["cosyvoice2"].text_stream_model == MODEL
 
 
-async def test_audio_arrives_while_the_text_still_comes(
-    client: grpcclient.InferenceServerClient, voice: dict[str, object]
-) -> None:
+async def test_audio_arrives_while_the_text_still_comes(client: TritonClient, voice: dict[str, object]) -> None:
     session = await TextStreamCall.open(client, MODEL, "first-session", voice)
     chunks: list[tuple[float, NDArray[np.float32]]] = []
     reader = asyncio.create_task(_collect(session, chunks))
@@ -111,7 +108,7 @@ def _llm_requests_done(server: CosyVoiceServer) -> int:
 
 
 async def test_a_cancelled_session_ends_its_llm_request(
-    client: grpcclient.InferenceServerClient, voice: dict[str, object], cosyvoice_server: CosyVoiceServer
+    client: TritonClient, voice: dict[str, object], cosyvoice_server: CosyVoiceServer
 ) -> None:
     session = await TextStreamCall.open(client, MODEL, "cancelled-session", voice)
     chunks: list[tuple[float, NDArray[np.float32]]] = []
@@ -138,9 +135,7 @@ async def test_a_cancelled_session_ends_its_llm_request(
     assert audio
 
 
-async def test_a_session_id_in_use_is_refused(
-    client: grpcclient.InferenceServerClient, voice: dict[str, object]
-) -> None:
+async def test_a_session_id_in_use_is_refused(client: TritonClient, voice: dict[str, object]) -> None:
     session = await TextStreamCall.open(client, MODEL, "twice", voice)
     try:
         with pytest.raises(InvalidRequestError, match="open already"):
@@ -149,7 +144,7 @@ async def test_a_session_id_in_use_is_refused(
         await session.cancel()
 
 
-async def test_text_for_a_session_not_open_is_refused(client: grpcclient.InferenceServerClient) -> None:
+async def test_text_for_a_session_not_open_is_refused(client: TritonClient) -> None:
     stranger = TextStreamCall(client, MODEL, "never-opened")
     with pytest.raises(InvalidRequestError, match="no open session"):
         await stranger.send_text("hello")

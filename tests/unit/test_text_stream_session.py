@@ -31,10 +31,7 @@ class Phrase:
 
 
 class Phrases:
-    async def check(self, voice: VoiceChoice) -> None:
-        pass
-
-    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> Phrase:
+    async def open(self, text: str, *, continued: bool = False) -> Phrase:
         return Phrase()
 
 
@@ -61,14 +58,19 @@ class UnreadSocket:
 
 
 def multi_stream_session(
-    socket: UnreadSocket, synthesizers: SynthesizerFactory, metrics: GatewayMetrics, *, inactivity_timeout: int
+    socket: UnreadSocket,
+    synthesizers: SynthesizerFactory,
+    metrics: GatewayMetrics,
+    *,
+    inactivity_timeout: int,
+    voice: VoiceChoice = VOICE,
 ) -> TextStreamSession:
     return TextStreamSession(
         cast(WebSocket, socket),
         StreamQuery(inactivity_timeout=inactivity_timeout),
         OutputFormat.parse("pcm_24000", socket=True),
         multi=True,
-        voice=VOICE,
+        voice=voice,
         synthesizers=synthesizers,
         limits=TextStreamLimits(),
         metrics=TextStreamMetrics(metrics),
@@ -87,7 +89,7 @@ async def test_a_client_that_reads_nothing_is_given_up_while_the_receiver_waits_
     metrics = GatewayMetrics()
     session = multi_stream_session(
         socket,
-        lambda voice, chunker, slots: PhrasePipeline(Phrases(), voice, chunker, speech_slots=slots),
+        lambda voice, chunker, slots: PhrasePipeline(Phrases(), chunker, speech_slots=slots),
         metrics,
         inactivity_timeout=1,
     )

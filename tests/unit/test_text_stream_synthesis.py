@@ -7,9 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
-from tts_gateway.gateway.speech.text_stream.synthesis import PhrasePipeline, VoiceChoice
-
-VOICE = VoiceChoice("v", "m")
+from tts_gateway.gateway.speech.text_stream.synthesis import PhrasePipeline
 
 
 class HeldPhrase:
@@ -32,17 +30,14 @@ class Phrases:
         self.release = asyncio.Event()
         self.opened: list[tuple[str, bool]] = []
 
-    async def check(self, voice: VoiceChoice) -> None:
-        pass
-
-    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> HeldPhrase:
+    async def open(self, text: str, *, continued: bool = False) -> HeldPhrase:
         self.opened.append((text, continued))
         return HeldPhrase(self.release)
 
 
 async def test_text_counts_as_unspoken_until_its_audio_is_handed_out() -> None:
     phrases = Phrases()
-    pipeline = PhrasePipeline(phrases, VOICE, PhraseChunker())
+    pipeline = PhrasePipeline(phrases, PhraseChunker())
     await pipeline.push("One sentence here. And a half")
     assert pipeline.buffered == len("One sentence here. And a half")
     assert pipeline.in_progress
@@ -56,7 +51,7 @@ async def test_text_counts_as_unspoken_until_its_audio_is_handed_out() -> None:
 
 async def test_a_turns_later_phrases_continue_it() -> None:
     phrases = Phrases()
-    pipeline = PhrasePipeline(phrases, VOICE, PhraseChunker(auto_mode=True))
+    pipeline = PhrasePipeline(phrases, PhraseChunker(auto_mode=True))
     for text in ("First.", "Second.", "Third."):
         await pipeline.push(text)
     await pipeline.end_input()
@@ -68,7 +63,7 @@ async def test_a_turns_later_phrases_continue_it() -> None:
 async def test_the_contexts_of_a_socket_share_its_speech_slots() -> None:
     phrases = Phrases()
     share = asyncio.Semaphore(1)
-    contexts = [PhrasePipeline(phrases, VOICE, PhraseChunker(auto_mode=True), speech_slots=share) for _ in range(3)]
+    contexts = [PhrasePipeline(phrases, PhraseChunker(auto_mode=True), speech_slots=share) for _ in range(3)]
     for index, pipeline in enumerate(contexts):
         await pipeline.push(f"Context {index}.")
     await asyncio.sleep(0.05)
@@ -97,7 +92,7 @@ class SlowlyClosedPhrases(Phrases):
         self.closed = asyncio.Event()
         self.speaking = asyncio.Event()
 
-    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> HeldPhrase:
+    async def open(self, text: str, *, continued: bool = False) -> HeldPhrase:
         self.opened.append((text, continued))
         self.speaking.set()
         return SlowlyClosedPhrase(self.release, self.closed)
@@ -105,7 +100,7 @@ class SlowlyClosedPhrases(Phrases):
 
 async def test_closing_keeps_the_callers_own_cancellation() -> None:
     phrases = SlowlyClosedPhrases()
-    pipeline = PhrasePipeline(phrases, VOICE, PhraseChunker(auto_mode=True))
+    pipeline = PhrasePipeline(phrases, PhraseChunker(auto_mode=True))
     await pipeline.push("One sentence.")
     await phrases.speaking.wait()
     closer = asyncio.create_task(pipeline.aclose())

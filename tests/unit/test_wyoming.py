@@ -60,7 +60,7 @@ class PhraseAudioStub:
 
 
 class Phrases:
-    """A :class:`PhraseSynthesizer`: every phrase opened, and every one closed, recorded."""
+    """The :class:`PhraseSynthesizer` of every request: every phrase opened, and every one closed, recorded."""
 
     def __init__(self) -> None:
         self.opened: list[str] = []
@@ -69,27 +69,26 @@ class Phrases:
         self.gate.set()
         self.fail_on: str | None = None
 
-    async def check(self, voice: VoiceChoice) -> None:
+    def context(self, voice: VoiceChoice) -> Phrases:
+        """The phrases of a request in ``voice``, planned as it opens: an unknown voice is refused then."""
         if voice.voice != "joe":
             raise InvalidRequestError(f"voice {voice.voice!r} does not exist", code="voice_not_found")
+        return self
 
-    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudioStub | None:
+    async def open(self, text: str, *, continued: bool = False) -> PhraseAudioStub | None:
         self.opened.append(text)
         return PhraseAudioStub(self, text)
 
 
 class StubVoices:
-    def __init__(self, phrases: Phrases, sample_rate: int = RATE) -> None:
-        self._phrases = phrases
+    def __init__(self, sample_rate: int = RATE) -> None:
         self.catalog = ModelCatalog([_model("piper", cloning=False, voices=("joe",), sample_rate=sample_rate)])
 
     def info(self) -> Info:
         return describe([])
 
     async def choose(self, requested: SynthesizeVoice | None) -> VoiceChoice:
-        choice = choose(requested, [], self.catalog)
-        await self._phrases.check(choice)
-        return choice
+        return choose(requested, [], self.catalog)
 
     def sample_rate(self, voice: VoiceChoice) -> int:
         return self.catalog.models[voice.model].sample_rate
@@ -129,8 +128,8 @@ async def running(
     server = WyomingServer(
         "127.0.0.1",
         port,
-        voices=StubVoices(phrases, sample_rate),
-        synthesizers=lambda voice, chunker, slots: pipeline(phrases, voice, chunker, speech_slots=slots),
+        voices=StubVoices(sample_rate),
+        synthesizers=lambda voice, chunker, slots: pipeline(phrases.context(voice), chunker, speech_slots=slots),
         limits=limits or WyomingLimits(),
         metrics=metrics or GatewayMetrics(),
     )

@@ -3,12 +3,14 @@
 :meth:`SpeechPlanner.plan` does every check that can fail because of the request (model,
 voice, capabilities), so errors reach the client with a proper status before any byte is
 sent; it then normalises the input (numbers, money, dates... as words) and splits it into
-the sentences the service synthesises one by one.
+the sentences the service synthesises one by one. Text streamed in is planned in two steps:
+:meth:`SpeechPlanner.context` resolves model and voice once per context, and
+:meth:`SpeechPlanner.piece` plans each piece of its text within it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tts_gateway.gateway.settings import Settings
@@ -79,17 +81,44 @@ class SpeechPlan:
 
     def voice_inputs(self) -> dict[str, Any]:
         """The contract inputs that set the voice: its recording (and transcript), else its built-in id."""
-        values: dict[str, Any] = {}
-        inputs = self.model.inputs
-        reference = self.voice.reference
-        if reference is not None:
-            values[contract.REFERENCE_WAV] = reference.audio.samples
-            values[contract.REFERENCE_WAV_LEN] = reference.audio.samples.size
-            if reference.transcript and contract.REFERENCE_TEXT in inputs:
-                values[contract.REFERENCE_TEXT] = reference.transcript
-        elif contract.VOICE in inputs:
-            values[contract.VOICE] = self.voice.id
-        return values
+        return voice_inputs(self.model, self.voice)
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """What one context of text streamed in (a WebSocket's context, a Wyoming request) speaks with,
+    resolved once, when it opens (:meth:`SpeechPlanner.context`).
+
+    Each piece of its text is then only normalised and cut into sentences (:meth:`SpeechPlanner.piece`):
+    nothing is resolved again. A context is one turn in one voice, so it speaks to its end with the
+    voice it opened with, even when that voice is deleted or replaced meanwhile, as a speech request
+    already planned does (a text-streaming session holds the voice's recording in its model anyway);
+    the next context resolves the voice again.
+    """
+
+    model: SpeechModel
+    triton_model: str
+    voice: ResolvedVoice
+    speed: float
+    normalize: bool
+
+    def voice_inputs(self) -> dict[str, Any]:
+        """The contract inputs that set the voice (:meth:`SpeechPlan.voice_inputs`)."""
+        return voice_inputs(self.model, self.voice)
+
+
+def voice_inputs(model: SpeechModel, voice: ResolvedVoice) -> dict[str, Any]:
+    """The contract inputs that set ``voice`` on ``model``: its recording (and transcript), else its built-in id."""
+    values: dict[str, Any] = {}
+    reference = voice.reference
+    if reference is not None:
+        values[contract.REFERENCE_WAV] = reference.audio.samples
+        values[contract.REFERENCE_WAV_LEN] = reference.audio.samples.size
+        if reference.transcript and contract.REFERENCE_TEXT in model.inputs:
+            values[contract.REFERENCE_TEXT] = reference.transcript
+    elif contract.VOICE in model.inputs:
+        values[contract.VOICE] = voice.id
+    return values
 
 
 class SpeechPlanner:
@@ -102,25 +131,47 @@ class SpeechPlanner:
         self._normalizer = normalizer
 
     async def plan(self, request: SpeechRequest) -> SpeechPlan:
-        catalog = self._catalog.current
-        model = catalog.resolve(request.model)
-        voice = self._voices.resolve(request.voice_id, model, catalog)
-        triton_model = catalog.require_streaming_or_offline(model, self._settings.backend_mode)
-        normalize = request.text_normalization
-        if normalize is None:
-            normalize = self._settings.text_normalization
-        text = await self._normalizer.normalize_async(request.input) if normalize else request.input
-        sentences = synthesis_pieces(text, self._settings)
-        return SpeechPlan(
-            model=model,
-            triton_model=triton_model,
-            voice=voice,
-            sentences=tuple(sentences),
-            speed=request.speed,
+        context = self.context(
+            request.model, request.voice_id, speed=request.speed, normalize=request.text_normalization
+        )
+        return replace(
+            self.piece(context, await self.normalize(context, request.input)),
             response_format=request.response_format,
             sse=request.stream_format == "sse",
             input_chars=len(request.input),
             whole=not request.stream,
             seed=request.seed,
             instructions=request.instructions,
+        )
+
+    def context(self, model: str, voice: str, *, speed: float = 1.0, normalize: bool | None = None) -> ContextPlan:
+        """``model`` and ``voice`` resolved against what the servers serve now; raises :class:`GatewayError`
+        when they cannot be spoken. ``normalize``: ``None`` follows the server's default."""
+        catalog = self._catalog.current
+        speech_model = catalog.resolve(model)
+        resolved = self._voices.resolve(voice, speech_model, catalog)
+        return ContextPlan(
+            model=speech_model,
+            triton_model=catalog.require_streaming_or_offline(speech_model, self._settings.backend_mode),
+            voice=resolved,
+            speed=speed,
+            normalize=self._settings.text_normalization if normalize is None else normalize,
+        )
+
+    async def normalize(self, context: ContextPlan, text: str) -> str:
+        """``text`` as ``context``'s model reads it (numbers, money, dates... as words), if it normalises."""
+        return await self._normalizer.normalize_async(text) if context.normalize else text
+
+    def piece(self, context: ContextPlan, normalized: str) -> SpeechPlan:
+        """A piece of ``context``'s text, already normalised, as a speech request of its own (16-bit PCM,
+        streamed): cut into the sentences the speech service synthesises one by one."""
+        return SpeechPlan(
+            model=context.model,
+            triton_model=context.triton_model,
+            voice=context.voice,
+            sentences=tuple(synthesis_pieces(normalized, self._settings)),
+            speed=context.speed,
+            response_format="pcm",
+            sse=False,
+            input_chars=len(normalized),
         )

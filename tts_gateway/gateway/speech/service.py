@@ -38,11 +38,12 @@ from typing import Any, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from tts_gateway.gateway.errors import GatewayError, InvalidRequestError, RequestTimeoutError, SynthesisError
+from tts_gateway.gateway.errors import GatewayError, InvalidRequestError, RequestTimeoutError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.request_ids import current_request_id
 from tts_gateway.gateway.speech.admission import AdmissionControl, Slot
 from tts_gateway.gateway.speech.audio_encoding import create_encoder
+from tts_gateway.gateway.speech.audio_queue import AudioQueue
 from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.speech.plan import SpeechPlan
 from tts_gateway.gateway.speech.time_stretch import TimeStretcher
@@ -85,12 +86,6 @@ class StreamAborted(Exception):
         self.error = error
         self.sentence = sentence
 
-
-class _End:
-    """Marks the end of one sentence's audio in its queue."""
-
-
-_END = _End()
 
 # Chunks one sentence may have ready before its producer waits for the reader. A slow reader
 # then stalls the Triton stream (gRPC flow control) instead of growing the gateway's memory.
@@ -308,24 +303,23 @@ class SpeechService:
         # The response's x-request-id, so Triton's records of each sentence lead back to the request.
         request_id = current_request_id()
         sentences: Iterator[tuple[int, str]] = enumerate(plan.sentences)
-        in_flight: deque[tuple[int, asyncio.Task[None], asyncio.Queue[Audio | _End | GatewayError]]] = deque()
+        in_flight: deque[tuple[int, asyncio.Task[None], AudioQueue[Audio]]] = deque()
         parallelism = 1
 
         def launch() -> None:
             while len(in_flight) < parallelism and (item := next(sentences, None)) is not None:
                 index, sentence = item
-                queue: asyncio.Queue[Audio | _End | GatewayError] = asyncio.Queue(_SENTENCE_QUEUE_CHUNKS)
+                queue: AudioQueue[Audio] = AudioQueue(_SENTENCE_QUEUE_CHUNKS)
                 sentence_id = f"{request_id}-{index}"
-                task = asyncio.create_task(self._sentence(plan, index, sentence, sentence_id, queue, progress))
+                work = self._sentence(plan, index, sentence, sentence_id, queue, progress)
+                task = asyncio.create_task(queue.produce(work, f"synthesis of sentence {sentence_id}"))
                 in_flight.append((index, task, queue))
 
         launch()
         try:
             while in_flight:
                 progress.sentence, _, queue = in_flight[0]
-                while not isinstance(item := await queue.get(), _End):
-                    if isinstance(item, GatewayError):
-                        raise item
+                while (item := await queue.get()) is not None:
                     if parallelism == 1:
                         parallelism = self._parallelism
                         launch()
@@ -345,7 +339,7 @@ class SpeechService:
         index: int,
         sentence: str,
         request_id: str,
-        queue: asyncio.Queue[Audio | _End | GatewayError],
+        queue: AudioQueue[Audio],
         progress: _Progress,
     ) -> None:
         values = plan.model_inputs(index, sentence)
@@ -366,25 +360,15 @@ class SpeechService:
 
         failover = Failover(skip_sent=plan.reproducible, notify=failed_over)
         synthesizer = self._synthesizer
-        try:
-            if plan.streaming_model:
-                stream = synthesizer.stream(plan.triton_model, values, request_id, patient=patient, failover=failover)
-                # Closed here, not by the garbage collector: a cancelled sentence frees its Triton call at once.
-                async with contextlib.aclosing(stream) as chunks:
-                    async for chunk in chunks:
-                        await queue.put(chunk)
-            else:
-                audio = await synthesizer.infer(
-                    plan.triton_model, values, request_id, patient=patient, failover=failover
-                )
-                await queue.put(audio)
-        except GatewayError as exc:
-            await queue.put(exc)
-        except Exception as exc:
-            # A bug here must not leave the consumer waiting for an end that never comes.
-            logger.exception("synthesis of sentence %s failed", request_id)
-            await queue.put(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
-        await queue.put(_END)
+        if plan.streaming_model:
+            stream = synthesizer.stream(plan.triton_model, values, request_id, patient=patient, failover=failover)
+            # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
+            async with contextlib.aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    await queue.put(chunk)
+        else:
+            audio = await synthesizer.infer(plan.triton_model, values, request_id, patient=patient, failover=failover)
+            await queue.put(audio)
 
 
 def _sse_event(payload: dict[str, Any]) -> bytes:

@@ -2,9 +2,11 @@
 
 One gRPC channel serves every request: offline calls use ``ModelInfer``, streaming
 calls open a ``ModelStreamInfer`` stream per request whose responses are the audio
-chunks of a decoupled model. Tensors travel as raw bytes, never JSON lists.
-Every call is bounded by ``timeout``; a stream is also given up when its next response
-takes longer than ``chunk_timeout``, so a stalled model is noticed within seconds.
+chunks of a decoupled model, and so do a text-streaming session's requests (its audio, and
+each piece of its text). Tensors travel as raw bytes, never JSON lists.
+Every speech call is bounded by ``timeout``; a stream is also given up when its next response
+takes longer than ``chunk_timeout``, so a stalled model is noticed within seconds. A session
+lasts as long as its client sends text: its caller bounds its waits.
 Cancelling the async iterator of :meth:`TritonClient.stream` cancels the gRPC call,
 which Triton forwards to the model (``request.is_cancelled()``).
 
@@ -14,6 +16,7 @@ tritonclient's exceptions are translated here, once, into gateway errors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -110,6 +113,7 @@ def build_inputs(values: Mapping[str, Any]) -> list[InferInput]:
 
 
 _NUMPY_DTYPES: dict[str, type[np.generic]] = {
+    "BOOL": np.bool_,
     "FP32": np.float32,
     "INT32": np.int32,
     "INT64": np.int64,
@@ -136,11 +140,6 @@ class TritonClient:
         self._timeout = timeout
         self._chunk_timeout = chunk_timeout
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
-
-    @property
-    def grpc(self) -> grpcclient.InferenceServerClient:
-        """The server's gRPC client, for calls this class does not wrap (text-streaming sessions)."""
-        return self._client
 
     async def close(self) -> None:
         await self._client.close()
@@ -184,27 +183,60 @@ class TritonClient:
         self, model: str, values: Mapping[str, Any], request_id: str
     ) -> AsyncGenerator[NDArray[np.float32], None]:
         """Chunks of a decoupled model, in order; leaving the iterator early cancels the request."""
+        responses = self._responses(model, values, request_id, self._timeout, self._chunk_timeout)
+        async with contextlib.aclosing(responses):
+            async for chunk in responses:
+                if chunk.size:
+                    yield chunk
+
+    def session_audio(
+        self, model: str, values: Mapping[str, Any], request_id: str
+    ) -> AsyncGenerator[NDArray[np.float32], None]:
+        """The audio of the text-streaming session that ``values`` open: every response's waveform, the
+        first (empty: the session is open) included, until the last. No time limit: a session waits for
+        its text as long as its client takes to send it. Leaving the iterator early cancels the session's
+        request."""
+        return self._responses(model, values, request_id, None, None)
+
+    async def session_call(self, model: str, values: Mapping[str, Any], request_id: str) -> None:
+        """One request to an open session (a piece of its text, its end, its close) on a stream of its
+        own; returns once the model has answered it. The caller bounds the wait."""
+        async with contextlib.aclosing(self._responses(model, values, request_id, None, None)) as responses:
+            async for _ in responses:
+                pass
+
+    async def _responses(
+        self,
+        model: str,
+        values: Mapping[str, Any],
+        request_id: str,
+        stream_timeout: float | None,
+        chunk_timeout: float | None,
+    ) -> AsyncGenerator[NDArray[np.float32], None]:
+        """The waveform of every response to one request on a stream of its own, until the stream or a
+        response flagged final ends it; ``chunk_timeout`` bounds the wait for each response."""
         request = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield request
 
-        responses = self._client.stream_infer(one_request(), stream_timeout=self._timeout)
+        responses = self._client.stream_infer(one_request(), stream_timeout=stream_timeout)
         finished = False
         try:
             while True:
                 try:
-                    async with asyncio.timeout(self._chunk_timeout):
+                    async with asyncio.timeout(chunk_timeout):
                         result, error = await anext(responses)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    raise ServerTimeoutError(f"model {model!r} sent nothing for {self._chunk_timeout:g} s") from None
+                    raise ServerTimeoutError(f"model {model!r} sent nothing for {chunk_timeout:g} s") from None
                 if error is not None:
                     raise translate_error(error, model)
-                chunk = _waveform(result)
-                if chunk.size:
-                    yield chunk
+                yield _waveform(result)
+                final = result.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
             finished = True
         except (InferenceServerException, grpc.RpcError) as exc:
             raise translate_error(exc, model) from exc

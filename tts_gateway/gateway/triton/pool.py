@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
-import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
 
 from tts_gateway.gateway.errors import GatewayError, ModelUnavailableError, ServerUnavailableError, SynthesisError
@@ -251,15 +250,15 @@ class TritonPool:
     # -- calls -----------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def session(self, model: str) -> AsyncIterator[grpcclient.InferenceServerClient]:
-        """The gRPC client of the ready server serving ``model`` with the fewest calls in flight, for a
+    async def session(self, model: str) -> AsyncIterator[TritonClient]:
+        """The client of the ready server serving ``model`` with the fewest calls in flight, for a
         session of many calls (a text stream); the session counts as one call there until it ends.
 
         There is no failover: a session's state (voice, text so far) lives in its server.
         """
         server = await self._choose(model, [], None, patient=False)
         with self.call(server):
-            yield server.client.grpc
+            yield server.client
 
     async def infer(
         self,

@@ -16,18 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
-import grpc
 import numpy as np
-import tritonclient.grpc.aio as grpcclient
 from numpy.typing import NDArray
-from tritonclient.grpc import InferInput
-from tritonclient.utils import InferenceServerException
 
 from tts_gateway.gateway.errors import GatewayError, InvalidRequestError, ServerTimeoutError, SynthesisError
-from tts_gateway.gateway.triton.client import build_inputs, translate_error
+from tts_gateway.gateway.triton.client import TritonClient
 from tts_gateway.models import contract
 
 # An acknowledgement that takes this long means the model is stuck.
@@ -39,21 +35,20 @@ _CLOSE_WAIT_S = 10.0
 class TextStreamCall:
     """One session: :meth:`send_text` pieces, then :meth:`finish`; iterate for float32 audio chunks."""
 
-    def __init__(self, client: grpcclient.InferenceServerClient, model: str, session_id: str) -> None:
+    def __init__(self, client: TritonClient, model: str, session_id: str) -> None:
         self._client = client
         self._model = model
         self._session_id = session_id
         self._audio: asyncio.Queue[NDArray[np.float32] | GatewayError | None] = asyncio.Queue()
         self._opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._numbers = itertools.count(1)
-        self._responses: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
 
     @classmethod
     async def open(
         cls,
-        client: grpcclient.InferenceServerClient,
+        client: TritonClient,
         model: str,
         session_id: str,
         voice: Mapping[str, Any],
@@ -63,17 +58,8 @@ class TextStreamCall:
         if not session_id:
             raise InvalidRequestError("a session needs an id")
         session = cls(client, model, session_id)
-        request = {
-            "model_name": model,
-            "inputs": build_inputs({**voice, contract.SESSION_ID: session_id}),
-            "request_id": f"{session_id}:0",
-        }
-
-        async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield request
-
-        session._responses = client.stream_infer(one_request())
-        session._reader = asyncio.create_task(session._read(), name=f"text-stream-{session_id}")
+        audio = client.session_audio(model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0")
+        session._reader = asyncio.create_task(session._read(audio), name=f"bistream-{session_id}")
         try:
             async with asyncio.timeout(_ACK_TIMEOUT_S):
                 await asyncio.shield(session._opened)
@@ -89,14 +75,14 @@ class TextStreamCall:
 
     async def finish(self) -> None:
         """Mark the text complete: the session speaks the rest, then its audio ends."""
-        await self._call({}, {contract.TEXT_END: True})
+        await self._call({contract.TEXT_END: True})
 
     async def cancel(self) -> None:
         """End the session now: the model stops it (freeing its LLM slot) and ends its audio stream, which
         this waits for (a few seconds at most, then cancels it); the session id is free again after."""
         if not self._ended:
             with contextlib.suppress(GatewayError):  # the session ended meanwhile
-                await self._call({}, {contract.SESSION_CLOSE: True})
+                await self._call({contract.SESSION_CLOSE: True})
         if self._reader is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._reader), _CLOSE_WAIT_S)
@@ -106,7 +92,7 @@ class TextStreamCall:
         """Cancel the audio stream (the model notices the cancellation) and stop reading it."""
         self._ended = True
         if self._reader is not None and not self._reader.done():
-            self._responses.cancel()
+            # Cancelled, the reader leaves the audio stream, which cancels the session's request.
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
@@ -130,50 +116,30 @@ class TextStreamCall:
             if not finished:
                 await self.cancel()
 
-    async def _call(self, values: Mapping[str, Any], flags: Mapping[str, bool] | None = None) -> None:
+    async def _call(self, values: Mapping[str, Any]) -> None:
         if self._ended:
             raise InvalidRequestError(f"session {self._session_id!r} has ended")
-        inputs = build_inputs({**values, contract.SESSION_ID: self._session_id})
-        for name, flag in (flags or {}).items():
-            tensor = InferInput(name, [1], contract.INPUT_DTYPES[name])
-            tensor.set_data_from_numpy(np.array([flag], dtype=np.bool_))
-            inputs.append(tensor)
-        request = {
-            "model_name": self._model,
-            "inputs": inputs,
-            "request_id": f"{self._session_id}:{next(self._numbers)}",
-        }
-
-        async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield request
-
+        request_id = f"{self._session_id}:{next(self._numbers)}"
         try:
             async with asyncio.timeout(_ACK_TIMEOUT_S):
-                async for _, error in self._client.stream_infer(one_request()):
-                    if error is not None:
-                        raise translate_error(error, self._model)
+                await self._client.session_call(
+                    self._model, {**values, contract.SESSION_ID: self._session_id}, request_id
+                )
         except TimeoutError:
             raise ServerTimeoutError(f"model {self._model!r} did not take a text piece in time") from None
-        except (InferenceServerException, grpc.RpcError) as exc:
-            raise translate_error(exc, self._model) from exc
 
-    async def _read(self) -> None:
+    async def _read(self, audio: AsyncGenerator[NDArray[np.float32], None]) -> None:
         """The audio stream: its first (empty) response opens the session, then chunks, then the end."""
         failure: GatewayError | None = None
         try:
-            async for result, error in self._responses:
-                if error is not None:
-                    failure = translate_error(error, self._model)
-                    break
-                if not self._opened.done():
-                    self._opened.set_result(None)
-                chunk = result.as_numpy(contract.WAVEFORM)
-                if chunk is not None and chunk.size:
-                    await self._audio.put(np.asarray(chunk, dtype=np.float32).reshape(-1))
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        except (InferenceServerException, grpc.RpcError) as exc:
-            failure = translate_error(exc, self._model)
+            async with contextlib.aclosing(audio):
+                async for chunk in audio:
+                    if not self._opened.done():
+                        self._opened.set_result(None)
+                    if chunk.size:
+                        await self._audio.put(chunk)
+        except GatewayError as exc:
+            failure = exc
         except Exception as exc:
             failure = SynthesisError(f"model {self._model!r}: the session's stream failed: {exc}")
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from pydantic import ValidationError
 from starlette.websockets import WebSocket
@@ -18,6 +19,7 @@ from tts_gateway.gateway.api.text_stream.session import (
     close_socket,
 )
 from tts_gateway.gateway.errors import GatewayError
+from tts_gateway.gateway.speech.plan import ContextPlan, SpeechPlanner
 from tts_gateway.gateway.speech.text_stream.output_format import OutputFormat, UnsupportedOutputFormat
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
 from tts_gateway.gateway.speech.text_stream.synthesis import (
@@ -34,27 +36,36 @@ logger = logging.getLogger(__name__)
 class TextStreamService:
     def __init__(
         self,
-        phrases: PhraseSynthesizer,
+        planner: SpeechPlanner,
+        phrases: Callable[[ContextPlan], PhraseSynthesizer],
         limits: TextStreamLimits,
         metrics: TextStreamMetrics,
         sessions: TextStreamCalls | None = None,
     ) -> None:
-        """``sessions``: text-streaming sessions, for the models that have them; phrases for the rest."""
+        """``phrases``: the phrase synthesis of one context; ``sessions``: text-streaming sessions, for the
+        models that have them (phrases for the rest)."""
+        self._planner = planner
         self._phrases = phrases
         self._limits = limits
         self._metrics = metrics
         self._sessions = sessions
         self._open = 0
 
+    def plan(self, voice: VoiceChoice) -> ContextPlan:
+        """``voice`` resolved against what the Triton servers serve now; raises :class:`GatewayError`
+        when it cannot be spoken."""
+        return self._planner.context(voice.model, voice.voice, speed=voice.speed, normalize=voice.normalize)
+
     def synthesizer(
         self, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
     ) -> TextStreamSynthesizer:
-        """The synthesis of one context (or one Wyoming request), chosen per context: the catalog
-        follows what the Triton servers serve now. ``speech_slots``: its connection's share of the
-        speech slots."""
-        if self._sessions is not None and self._sessions.serves(voice):
-            return StreamedTextSynthesis(self._sessions, voice, chunker, speech_slots)
-        return PhrasePipeline(self._phrases, voice, chunker, speech_slots=speech_slots)
+        """The synthesis of one context (or one Wyoming request), planned now, as it opens, for all of its
+        text (:class:`ContextPlan`); raises :class:`GatewayError` when ``voice`` cannot be spoken.
+        ``speech_slots``: its connection's share of the speech slots."""
+        context = self.plan(voice)
+        if self._sessions is not None and self._sessions.serves(context):
+            return StreamedTextSynthesis(self._sessions, context, chunker, speech_slots)
+        return PhrasePipeline(self._phrases(context), chunker, speech_slots=speech_slots)
 
     async def serve(self, websocket: WebSocket, voice_id: str, *, multi: bool) -> None:
         """Validate the socket's parameters, accept it and serve it to its end.
@@ -68,7 +79,7 @@ class TextStreamService:
             query = StreamQuery.model_validate(dict(websocket.query_params))
             output = OutputFormat.parse(query.output_format, socket=True)
             voice = VoiceChoice(voice_id, query.model, normalize=query.normalize)
-            await self._phrases.check(voice)
+            self.plan(voice)
         except ValidationError as exc:
             error = exc.errors()[0]
             reason = f"invalid query parameter {'.'.join(map(str, error['loc']))}: {error['msg']}"

@@ -26,7 +26,8 @@ unless a context still has text to speak and the client reads its audio.
 Synthesis that fails (the speech service already tried another server, or its own once back) ends
 the socket: the context gets an ``error`` message, never an ``isFinal`` that would pass off a turn
 with audio missing as a whole one, and the socket closes with 1011 (1013 when the gateway is out
-of capacity).
+of capacity). A context is planned as it opens, its voice resolved once for all of its text; a
+voice that can no longer be spoken then (deleted since the socket opened) fails it the same way.
 
 Close codes: 1000 done; 1007 a message that is not valid JSON or not a valid message; 1008 a
 limit or a bad parameter (reason says which); 1011 a gateway fault; 1013 too many sockets, or no
@@ -106,7 +107,8 @@ class SocketClosed(Exception):
 
 
 SynthesizerFactory = Callable[[VoiceChoice, PhraseChunker, asyncio.Semaphore], TextStreamSynthesizer]
-"""A context's synthesizer: its voice, its chunker, and the socket's share of the speech slots."""
+"""A context's synthesizer: its voice, its chunker, and the socket's share of the speech slots. Raises
+:class:`GatewayError` when the voice cannot be spoken."""
 
 
 @dataclass(eq=False)
@@ -246,7 +248,9 @@ class TextStreamSession:
         if context is None:
             if not text:
                 return  # a keepalive or a flush of a context never opened: nothing to open
-            context = self._open(context_id, message)
+            context = await self._open(context_id, message)
+            if context is None:
+                return
         if context.closing:
             return
         if text:
@@ -281,10 +285,13 @@ class TextStreamSession:
         await self._send_final(context)
         return False
 
-    def _open(self, context_id: str, message: ClientMessage) -> _Context:
+    async def _open(self, context_id: str, message: ClientMessage) -> _Context | None:
+        """The context, planned for all of its text; ``None`` if its voice cannot be spoken now (the socket
+        then ends as if its synthesis had failed)."""
+        ids = {"contextId": context_id} if self._multi else {}
         if len(self._contexts) >= self._limits.max_contexts:
             limit = f"context limit: at most {self._limits.max_contexts} contexts at once"
-            raise SocketClosed(POLICY, limit, {"contextId": context_id} if self._multi else {})
+            raise SocketClosed(POLICY, limit, ids)
         voice = self._voice
         if message.voice_settings is not None and message.voice_settings.speed is not None:
             voice = VoiceChoice(voice.voice, voice.model, message.voice_settings.speed, voice.normalize)
@@ -292,7 +299,13 @@ class TextStreamSession:
         if message.generation_config is not None and message.generation_config.chunk_length_schedule:
             schedule = tuple(message.generation_config.chunk_length_schedule)
         chunker = PhraseChunker(schedule, auto_mode=self._query.auto_mode)
-        context = _Context(context_id, self._synthesizers(voice, chunker, self._speech_slots))
+        try:
+            synthesizer = self._synthesizers(voice, chunker, self._speech_slots)
+        except GatewayError as exc:
+            # Checked when the socket opened, the voice (or its model) has gone since.
+            await self._fail(ids, exc)
+            return None
+        context = _Context(context_id, synthesizer)
         context.forwarder = asyncio.create_task(self._forward(context))
         self._contexts[context_id] = context
         self._metrics.contexts.inc()
@@ -323,13 +336,13 @@ class TextStreamSession:
                 # A compressed format's last frames: audio that the messages before already aligned.
                 await self._send({"audio": base64.b64encode(tail).decode(), "isFinal": False, **self._ids(context)})
         except GatewayError as exc:
-            await self._fail(context, exc)
+            await self._fail(self._ids(context), exc)
             return
         except Exception:
             # A fault of the gateway's own ends the socket as a failed synthesis does: a context left
             # registered and unfinished would keep the socket from ever going idle.
             logger.exception("text stream context failed")
-            await self._fail(context, GatewayError("internal error", code="internal_error"))
+            await self._fail(self._ids(context), GatewayError("internal error", code="internal_error"))
             return
         if self._contexts.get(context.id) is context:
             del self._contexts[context.id]
@@ -337,13 +350,14 @@ class TextStreamSession:
         await context.synthesizer.aclose()
         await self._send_final(context)
 
-    async def _fail(self, context: _Context, error: GatewayError) -> None:
-        """The context's synthesis failed for good: its error, then the socket closes (no ``isFinal``)."""
+    async def _fail(self, ids: dict[str, str], error: GatewayError) -> None:
+        """A context's synthesis failed for good: its error (``ids`` name the context), then the socket
+        closes (no ``isFinal``)."""
         logger.warning("text stream context failed: %s (%s)", error.message, error.code)
         self._metrics.failed.labels(error.code or "synthesis_failed").inc()
-        await self._send({"error": error.code or "synthesis_failed", "message": error.message, **self._ids(context)})
+        await self._send({"error": error.code or "synthesis_failed", "message": error.message, **ids})
         code = TRY_LATER if isinstance(error, RateLimitError) else INTERNAL
-        self._end(code, f"synthesis failed: {error.message.removeprefix('synthesis failed: ')}", self._ids(context))
+        self._end(code, f"synthesis failed: {error.message.removeprefix('synthesis failed: ')}", ids)
 
     def _audio_message(self, context: _Context, audio: ConvertedAudio, chunk: SpeechChunk) -> dict[str, Any]:
         spoken, normalized = chunk.align(audio.duration_ms)

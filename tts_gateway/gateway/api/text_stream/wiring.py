@@ -21,15 +21,7 @@ def text_stream_service(services: Services, settings: Settings) -> TextStreamSer
         max_socket_buffered_chars=settings.ws_max_socket_buffered_chars,
         speech_slots=settings.ws_socket_speech_slots,
     )
-    sessions = TextStreamCalls(services.catalog, services.planner.plan, services.pool, services.admission)
-    return TextStreamService(speech_phrases(services, settings), limits, TextStreamMetrics(services.metrics), sessions)
-
-
-def speech_phrases(services: Services, settings: Settings) -> SpeechServicePhrases:
-    """Phrases of text streamed in (a socket's context, a Wyoming request), each a speech request."""
-    return SpeechServicePhrases(
-        services.planner.plan,
-        services.speech.open_stream,
-        # As long as a started response's sentence waits for a server (the pool's failover wait).
-        functools.partial(services.catalog.until_ready, settings.backend_chunk_timeout),
-    )
+    sessions = TextStreamCalls(services.planner.normalize, services.pool, services.admission)
+    # The phrases of one context (a socket's context, a Wyoming request), each a speech request.
+    phrases = functools.partial(SpeechServicePhrases, services.planner, services.speech.open_stream)
+    return TextStreamService(services.planner, phrases, limits, TextStreamMetrics(services.metrics), sessions)

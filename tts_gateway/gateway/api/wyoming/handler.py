@@ -78,7 +78,8 @@ class Voices(Protocol):
     def info(self) -> Info: ...
 
     async def choose(self, requested: SynthesizeVoice | None) -> VoiceChoice:
-        """The voice a request means; raises :class:`GatewayError` if it cannot be spoken."""
+        """The voice a request means (checked when its synthesis is planned); raises :class:`GatewayError` if
+        there is none."""
         ...
 
     def sample_rate(self, voice: VoiceChoice) -> int:
@@ -239,10 +240,12 @@ class WyomingHandler(AsyncEventHandler):
             await previous.sender
         try:
             voice = await self._voices.choose(requested)
+            # Planned here, for all of its text: a voice that cannot be spoken is refused now.
+            synthesizer = self._synthesizers(voice, PhraseChunker(), self._speech_slots)
         except GatewayError as exc:
             raise WyomingFailure(exc.message, exc.code or "invalid_voice") from None
         fmt = FORMATS.get(f"pcm_{self._voices.sample_rate(voice)}", FORMATS[f"pcm_{RATE}"])
-        request = _Request(self._synthesizers(voice, PhraseChunker(), self._speech_slots), streamed, fmt.converter())
+        request = _Request(synthesizer, streamed, fmt.converter())
         self._request = request
         request.sender = asyncio.create_task(self._send_audio(request), name="wyoming-audio")
         await self._push(request, text)

@@ -23,7 +23,7 @@ from wyoming.tts import SynthesizeVoice
 
 from tts_gateway.gateway.errors import InvalidRequestError
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE
-from tts_gateway.gateway.speech.text_stream.synthesis import PhraseSynthesizer, VoiceChoice
+from tts_gateway.gateway.speech.text_stream.synthesis import VoiceChoice
 from tts_gateway.gateway.speech.voice_registry import VoiceRegistry
 from tts_gateway.gateway.triton.live_catalog import LiveCatalog
 from tts_gateway.gateway.triton.model_catalog import ModelCatalog
@@ -135,13 +135,12 @@ def _same_language(requested: str, offered: str) -> bool:
 
 
 class GatewayVoices:
-    """The voices of the running gateway: its live catalog, its voice registry, and the speech planner's
-    check of a voice (``phrases.check``), so a voice is refused here exactly when a speech request would be."""
+    """The voices of the running gateway: its live catalog and its voice registry. The voice chosen is
+    checked as the request's synthesis is planned, so it is refused exactly when a speech request would be."""
 
-    def __init__(self, catalog: LiveCatalog, registry: VoiceRegistry, phrases: PhraseSynthesizer) -> None:
+    def __init__(self, catalog: LiveCatalog, registry: VoiceRegistry) -> None:
         self._catalog = catalog
         self._registry = registry
-        self._phrases = phrases
 
     def info(self) -> Info:
         """Every voice while some model is ready; none while no Triton server is ready."""
@@ -150,11 +149,9 @@ class GatewayVoices:
         return describe(list_voices(self._catalog.current, self._registry))
 
     async def choose(self, requested: SynthesizeVoice | None) -> VoiceChoice:
-        """The voice ``requested`` means, checked; raises :class:`GatewayError` if it cannot be spoken."""
+        """The voice ``requested`` means; raises :class:`GatewayError` while no model is served."""
         catalog = self._catalog.current
-        choice = choose(requested, list_voices(catalog, self._registry), catalog)
-        await self._phrases.check(choice)
-        return choice
+        return choose(requested, list_voices(catalog, self._registry), catalog)
 
     def sample_rate(self, voice: VoiceChoice) -> int:
         """The rate of the model that speaks ``voice``; the speech service's own if the model has gone."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tts_gateway.gateway.api.dependencies import Services
 from tts_gateway.gateway.api.text_stream.service import TextStreamService
-from tts_gateway.gateway.api.text_stream.wiring import speech_phrases
 from tts_gateway.gateway.api.wyoming.handler import WyomingLimits
 from tts_gateway.gateway.api.wyoming.server import WyomingServer
 from tts_gateway.gateway.api.wyoming.voices import GatewayVoices
@@ -22,7 +21,7 @@ def wyoming_server(
     return WyomingServer(
         settings.wyoming_host,
         port,
-        voices=GatewayVoices(services.catalog, services.voices, speech_phrases(services, settings)),
+        voices=GatewayVoices(services.catalog, services.voices),
         synthesizers=text_stream_service.synthesizer,
         limits=WyomingLimits(
             max_connections=settings.wyoming_max_connections,

@@ -9,31 +9,29 @@ phrase is ready when the current one ends), and the audio goes out strictly in p
 Every phrase also holds one of the socket's share of the speech slots while it synthesises.
 
 :class:`SpeechServicePhrases` is the :class:`PhraseSynthesizer` of the gateway's models: each
-phrase is one request to the speech service (model and voice resolution, text normalisation,
-admission control, the Triton pool, the streamed model variant, resampling to 24 kHz PCM), so
-this package holds no synthesis machinery of its own. A phrase after a context's first continues
-audio the listener is already hearing, as a started response's later sentences do, so it follows
-their rule when a server fails: it waits for another (or the restarted one) within the request's
-deadline instead of failing at once.
+phrase is one request to the speech service (admission control, the Triton pool, the streamed
+model variant, resampling to 24 kHz PCM), planned within the context's :class:`ContextPlan`
+(model and voice resolved once, when the context opened): the phrase is only normalised and cut
+into sentences. This package thus holds no synthesis machinery of its own. A phrase after a
+context's first continues audio the listener is already hearing, as a started response's later
+sentences do, so it follows their rule when a server fails: it waits for another (or the
+restarted one) within the request's deadline instead of failing at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
-from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
-from tts_gateway.gateway.speech.plan import SpeechPlan
-from tts_gateway.gateway.speech.request import SpeechRequest
+from tts_gateway.gateway.errors import GatewayError
+from tts_gateway.gateway.speech.audio_queue import AudioQueue
+from tts_gateway.gateway.speech.plan import ContextPlan, SpeechPlan, SpeechPlanner
 from tts_gateway.gateway.speech.service import SpeechStream, StreamAborted
 from tts_gateway.gateway.speech.text_stream.alignment import CharAlignment, PhraseAligner
 from tts_gateway.gateway.speech.text_stream.output_format import pcm_pieces
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker, push_async
-
-logger = logging.getLogger(__name__)
 
 # Chunks one phrase may have ready before its producer waits for the socket: a slow client
 # then slows the Triton stream instead of growing the gateway's memory.
@@ -42,7 +40,7 @@ _PHRASE_QUEUE_CHUNKS: Final = 32
 
 @dataclass(frozen=True)
 class VoiceChoice:
-    """What a context speaks with."""
+    """What a context asks to speak with, by name (resolved when the context opens: :class:`ContextPlan`)."""
 
     voice: str
     model: str
@@ -113,29 +111,15 @@ class PhraseAudio(Protocol):
 
 
 class PhraseSynthesizer(Protocol):
-    async def check(self, voice: VoiceChoice) -> None:
-        """Raise :class:`GatewayError` if ``voice`` cannot be spoken (unknown voice or model)."""
-        ...
+    """The phrases of one context, in the voice it opened with."""
 
-    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudio | None:
+    async def open(self, text: str, *, continued: bool = False) -> PhraseAudio | None:
         """Start synthesising ``text``; ``None`` when it holds nothing to speak.
 
         ``continued``: the listener already hears the context's audio, so a server that fails is
         waited for rather than reported at once.
         """
         ...
-
-
-def speech_request(voice: VoiceChoice, text: str) -> SpeechRequest:
-    """``text`` as a speech request in ``voice``: what the speech service plans (model, voice, normalisation)."""
-    return SpeechRequest(
-        model=voice.model,
-        input=text,
-        voice=voice.voice,
-        response_format="pcm",
-        speed=voice.speed,
-        text_normalization=voice.normalize,
-    )
 
 
 class OpenStream(Protocol):
@@ -145,42 +129,27 @@ class OpenStream(Protocol):
 
 
 class SpeechServicePhrases:
-    """Phrases synthesised by the speech service, one speech request each.
+    """One context's phrases synthesised by the speech service, one speech request each.
 
-    It uses only the service's two entry points, planning and opening a stream, passed in as
-    callables so that this module depends on nothing else of the service, and ``servers_back``:
-    whether a server is ready again within the time a started response waits for one (planning
-    needs a ready server, and a continued phrase waits for one as its sentences would).
+    Each phrase is planned within ``context`` (:meth:`SpeechPlanner.piece`), then streamed through
+    the service's one entry point, passed in so that this module depends on nothing else of the
+    service. A continued phrase waits for a server there, as a started response's sentences do.
     """
 
-    def __init__(
-        self,
-        plan: Callable[[SpeechRequest], Awaitable[SpeechPlan]],
-        open_stream: OpenStream,
-        servers_back: Callable[[], Awaitable[bool]],
-    ) -> None:
-        self._plan = plan
+    def __init__(self, planner: SpeechPlanner, open_stream: OpenStream, context: ContextPlan) -> None:
+        self._planner = planner
         self._open_stream = open_stream
-        self._servers_back = servers_back
+        self._context = context
 
-    async def check(self, voice: VoiceChoice) -> None:
-        await self._plan(speech_request(voice, "a"))
-
-    async def open(self, voice: VoiceChoice, text: str, *, continued: bool = False) -> PhraseAudio | None:
-        request = speech_request(voice, text)
+    async def open(self, text: str, *, continued: bool = False) -> PhraseAudio | None:
+        normalized = await self._planner.normalize(self._context, text)
         try:
-            plan = await self._plan(request)
-        except ServerUnavailableError:
-            if not continued or not await self._servers_back():
-                raise
-            plan = await self._plan(request)
-        try:
-            stream = await self._open_stream(plan, continued=continued)
+            stream = await self._open_stream(self._planner.piece(self._context, normalized), continued=continued)
         except GatewayError as exc:
             if exc.code == "nothing_to_speak":
                 return None
             raise
-        return _StreamedPhrase(" ".join(plan.sentences), stream)
+        return _StreamedPhrase(normalized, stream)
 
 
 class _StreamedPhrase:
@@ -200,20 +169,11 @@ class _StreamedPhrase:
         await self._stream.aclose()
 
 
-class _End:
-    """Marks the end of one phrase's audio in its queue."""
-
-
-_END: Final = _End()
-
-
 @dataclass(eq=False)
 class _Phrase:
     text: str
     continued: bool
-    queue: asyncio.Queue[bytes | _End | GatewayError] = field(
-        default_factory=lambda: asyncio.Queue(_PHRASE_QUEUE_CHUNKS)
-    )
+    queue: AudioQueue[bytes] = field(default_factory=lambda: AudioQueue(_PHRASE_QUEUE_CHUNKS))
     normalized: str = ""
     task: asyncio.Task[None] | None = None
 
@@ -224,7 +184,6 @@ class PhrasePipeline:
     def __init__(
         self,
         phrases: PhraseSynthesizer,
-        voice: VoiceChoice,
         chunker: PhraseChunker,
         *,
         parallel: int = 2,
@@ -232,7 +191,6 @@ class PhrasePipeline:
     ) -> None:
         """``speech_slots``: the socket's share of the speech slots, shared by its contexts."""
         self._phrases = phrases
-        self._voice = voice
         self._chunker = chunker
         self._slots = asyncio.Semaphore(parallel)
         self._speech_slots = speech_slots or asyncio.Semaphore(parallel)
@@ -266,39 +224,29 @@ class PhrasePipeline:
         for text in texts:
             phrase = _Phrase(text, continued=self._count > 0)
             self._count += 1
-            phrase.task = asyncio.create_task(self._synthesise(phrase))
+            phrase.task = asyncio.create_task(phrase.queue.produce(self._synthesise(phrase), "a streamed phrase"))
             self._started.append(phrase)
             self._started_chars += len(text)
             self._order.put_nowait(phrase)
 
     async def _synthesise(self, phrase: _Phrase) -> None:
-        try:
-            async with self._slots, self._speech_slots:
-                audio = await self._phrases.open(self._voice, phrase.text.strip(), continued=phrase.continued)
-                if audio is not None:
-                    phrase.normalized = audio.normalized
-                    try:
-                        async for data in audio:
-                            for piece in pcm_pieces(data):
-                                await phrase.queue.put(piece)
-                    finally:
-                        await audio.aclose()
-        except GatewayError as exc:
-            await phrase.queue.put(exc)
-        except Exception as exc:
-            # A bug here must not leave the reader waiting for an end that never comes.
-            logger.exception("synthesis of a streamed phrase failed")
-            await phrase.queue.put(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
-        await phrase.queue.put(_END)
+        async with self._slots, self._speech_slots:
+            audio = await self._phrases.open(phrase.text.strip(), continued=phrase.continued)
+            if audio is not None:
+                phrase.normalized = audio.normalized
+                try:
+                    async for data in audio:
+                        for piece in pcm_pieces(data):
+                            await phrase.queue.put(piece)
+                finally:
+                    await audio.aclose()
 
     async def chunks(self) -> AsyncIterator[SpeechChunk]:
         ms_per_weight: float | None = None
         while (phrase := await self._order.get()) is not None:
             spoken = aligned = None
             pending: bytes | None = None
-            while not isinstance(item := await phrase.queue.get(), _End):
-                if isinstance(item, GatewayError):
-                    raise item
+            while (item := await phrase.queue.get()) is not None:
                 if spoken is None or aligned is None:
                     # The spaces around a phrase belong to both alignments: clients join them into words.
                     lead = phrase.text[: len(phrase.text) - len(phrase.text.lstrip())]

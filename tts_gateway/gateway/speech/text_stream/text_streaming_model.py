@@ -4,8 +4,9 @@ Such a model (CosyVoice2's ``cosyvoice2_bistream``) keeps one session per contex
 and one LLM context for all of its text, so the prosody runs on from phrase to phrase where
 :class:`PhrasePipeline` starts every phrase afresh. Text goes to the session as soon as its words
 are complete (a word with a digit or a symbol waits for the next word, so that numbers, money and
-units are normalised with their neighbours), normalised as in a speech request; the model decides
-when it has enough to speak, and its audio goes out as it comes.
+units are normalised with their neighbours), normalised as in a speech request, in the model and
+voice of the context's :class:`ContextPlan`; the model decides when it has enough to speak, and its
+audio goes out as it comes.
 
 The session opens with the context's first words, on the least busy Triton server serving the
 deployment (:meth:`TritonPool.session`), and holds one of the speech service's admission slots for
@@ -21,67 +22,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
-from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
+from tts_gateway.gateway.errors import ServerUnavailableError
 from tts_gateway.gateway.speech.admission import AdmissionControl
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, create_encoder
-from tts_gateway.gateway.speech.plan import SpeechPlan
-from tts_gateway.gateway.speech.request import SpeechRequest
+from tts_gateway.gateway.speech.audio_queue import AudioQueue
+from tts_gateway.gateway.speech.plan import ContextPlan
 from tts_gateway.gateway.speech.text_stream.alignment import PhraseAligner
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker, push_async
-from tts_gateway.gateway.speech.text_stream.synthesis import SpeechChunk, VoiceChoice, speech_request
-from tts_gateway.gateway.triton.live_catalog import LiveCatalog
+from tts_gateway.gateway.speech.text_stream.synthesis import SpeechChunk
 from tts_gateway.gateway.triton.pool import TritonPool
 from tts_gateway.gateway.triton.text_stream_call import TextStreamCall
 
-logger = logging.getLogger(__name__)
-
 
 class TextStreamCalls:
-    """Text-streaming sessions over the gateway's services: the catalog, the planner, the pool, admission."""
+    """Text-streaming sessions over the gateway's services: the planner's normalisation, the pool, admission."""
 
     def __init__(
         self,
-        catalog: LiveCatalog,
-        plan: Callable[[SpeechRequest], Awaitable[SpeechPlan]],
+        normalize: Callable[[ContextPlan, str], Awaitable[str]],
         pool: TritonPool,
         admission: AdmissionControl,
     ) -> None:
-        self._catalog = catalog
-        self._plan = plan
+        self._normalize = normalize
         self._pool = pool
         self._admission = admission
 
-    def serves(self, voice: VoiceChoice) -> bool:
-        """``voice``'s model has a text-streaming deployment, and speaks at the speed asked (these
+    def serves(self, context: ContextPlan) -> bool:
+        """``context``'s model has a text-streaming deployment, and speaks at the speed asked (these
         sessions do not change tempo; the speech service time-stretches phrases)."""
-        if voice.speed != 1.0:
-            return False
-        try:
-            model = self._catalog.current.resolve(voice.model)
-        except GatewayError:
-            return False  # the phrase path reports it
-        return model.text_stream_model is not None
+        return context.speed == 1.0 and context.model.text_stream_model is not None
 
-    async def prepare(self, voice: VoiceChoice, text: str) -> SpeechPlan:
-        """``text`` planned as a speech request: the model, the voice, the text as the model reads it."""
-        return await self._plan(speech_request(voice, text))
+    async def normalized(self, context: ContextPlan, text: str) -> str:
+        """``text`` as ``context``'s model reads it."""
+        return await self._normalize(context, text)
 
     @contextlib.asynccontextmanager
-    async def open(self, plan: SpeechPlan) -> AsyncIterator[TextStreamCall]:
-        """A session for ``plan``'s model and voice, holding an admission slot; cancelled on leaving."""
-        model = plan.model.text_stream_model
+    async def open(self, context: ContextPlan) -> AsyncIterator[TextStreamCall]:
+        """A session in ``context``'s model and voice, holding an admission slot; cancelled on leaving."""
+        model = context.model.text_stream_model
         if model is None:
-            raise ServerUnavailableError(f"model {plan.model.id!r} has no text-streaming deployment now")
+            raise ServerUnavailableError(f"model {context.model.id!r} has no text-streaming deployment now")
         slot = await self._admission.acquire()
         try:
             async with self._pool.session(model) as client:
                 session_id = f"text-stream-{uuid.uuid4().hex}"
-                session = await TextStreamCall.open(client, model, session_id, plan.voice_inputs())
+                session = await TextStreamCall.open(client, model, session_id, context.voice_inputs())
                 try:
                     yield session
                 finally:
@@ -96,27 +85,24 @@ class TextStreamCalls:
 _MAX_CHUNK_BYTES: Final = OUTPUT_SAMPLE_RATE * 2
 
 
-class _End:
-    """Marks the end of the session's audio."""
-
-
-_END: Final = _End()
-
-
 class StreamedTextSynthesis:
     """A :class:`TextStreamSynthesizer` over one :class:`TextStreamCall` (see the module's docstring)."""
 
     def __init__(
-        self, sessions: TextStreamCalls, voice: VoiceChoice, chunker: PhraseChunker, speech_slots: asyncio.Semaphore
+        self,
+        sessions: TextStreamCalls,
+        context: ContextPlan,
+        chunker: PhraseChunker,
+        speech_slots: asyncio.Semaphore,
     ) -> None:
         """``speech_slots``: the socket's share of the speech slots, shared by its contexts."""
         self._sessions = sessions
-        self._voice = voice
+        self._context = context
         self._chunker = chunker
         self._speech_slots = speech_slots
         self._texts: asyncio.Queue[str | None] = asyncio.Queue()
         self._unsent = 0
-        self._audio: asyncio.Queue[bytes | _End | GatewayError] = asyncio.Queue()
+        self._audio: AudioQueue[bytes] = AudioQueue()
         self._spoken = PhraseAligner("")
         self._normalized = PhraseAligner("")
         self._sender: asyncio.Task[None] | None = None
@@ -142,71 +128,59 @@ class StreamedTextSynthesis:
             self._send(self._chunker.flush())
             self._ended = True
             self._texts.put_nowait(None)
-            if self._sender is None:
-                self._audio.put_nowait(_END)
+            self._start()
 
     def _send(self, texts: list[str]) -> None:
         for text in texts:
-            if self._sender is None:
-                self._sender = asyncio.create_task(self._run(), name="text-stream-session")
+            self._start()
             self._unsent += len(text)
             self._texts.put_nowait(text)
 
+    def _start(self) -> None:
+        if self._sender is None:
+            work = self._audio.produce(self._run(), "a text-streaming session")
+            self._sender = asyncio.create_task(work, name="text-stream-session")
+
     async def _run(self) -> None:
-        """Opens the session with the first text, sends the rest as it comes, then waits for the audio's end."""
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                session: TextStreamCall | None = None
-                reader: asyncio.Task[None] | None = None
-                while (text := await self._texts.get()) is not None:
-                    plan = await self._sessions.prepare(self._voice, text.strip())
-                    if session is None:
-                        await stack.enter_async_context(self._speech_slots)
-                        session = await stack.enter_async_context(self._sessions.open(plan))
-                        reader = asyncio.create_task(self._read(session, plan.model.sample_rate))
-                        stack.push_async_callback(_stop, reader)
-                    lead, trail = text[: len(text) - len(text.lstrip())], text[len(text.rstrip()) :]
-                    normalized = lead + " ".join(plan.sentences) + trail
-                    self._unsent -= len(text)
-                    # Counted as sent before the model acknowledges it: its audio may come first.
-                    self._spoken.extend(text)
-                    self._normalized.extend(normalized)
-                    await session.send_text(normalized)
-                if session is None or reader is None:
-                    self._audio.put_nowait(_END)
-                    return
+        """Opens the session with the first text, sends the rest as it comes, then waits for the audio's end
+        (the end of the context's audio once this returns)."""
+        async with contextlib.AsyncExitStack() as stack:
+            session: TextStreamCall | None = None
+            reader: asyncio.Task[None] | None = None
+            while (text := await self._texts.get()) is not None:
+                words = await self._sessions.normalized(self._context, text.strip())
+                if session is None:
+                    await stack.enter_async_context(self._speech_slots)
+                    session = await stack.enter_async_context(self._sessions.open(self._context))
+                    # The reader's failure goes to the context's reader at once; its end is this task's.
+                    audio = self._read(session, self._context.model.sample_rate)
+                    reader = asyncio.create_task(self._audio.produce(audio, "reading a session's audio", end=False))
+                    stack.push_async_callback(_stop, reader)
+                lead, trail = text[: len(text) - len(text.lstrip())], text[len(text.rstrip()) :]
+                normalized = lead + words + trail
+                self._unsent -= len(text)
+                # Counted as sent before the model acknowledges it: its audio may come first.
+                self._spoken.extend(text)
+                self._normalized.extend(normalized)
+                await session.send_text(normalized)
+            if session is not None and reader is not None:
                 await session.finish()
                 await reader
-        except GatewayError as exc:
-            self._audio.put_nowait(exc)
-        except Exception as exc:
-            # A bug here must not leave the reader waiting for an end that never comes.
-            logger.exception("a text-streaming session failed")
-            self._audio.put_nowait(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
 
     async def _read(self, session: TextStreamCall, sample_rate: int) -> None:
         encoder = create_encoder("pcm", sample_rate)
-        try:
-            async for chunk in session:
-                self._put(encoder.encode(chunk))
-            self._put(encoder.finish())
-            self._audio.put_nowait(_END)
-        except GatewayError as exc:
-            self._audio.put_nowait(exc)
-        except Exception as exc:
-            logger.exception("reading a text-streaming session's audio failed")
-            self._audio.put_nowait(SynthesisError(f"synthesis failed: {type(exc).__name__}", code="internal_error"))
+        async for chunk in session:
+            await self._put(encoder.encode(chunk))
+        await self._put(encoder.finish())
 
-    def _put(self, pcm: bytes) -> None:
+    async def _put(self, pcm: bytes) -> None:
         for start in range(0, len(pcm), _MAX_CHUNK_BYTES):
-            self._audio.put_nowait(pcm[start : start + _MAX_CHUNK_BYTES])
+            await self._audio.put(pcm[start : start + _MAX_CHUNK_BYTES])
 
     async def chunks(self) -> AsyncIterator[SpeechChunk]:
         pending: bytes | None = None
         sent = False
-        while not isinstance(item := await self._audio.get(), _End):
-            if isinstance(item, GatewayError):
-                raise item
+        while (item := await self._audio.get()) is not None:
             if pending is not None:
                 yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
                 pending = None
