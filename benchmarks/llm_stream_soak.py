@@ -40,7 +40,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from tts_gateway.models.cosyvoice2 import tensors
-from tts_gateway.models.cosyvoice2.engines.llm_streams import CancellationWatch, Outbox, TokenStream
+from tts_gateway.models.cosyvoice2.stage_models.llm_responses import CancellationWatch, Outbox, TokenStream
 
 
 class _Handle:

@@ -12,8 +12,8 @@ import pytest
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
 from tts_gateway.models.cosyvoice2.engines.llm_engine import Generation, GenerationHandle
-from tts_gateway.models.cosyvoice2.engines.llm_streams import CancellationWatch, Outbox, TokenStream
 from tts_gateway.models.cosyvoice2.model import vocab
+from tts_gateway.models.cosyvoice2.stage_models.llm_responses import CancellationWatch, Outbox, TokenStream
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from tts_gateway.models.bench_fixture import VOICE, FixtureConfig, ToneSource
+from tts_gateway.bench.fixture import VOICE, FixtureConfig, ToneSource
 from tts_gateway.models.request_parsing import ContractError, SynthesisRequest
 
 PARAMS = {"sample_rate": "24000", "audio_seconds": "1.0", "chunk_seconds": "0.3", "first_chunk_delay_ms": "0"}

@@ -1,4 +1,7 @@
-"""Per-request stage timestamps for the benchmarks: where a first chunk's time goes.
+"""Per-request stage timestamps that the CosyVoice2 models record: where a first chunk's time goes.
+
+The models themselves record (the orchestrator, the LLM and token2wav), so it lives with them;
+the benchmarks (``benchmarks/gpu_stages.py``, ``benchmarks/gpu_floors.py``) only read the records.
 
 Off unless ``TTS_STAGE_TRACE_DIR`` names a directory in the server's environment; then every
 process that records appends JSON lines to ``<dir>/<stage>-<pid>.jsonl``: one object per event

@@ -1,4 +1,4 @@
-"""Base of the Triton Python models that serve the speech contract.
+"""Base of the Triton Python models that serve the speech contract, over :mod:`tts_gateway.models.triton_model`.
 
 Imported only inside Triton (it needs ``triton_python_backend_utils``). A subclass
 sets itself up from the config parameters and yields audio chunks for a parsed
@@ -19,7 +19,6 @@ same way for every backend:
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,7 +29,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from numpy.typing import NDArray
 
-from tts_gateway.allocator import keep_tensors_in_heap
 from tts_gateway.models import contract
 from tts_gateway.models.request_parsing import (
     ContractError,
@@ -38,34 +36,21 @@ from tts_gateway.models.request_parsing import (
     SynthesisRequest,
     parse_synthesis_request,
 )
-from tts_gateway.models.triton_logging import enable_stack_dumps
+from tts_gateway.models.triton_model import TritonModel
 
 Cancelled = Callable[[], bool]
 
 
-class SpeechContractModel:
+class SpeechContractModel(TritonModel):
     """Subclasses implement :meth:`setup` and :meth:`synthesize`."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
-        # Before setup, so that a model with thresholds of its own (Piper's) sets them last.
-        keep_tensors_in_heap()
-        config = json.loads(args["model_config"])
-        # Triton's JSON leaves out empty string values, hence the default.
-        params = {key: value.get("string_value", "") for key, value in config["parameters"].items()}
-        self.name = args["model_name"]
-        self.decoupled = bool(pb_utils.using_decoupled_model_transaction_policy(config))
-        self._inputs = [spec["name"] for spec in config["input"]]
         self._unloading = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
-        self.setup(params)
+        super().initialize(args)
         if self.decoupled:
-            workers = int(params["stream_workers"])
+            workers = int(self.params["stream_workers"])
             self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.name)
-
-    def setup(self, params: dict[str, str]) -> None:
-        """Load the backend from the config's string parameters."""
-        raise NotImplementedError
 
     def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         """Audio chunks for ``speech``; stop early once ``cancelled()`` is true."""
@@ -91,7 +76,7 @@ class SpeechContractModel:
         except Exception as exc:
             return pb_utils.InferenceResponse(error=self._error(exc))
         if cancelled():
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled", pb_utils.TritonError.CANCELLED))
+            return self.error("cancelled", pb_utils.TritonError.CANCELLED)
         waveform = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
         return pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, waveform)])
 
@@ -123,12 +108,8 @@ class SpeechContractModel:
     def _chunks(self, request: Any, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
         if cancelled():
             return  # the client left while the request waited for a worker
-        tensors = {}
-        for name in self._inputs:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                tensors[name] = tensor.as_numpy()
-        speech = dataclasses.replace(parse_synthesis_request(tensors), request_id=request.request_id())
+        arrays = self.arrays(request, self.input_names)
+        speech = dataclasses.replace(parse_synthesis_request(arrays), request_id=request.request_id())
         for chunk in self.synthesize(speech, cancelled):
             if cancelled():
                 return

@@ -2,44 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
+from numpy.typing import NDArray
 
-from tts_gateway.allocator import keep_tensors_in_heap
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.model.frontend import AudioTokenizer
-from tts_gateway.models.triton_logging import enable_stack_dumps
+from tts_gateway.models.cosyvoice2.stage_models.reference_model import ReferenceAudioModel
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
-        keep_tensors_in_heap()
-        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+class TritonPythonModel(ReferenceAudioModel):
+    output = tensors.AUDIO_TOKENS_OUTPUT
+
+    def setup(self, params: dict[str, str]) -> None:
         providers = contract.parse_list(params["providers"])
         self._tokenizer = AudioTokenizer(Path(params["model_dir"]) / params["onnx_file"], list(providers))
 
-    def execute(self, requests: list[Any]) -> list[Any]:
-        responses = []
-        for request in requests:
-            try:
-                wav = tensors.parse_reference_inputs(_inputs(request))
-                tokens = self._tokenizer.tokenize(wav).astype(np.int32)
-            except ValueError as exc:
-                responses.append(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
-                )
-                continue
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(tensors.AUDIO_TOKENS_OUTPUT, tokens)]))
-        return responses
-
-
-def _inputs(request: Any) -> dict[str, Any]:
-    return {
-        name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in tensors.REFERENCE_INPUT_DTYPES
-    }
+    def analyse(self, wav: NDArray[np.float32]) -> NDArray[Any]:
+        return self._tokenizer.tokenize(wav).astype(np.int32)

@@ -1,4 +1,4 @@
-"""Triton adapter for the benchmark fixture: the contract handling is shared, the tone is ``models.bench_fixture``."""
+"""Triton adapter for the benchmark fixture: the contract handling is shared, the tone is tts_gateway.bench."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 from numpy.typing import NDArray
 
-from tts_gateway.models.bench_fixture import FixtureConfig, ToneSource
+from tts_gateway.bench.fixture import FixtureConfig, ToneSource
 from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 

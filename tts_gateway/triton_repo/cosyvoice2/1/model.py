@@ -1,108 +1,27 @@
-"""Triton adapter for the CosyVoice2 orchestrator: contract tensors in, ``waveform`` out.
+"""Triton adapter for the CosyVoice2 orchestrator: the pipeline and its LLM source built from the config's parameters.
 
-The logic is :class:`tts_gateway.models.cosyvoice2.orchestrator.pipeline.CosyVoice2Pipeline`; the contract
-handling (tensors, streaming, cancellation, errors) is shared with the other speech models
-in :mod:`tts_gateway.models.triton_speech_model`. Deployed as ``cosyvoice2`` (one response)
-and ``cosyvoice2_stream`` (decoupled: one response per chunk, then the final flag), and with
-``text_streaming`` as ``cosyvoice2_bistream``: sessions whose text arrives in pieces
-(:mod:`tts_gateway.models.cosyvoice2.orchestrator.text_sessions`), one instance.
+Serving them (offline, streamed, and text streamed in as sessions) is
+:class:`tts_gateway.models.cosyvoice2.orchestrator.cosyvoice2_model.CosyVoice2Model`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import numpy as np
-import triton_python_backend_utils as pb_utils
-from numpy.typing import NDArray
 from transformers import AutoTokenizer
 
 from tts_gateway.models import contract
-from tts_gateway.models.contract import parse_bool
 from tts_gateway.models.cosyvoice2.model import vocab
+from tts_gateway.models.cosyvoice2.orchestrator.cosyvoice2_model import CosyVoice2Model
 from tts_gateway.models.cosyvoice2.orchestrator.llm_grpc import TritonLLMStreams, own_grpc_url
 from tts_gateway.models.cosyvoice2.orchestrator.llm_server_client import LLMServerClient, LLMServerSettings
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import CosyVoice2Pipeline, PipelineSettings
-from tts_gateway.models.cosyvoice2.orchestrator.text_sessions import SessionCall, TextSessions, parse_session_call
 from tts_gateway.models.cosyvoice2.orchestrator.triton_stages import LLMSource, StageModels, TritonStages
-from tts_gateway.models.request_parsing import SynthesisRequest
 from tts_gateway.models.stage_trace import StageTrace
-from tts_gateway.models.triton_speech_model import Cancelled, SpeechContractModel
 
 SAMPLE_RATE = 24_000
-# Pieces passed on to the LLM at once (each a short round trip on the server).
-_PIECE_WORKERS = 8
-_EMPTY = np.zeros(0, dtype=np.float32)
 
 
-class TritonPythonModel(SpeechContractModel):
-    def initialize(self, args: dict[str, str]) -> None:
-        super().initialize(args)
-        config = json.loads(args["model_config"])
-        instances = sum(int(group.get("count", 1)) for group in config.get("instance_group", []))
-        if self._sessions is not None and (not self.decoupled or instances != 1):
-            raise ValueError("text_streaming needs a decoupled model with one instance (sessions live in it)")
-        # Every session's pieces reach this one instance's execute thread; each is answered once the LLM took
-        # it (a round trip), so they are passed on from threads of their own: on the execute thread, each
-        # session's text waited behind every other session's.
-        self._pieces = (
-            None
-            if self._sessions is None
-            else ThreadPoolExecutor(max_workers=_PIECE_WORKERS, thread_name_prefix=f"{self.name}-pieces")
-        )
-
-    def execute(self, requests: list[Any]) -> list[Any] | None:
-        if self._sessions is None:
-            return super().execute(requests)
-        for request in requests:
-            sender = request.get_response_sender()
-            tensors = {}
-            for name in self._inputs:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    tensors[name] = tensor.as_numpy()
-            try:
-                call = parse_session_call(tensors)
-                if call.opens:
-                    stream_id = self._sessions.open(call)
-                    # An empty first response: the session is open and takes text.
-                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(contract.WAVEFORM, _EMPTY)]))
-                    assert self._pool is not None
-                    self._pool.submit(self._run_session, request, sender, call, stream_id, tensors)
-                    continue
-                assert self._pieces is not None
-                self._pieces.submit(self._pass_piece, sender, call)
-            except Exception as exc:
-                self._fail(sender, exc)
-        return None
-
-    def _pass_piece(self, sender: Any, call: SessionCall) -> None:
-        """Pass a later request's text, end or close to its session; answered once the LLM took it, so that a
-        caller who waits for the answer before its next piece keeps them in order."""
-        assert self._sessions is not None
-        try:
-            self._sessions.send(call)
-        except Exception as exc:
-            self._fail(sender, exc)
-            return
-        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-    def _fail(self, sender: Any, exc: Exception) -> None:
-        sender.send(
-            pb_utils.InferenceResponse(error=self._error(exc)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        )
-
-    def _run_session(
-        self, request: Any, sender: Any, call: SessionCall, stream_id: str, tensors: dict[str, Any]
-    ) -> None:
-        sessions = self._sessions
-        assert sessions is not None
-        self.send_stream(sender, lambda: sessions.run(call, stream_id, tensors, self._watch(request)))
-
-    def setup(self, params: dict[str, str]) -> None:
+class TritonPythonModel(CosyVoice2Model):
+    def load(self, params: dict[str, str]) -> tuple[CosyVoice2Pipeline, LLMSource]:
         if int(params[contract.PARAM_SAMPLE_RATE]) != SAMPLE_RATE:
             raise ValueError(f"CosyVoice2 produces {SAMPLE_RATE} Hz; config says {params['sample_rate']}")
         tokenizer = AutoTokenizer.from_pretrained(params["llm_dir"])
@@ -112,7 +31,7 @@ class TritonPythonModel(SpeechContractModel):
         server = LLMServerSettings.from_parameters(params, max_connections=int(params["stream_workers"]))
         if (server is None) == (not params["llm_model"]):
             raise ValueError("set exactly one of llm_model (a Triton model) and llm_urls (LLM servers)")
-        self._llm: LLMSource = (
+        llm: LLMSource = (
             TritonLLMStreams(own_grpc_url(), params["llm_model"])
             if server is None
             else LLMServerClient(server, tokenizer)
@@ -123,26 +42,10 @@ class TritonPythonModel(SpeechContractModel):
                 speaker_embedding=params["speaker_embedding_model"],
                 token2wav=params["token2wav_model"],
             ),
-            self._llm,
-            text_streams=self._llm.send_text if isinstance(self._llm, TritonLLMStreams) else None,
+            llm,
+            text_streams=llm.send_text if isinstance(llm, TritonLLMStreams) else None,
         )
-        self._pipeline = CosyVoice2Pipeline(
+        pipeline = CosyVoice2Pipeline(
             stages, tokenizer, PipelineSettings.from_parameters(params), StageTrace.from_env("orchestrator")
         )
-        self._sessions = (
-            TextSessions(self._pipeline) if parse_bool(params.get(contract.PARAM_TEXT_STREAMING, "")) else None
-        )
-        if self._sessions is not None and server is not None:
-            raise ValueError("text_streaming needs the LLM as a Triton model (llm_model), not llm_urls")
-
-    def finalize(self) -> None:
-        if self._sessions is not None:
-            self._sessions.close_all()
-        if self._pieces is not None:
-            self._pieces.shutdown(wait=True)
-        super().finalize()
-        self._llm.close()
-
-    def synthesize(self, speech: SynthesisRequest, cancelled: Cancelled) -> Iterator[NDArray[np.float32]]:
-        # Stream workers only wait on the stage models, which do the heavy work in their own processes.
-        return self._pipeline.synthesize(speech, streaming=self.decoupled, is_cancelled=cancelled)
+        return pipeline, llm

@@ -1,53 +1,24 @@
-"""Triton adapter for token2wav (flow + HiFT): speech tokens -> 24 kHz audio, batched across requests.
+"""Triton adapter for token2wav (flow + HiFT): the converter built from the config's parameters.
 
-Offline calls omit ``token_offset``/``finalize``. Streaming calls carry them and keep the
-request's vocoder state under ``session_id``; a finalising call without tokens abandons
-the session (its stream was cancelled).
-
-``execute`` only queues the calls of each batch Triton hands it and returns; the queue's worker
-converts them a group at a time, streams' first chunks before everything else, and each call is
-answered through its response sender as soon as its group is converted (``token2wav_queue.py``).
-Streaming state lives in this process, so every profile deploys exactly one instance: with two,
-Triton would send a session's chunks to either process.
+Serving it (batches across requests, streams' sessions, first chunks first) is
+:class:`tts_gateway.models.cosyvoice2.stage_models.token2wav_model.Token2WavModel`.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import traceback
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-import triton_python_backend_utils as pb_utils
 
-from tts_gateway.allocator import keep_tensors_in_heap
-from tts_gateway.models.cosyvoice2 import tensors
-from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns
-from tts_gateway.models.cosyvoice2.engines.playback_guard import PlaybackGuard
-from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
-from tts_gateway.models.cosyvoice2.engines.token2wav_queue import ConversionQueue, Converted, QueueClosed
-from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
-from tts_gateway.models.stage_trace import StageTrace
-from tts_gateway.models.triton_logging import enable_stack_dumps, forward_to_triton
+from tts_gateway.models.cosyvoice2.engines.token2wav import Token2Wav
+from tts_gateway.models.cosyvoice2.stage_models.token2wav_model import Token2WavModel
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        enable_stack_dumps()
-        keep_tensors_in_heap()
-        config = json.loads(args["model_config"])
-        params = {key: value["string_value"] for key, value in config["parameters"].items()}
-        self._name = args["model_name"]
-        forward_to_triton(pb_utils.Logger, self._name)
-        device = params["device"]
-        if device == "cuda" and args.get("model_instance_kind") == "GPU":
-            device = f"cuda:{args['model_instance_device_id']}"
-        self._token2wav = Token2Wav.from_model_dir(
+class TritonPythonModel(Token2WavModel):
+    def load(self, params: dict[str, str], device: str) -> Token2Wav:
+        return Token2Wav.from_model_dir(
             Path(params["model_dir"]),
             device=device,
             dtype=_DTYPES[params["dtype"]],
@@ -60,107 +31,3 @@ class TritonPythonModel:
             hift_graph_hops=[int(hop) for hop in params["hift_graph_hops"].split(",") if hop.strip()],
             compile_backend=params["compile_backend"],
         )
-        self._trace = StageTrace.from_env("token2wav")
-        self._token2wav.sync_timing = self._trace.enabled
-        # First chunks on the GPU are marked, so that the LLM's process leaves it to them (gpu_turns.py).
-        gpu = torch.device(device)
-        self._turns = GpuTurns.of_server(gpu.index or 0) if gpu.type == "cuda" else None
-        turns, slot = self._turns, int(args.get("model_instance_device_id", 0) or 0)
-        self._queue = ConversionQueue(
-            self._token2wav,
-            max_rows=int(config["max_batch_size"]),
-            first_chunks_hold=None if turns is None else lambda: turns.hold(slot),
-            log_error=pb_utils.Logger.log_error,
-            playback_guard=PlaybackGuard.parse(params["playback_guard_ms"]),
-            sample_rate=self._token2wav.sample_rate,
-            gather_s=float(params["gather_ms"]) / 1000.0,
-        )
-
-    def execute(self, requests: list[Any]) -> None:
-        """Queues every request's call; each is answered through its response sender once converted."""
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                call = tensors.parse_token2wav_inputs(_arrays(request))
-                if call.token_offset is not None and call.speed != 1.0:
-                    raise tensors.TensorError("speed is applied offline only; stream at speed 1.0")
-            except tensors.TensorError as exc:
-                self._send(sender, _error(str(exc), pb_utils.TritonError.INVALID_ARG))
-                continue
-            if call.token_offset is not None and call.finalize and call.speech_tokens.size == 0:
-                self._token2wav.release(call.session_id)
-                self._send(sender, _waveform(np.zeros(0, dtype=np.float32)))
-                continue
-            prompt = VoicePrompt(
-                speech_tokens=call.prompt_speech_tokens, feats=call.prompt_feat, embedding=call.embedding
-            )
-            conversion = Conversion(
-                call.session_id, call.speech_tokens, prompt, call.token_offset, call.finalize, call.speed
-            )
-            try:
-                self._queue.submit(
-                    conversion, lambda result, group, c=conversion, s=sender: self._answer(c, s, result, group)
-                )
-            except QueueClosed as exc:
-                self._send(sender, _error(str(exc), pb_utils.TritonError.UNAVAILABLE))
-        return None
-
-    def finalize(self) -> None:
-        self._queue.close()
-        # Whichever of the two processes ends last leaves no file behind (removing is idempotent).
-        if self._turns is not None:
-            self._turns.remove()
-
-    def _answer(self, call: Conversion, sender: Any, result: np.ndarray | Exception, group: Converted) -> None:
-        """Runs on the queue's worker thread, right after the call's group was converted."""
-        if isinstance(result, ValueError):
-            self._send(sender, _error(str(result), pb_utils.TritonError.INVALID_ARG))
-        elif isinstance(result, QueueClosed):
-            self._send(sender, _error(str(result), pb_utils.TritonError.UNAVAILABLE))
-        elif isinstance(result, Exception):
-            self._send(sender, _error(f"model {self._name} failed: {result}", pb_utils.TritonError.INTERNAL))
-        else:
-            self._send(sender, _waveform(result))
-            try:
-                self._record(call, group)
-            except Exception:
-                pb_utils.Logger.log_error(f"{self._name}: tracing a call failed\n{traceback.format_exc()}")
-
-    def _send(self, sender: Any, response: Any) -> None:
-        try:
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:
-            pb_utils.Logger.log_error(f"{self._name}: sending a response failed\n{traceback.format_exc()}")
-
-    def _record(self, call: Conversion, group: Converted) -> None:
-        """Trace one answered call: its group's flow and HiFT time (``last_timing`` holds that group's)."""
-        if not self._trace.enabled:
-            return
-        timing = self._token2wav.last_timing
-        self._trace.record(
-            call.session_id,
-            offset=-1 if call.token_offset is None else call.token_offset,
-            started=group.started,
-            ended=time.monotonic(),
-            rows=group.rows,
-            frames=timing.get("frames", 0.0),
-            flow_s=timing.get("flow_s", 0.0),
-            hift_s=timing.get("hift_s", 0.0),
-        )
-
-
-def _arrays(request: Any) -> dict[str, Any]:
-    arrays = {}
-    for name in tensors.TOKEN2WAV_INPUT_DTYPES:
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            arrays[name] = tensor.as_numpy()
-    return arrays
-
-
-def _waveform(samples: np.ndarray) -> Any:
-    return pb_utils.InferenceResponse([pb_utils.Tensor(tensors.WAVEFORM_OUTPUT, samples.reshape(1, -1))])
-
-
-def _error(message: str, code: Any) -> Any:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
