@@ -1,7 +1,7 @@
 """The request contract every speech model in the Triton repository serves.
 
 The gateway and the Triton models agree on these names and nothing else, so a
-new backend (Piper, CosyVoice2 on PyTorch, CosyVoice2 on TensorRT-LLM) plugs in
+new speech model (Piper, CosyVoice2 on PyTorch, CosyVoice2 on TensorRT-LLM) plugs in
 without gateway changes. Each speech model is deployed twice from one source
 directory: ``NAME`` (offline, one response) and ``NAME_stream`` (decoupled, one
 response per audio chunk, then an empty final response; an error ends the stream as
