@@ -145,7 +145,7 @@ class Settings(BaseSettings):
         40, ge=0, le=4096, description="shorter sentences are sent together with the next one"
     )
     synthesis_parallelism: int = Field(2, ge=1, le=16, description="sentences in flight per request")
-    backend_timeout: float = Field(120.0, gt=0, description="seconds one backend call may take")
+    backend_timeout: float = Field(120.0, gt=0, description="seconds one Triton call may take")
     text_normalization: bool = Field(
         True, description="write numbers, money, dates, units... as words before synthesis (requests may override)"
     )

@@ -3,7 +3,7 @@
 Imported only inside Triton (it needs ``triton_python_backend_utils``). A subclass
 sets itself up from the config parameters and yields audio chunks for a parsed
 :class:`~tts_gateway.models.request_parsing.SynthesisRequest`; this class does the rest the
-same way for every backend:
+same way for every speech model:
 
 - offline deployment: one response with the whole waveform;
 - decoupled deployment (``NAME_stream``): each request runs on a bounded worker pool

@@ -39,7 +39,7 @@ def gateway_model(model_id: str | None) -> str:
 
 
 def text_normalization(setting: Normalization) -> bool | None:
-    """``auto`` follows the server's ``TTS_TEXT_NORMALIZATION``."""
+    """``auto`` follows the gateway's ``TTS_TEXT_NORMALIZATION``."""
     return {"auto": None, "on": True, "off": False}[setting]
 
 

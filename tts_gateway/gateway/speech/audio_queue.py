@@ -32,7 +32,7 @@ class AudioQueue(Generic[_Item]):
     """Pieces of audio (never ``None``) from one or more producers to one reader.
 
     ``maxsize``: pieces that may wait for the reader before a producer waits too; a slow reader then
-    slows the backend (gRPC flow control) instead of growing the gateway's memory. 0: no bound.
+    slows the Triton call (gRPC flow control) instead of growing the gateway's memory. 0: no bound.
     """
 
     def __init__(self, maxsize: int = 0) -> None:

@@ -146,7 +146,7 @@ class SpeechPlanner:
 
     def context(self, model: str, voice: str, *, speed: float = 1.0, normalize: bool | None = None) -> ContextPlan:
         """``model`` and ``voice`` resolved against what the servers serve now; raises :class:`GatewayError`
-        when they cannot be spoken. ``normalize``: ``None`` follows the server's default."""
+        when they cannot be spoken. ``normalize``: ``None`` follows the gateway's default."""
         catalog = self._catalog.current
         speech_model = catalog.resolve(model)
         resolved = self._voices.resolve(voice, speech_model, catalog)

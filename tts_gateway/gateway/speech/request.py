@@ -59,7 +59,7 @@ class SpeechRequest(BaseModel):
     # models that declare a ``seed`` input; ignored by the others.
     seed: int | None = Field(None, ge=0, le=2**63 - 1, strict=True)
     # Vendor extension: write numbers, money, dates, units... as words before synthesis;
-    # unset follows the server's ``TTS_TEXT_NORMALIZATION``.
+    # unset follows the gateway's ``TTS_TEXT_NORMALIZATION``.
     text_normalization: bool | None = Field(None, strict=True)
     # Vendor extension: false sends the audio whole once it is synthesised, so that a wav (or flac) header
     # carries the true sizes, which a header sent ahead of the audio cannot know.

@@ -16,7 +16,7 @@ as if it were whole:
   on a model that takes one): then the samples already sent are skipped and the audio goes on
   where it broke. No text goes unspoken, and the response counts as ``resumed``;
 - where that cannot be done (no server, a second failure, a deadline), the response is aborted:
-  :class:`StreamAborted` is raised out of the body, so the server drops the connection without
+  :class:`StreamAborted` is raised out of the body, so the gateway drops the connection without
   ending the chunked body and every HTTP client reports an error. An SSE response sends its
   ``error`` event first.
 """
@@ -362,7 +362,7 @@ class SpeechService:
         synthesizer = self._synthesizer
         if plan.streaming_model:
             stream = synthesizer.stream(plan.triton_model, values, request_id, patient=patient, failover=failover)
-            # Closed here, not by the garbage collector: a cancelled sentence frees its backend call at once.
+            # Closed here, not by the garbage collector: a cancelled sentence frees its Triton call at once.
             async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
                     await queue.put(chunk)

@@ -183,7 +183,7 @@ class TritonClient:
         self, model: str, values: Mapping[str, Any], request_id: str
     ) -> AsyncGenerator[NDArray[np.float32], None]:
         """Chunks of a decoupled model, in order; leaving the iterator early cancels the request."""
-        responses = self._responses(model, values, request_id, self._timeout, self._chunk_timeout)
+        responses = self._responses(model, values, request_id, self._timeout, self._chunk_timeout, until_final=False)
         async with contextlib.aclosing(responses):
             async for chunk in responses:
                 if chunk.size:
@@ -196,12 +196,13 @@ class TritonClient:
         first (empty: the session is open) included, until the last. No time limit: a session waits for
         its text as long as its client takes to send it. Leaving the iterator early cancels the session's
         request."""
-        return self._responses(model, values, request_id, None, None)
+        return self._responses(model, values, request_id, None, None, until_final=True)
 
     async def session_call(self, model: str, values: Mapping[str, Any], request_id: str) -> None:
         """One request to an open session (a piece of its text, its end, its close) on a stream of its
         own; returns once the model has answered it. The caller bounds the wait."""
-        async with contextlib.aclosing(self._responses(model, values, request_id, None, None)) as responses:
+        calls = self._responses(model, values, request_id, None, None, until_final=False)
+        async with contextlib.aclosing(calls) as responses:
             async for _ in responses:
                 pass
 
@@ -212,9 +213,12 @@ class TritonClient:
         request_id: str,
         stream_timeout: float | None,
         chunk_timeout: float | None,
+        *,
+        until_final: bool,
     ) -> AsyncGenerator[NDArray[np.float32], None]:
-        """The waveform of every response to one request on a stream of its own, until the stream or a
-        response flagged final ends it; ``chunk_timeout`` bounds the wait for each response."""
+        """The waveform of every response to one request on a stream of its own, until the stream ends
+        (or, ``until_final``, at the response flagged final: a session's reader is done there);
+        ``chunk_timeout`` bounds the wait for each response."""
         request = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
@@ -234,9 +238,10 @@ class TritonClient:
                 if error is not None:
                     raise translate_error(error, model)
                 yield _waveform(result)
-                final = result.get_response().parameters.get("triton_final_response")
-                if final is not None and final.bool_param:
-                    break
+                if until_final:
+                    final = result.get_response().parameters.get("triton_final_response")
+                    if final is not None and final.bool_param:
+                        break
             finished = True
         except (InferenceServerException, grpc.RpcError) as exc:
             raise translate_error(exc, model) from exc

@@ -21,9 +21,8 @@ from tts_gateway.gateway.triton.pool import TritonPool
 
 logger = logging.getLogger(__name__)
 
-# How often start-up checks the servers again, and how often a caller waiting on the watcher looks again.
+# How often start-up checks the servers again while it waits for the default model.
 _REFRESH_STEP = 0.2
-_WAIT_STEP = 0.1
 
 
 class LiveCatalog:
@@ -96,15 +95,6 @@ class LiveCatalog:
         """Whether the default model is served within ``within`` seconds, checking the servers itself
         (start-up, before the watcher runs)."""
         return await _poll(self.refresh, within, _REFRESH_STEP)
-
-    async def until_ready(self, within: float) -> bool:
-        """Whether some server serves a speech model within ``within`` seconds; the watcher, not this
-        call, checks the servers (many callers may wait at once)."""
-
-        async def serves_speech() -> bool:
-            return self._catalog is not None and bool(self._catalog.models)
-
-        return await _poll(serves_speech, within, _WAIT_STEP)
 
     def start_watching(self) -> None:
         self._watcher = asyncio.create_task(self._watch(), name="triton-watch")

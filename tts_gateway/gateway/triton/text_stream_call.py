@@ -59,7 +59,7 @@ class TextStreamCall:
             raise InvalidRequestError("a session needs an id")
         session = cls(client, model, session_id)
         audio = client.session_audio(model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0")
-        session._reader = asyncio.create_task(session._read(audio), name=f"bistream-{session_id}")
+        session._reader = asyncio.create_task(session._read(audio), name=f"text-stream-{session_id}")
         try:
             async with asyncio.timeout(_ACK_TIMEOUT_S):
                 await asyncio.shield(session._opened)

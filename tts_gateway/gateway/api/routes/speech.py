@@ -33,7 +33,7 @@ class SpeechResponse(StreamingResponse):
 
     That stops the synthesis and frees the request's synthesis slot at once. A stream that
     cannot be completed (:class:`StreamAborted`, already logged) returns without the end of
-    the body, so the server drops the connection and the client sees an error, not a short file.
+    the body, so the gateway drops the connection and the client sees an error, not a short file.
     """
 
     def __init__(self, stream: ResponseBody, *, media_type: str, headers: dict[str, str] | None = None) -> None:

@@ -46,7 +46,7 @@ class VoiceChoice:
     model: str
     speed: float = 1.0
     normalize: bool | None = None
-    """Text normalisation; ``None`` follows the server's default."""
+    """Text normalisation; ``None`` follows the gateway's default."""
 
 
 @dataclass(frozen=True)
