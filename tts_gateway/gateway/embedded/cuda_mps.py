@@ -23,10 +23,14 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from tts_gateway.gateway.embedded.gpu_devices import VISIBLE_DEVICES
-from tts_gateway.gateway.settings import MpsMode
+
+if TYPE_CHECKING:
+    # A type only: an embedded server also starts where only the model side's dependencies are
+    # installed (the Python 3.12 test environment), without pydantic-settings.
+    from tts_gateway.gateway.settings import MpsMode
 
 logger = logging.getLogger(__name__)
 
