@@ -79,6 +79,8 @@ class TextStreamService:
             query = StreamQuery.model_validate(dict(websocket.query_params))
             output = OutputFormat.parse(query.output_format, socket=True)
             voice = VoiceChoice(voice_id, query.model, normalize=query.normalize)
+            # A check: an unknown voice or model is refused at once. Each context plans again when it
+            # opens, since the voices and what the servers serve may change while the socket lives.
             self.plan(voice)
         except ValidationError as exc:
             error = exc.errors()[0]
