@@ -12,11 +12,12 @@ files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses fo
 warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
 at those two rests, the growth between (the target: under 1 %), and its peak under load. Under
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at
-rest tells growth from work in progress.
+rest tells growth from work in progress. Each response's first byte is timed too, by phase: what the
+load's listeners waited through the run.
 
     python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2] [--out DIR --name NAME]
     # CosyVoice2 on one GPU, 64 streams:
-    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 35 --warmup 5
+    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 18 --warmup 3
 
 With ``--out``, writes ``NAME.md`` (the table) and ``NAME.json`` (with every sample) there.
 """
@@ -46,6 +47,7 @@ import aiohttp
 from benchmarks import bench
 from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
+from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cpu_default import pinned_cores
 from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi
 
@@ -55,6 +57,8 @@ SAMPLE_EVERY_S = 5.0
 # Idle time after each load phase: memory at rest is what the comparison reads (the last sample).
 REST_S = 30.0
 REQUEST_TIMEOUT_S = 600.0
+# The row of the GPUs' memory in use, whoever holds it.
+DEVICE_LABEL = "all GPUs"
 
 _SENTENCES = (
     "The morning train left the station a few minutes late.",
@@ -130,18 +134,27 @@ def rss_mib(pid: int) -> dict[str, float]:
     return found
 
 
-def cuda_mib() -> dict[int, int]:
-    """Pid -> MiB of CUDA memory; empty where ``nvidia-smi`` is missing or does not answer."""
+def cuda_mib() -> tuple[dict[int, int], int | None]:
+    """Pid -> MiB of CUDA memory, and the MiB in use on all GPUs together (a CUDA MPS server's
+    included, which is no process's child here); empty and None where ``nvidia-smi`` is missing
+    or does not answer."""
     if shutil.which("nvidia-smi") is None:
-        return {}
+        return {}, None
     try:
-        return cuda_mib_by_pid(timeout_s=30)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        return {}
+        used = sum(int(row[0]) for row in nvidia_smi("gpu=memory.used", timeout_s=30))
+        return cuda_mib_by_pid(timeout_s=30), used
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError):
+        return {}, None
 
 
 async def _load(
-    url: str, speech: Speech, concurrency: int, until: float, rng: random.Random, counts: dict[str, int]
+    url: str,
+    speech: Speech,
+    concurrency: int,
+    until: float,
+    rng: random.Random,
+    counts: dict[str, int],
+    first_byte_s: list[float],
 ) -> None:
     async def worker(http: aiohttp.ClientSession) -> None:
         while time.monotonic() < until:
@@ -153,11 +166,15 @@ async def _load(
             }
             if rng.random() < 0.5:
                 body["stream_format"] = "sse"
+            sent = time.monotonic()
             try:
                 async with http.post(f"{url}/v1/audio/speech", json=body) as response:
+                    first = None
                     async for _ in response.content.iter_any():
-                        pass
+                        first = first or time.monotonic()
                     outcome = "ok" if response.status == 200 else f"status {response.status}"
+                    if outcome == "ok" and first is not None:
+                        first_byte_s.append(first - sent)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 outcome = type(exc).__name__
             counts[outcome] = counts.get(outcome, 0) + 1
@@ -172,7 +189,9 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
     started = time.monotonic()
     while True:
         row: dict[str, Any] = {"t_s": round(time.monotonic() - started, 1), "phase": phase[0]}
-        cuda = await asyncio.to_thread(cuda_mib)
+        cuda, device_used = await asyncio.to_thread(cuda_mib)
+        if device_used is not None:
+            row[f"{DEVICE_LABEL} cuda"] = device_used
         for root, root_label in roots.items():
             for label, pid in process_tree(root, root_label).items():
                 try:
@@ -192,6 +211,7 @@ async def _soak(
     """Load for ``warmup`` minutes, rest, load for the remaining minutes, rest; sampling throughout."""
     samples: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
+    first_byte_s: dict[str, list[float]] = {"warmup": [], "soak": []}
     rng = random.Random(0)
     phase = ["warmup"]
     sampler = asyncio.create_task(_sample(roots, phase, samples))
@@ -199,13 +219,18 @@ async def _soak(
         phase[0] = name
         if sampler.done():  # it failed: say so now rather than after the run
             sampler.result()
-        await _load(url, speech, concurrency, time.monotonic() + load_minutes * 60, rng, counts)
+        until = time.monotonic() + load_minutes * 60
+        await _load(url, speech, concurrency, until, rng, counts, first_byte_s[name])
         phase[0] = f"{name} rest"
         await asyncio.sleep(REST_S)
     sampler.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sampler
-    return {"requests": counts, "samples": samples}
+    return {
+        "requests": counts,
+        "first_byte_ms": {name: percentiles_ms(values) for name, values in first_byte_s.items()},
+        "samples": samples,
+    }
 
 
 def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -263,6 +288,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "stack": stack_setup,
         "speech": speech._asdict(),
         "requests": result["requests"],
+        "first_byte_ms": result["first_byte_ms"],
         "processes": growth(result["samples"]),
         "samples": result["samples"],
     }
@@ -291,6 +317,13 @@ def report(results: dict[str, Any], command: str) -> str:
         f"{results['concurrency']} ({results['speech']['model']}, voice {results['speech']['voice']}, inputs up to "
         f"{results['speech']['max_chars']:,} characters, every response format, streamed and whole): {requests}.",
         "",
+        "First byte of a response (ms, p50 / p90 / p99): "
+        + "; ".join(
+            f"{phase} {' / '.join('-' if v is None else f'{v:.0f}' for v in figures.values())}"
+            for phase, figures in results["first_byte_ms"].items()
+        )
+        + ".",
+        "",
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
         "have passed, and at the end; the target is growth under 1 %. *own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
@@ -302,7 +335,9 @@ def report(results: dict[str, Any], command: str) -> str:
     ]
     kinds = {"": "RSS", " own": "own", " shmem": "shared", " cuda": "CUDA"}
     processes = results["processes"]
-    for label in sorted(name for name in processes if not name.endswith(tuple(k for k in kinds if k))):
+    suffixes = tuple(suffix for suffix in kinds if suffix)
+    labels = {next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name) for name in processes}
+    for label in sorted(labels):
         for suffix, kind in kinds.items():
             row = processes.get(label + suffix)
             if row is None or (suffix == " shmem" and row["rss_peak_mib"] == 0):

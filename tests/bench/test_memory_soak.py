@@ -56,7 +56,12 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
         "concurrency": 8,
         "speech": {"model": "piper", "voice": "alloy", "max_chars": 4096},
         "requests": {"ok": 500},
+        "first_byte_ms": {
+            "warmup": {"p50": 120.4, "p90": 300.0, "p99": 410.2},
+            "soak": {"p50": None, "p90": None, "p99": None},
+        },
         "processes": {
+            "all GPUs cuda": row,
             "tritonserver": row,
             "tritonserver own": row,
             "tritonserver shmem": row,
@@ -64,8 +69,11 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
             "gateway shmem": {**row, "rss_peak_mib": 0.0},
         },
     }
-    table = [line for line in report(results, "python -m benchmarks.memory_soak").splitlines() if line.startswith("| ")]
+    text = report(results, "python -m benchmarks.memory_soak")
+    assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
+    table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[1:] == [
+        "| all GPUs | CUDA | 10 | 20 | 20.1 | +0.50 % | 30 |",
         "| gateway | RSS | 10 | 20 | 20.1 | +0.50 % | 30 |",
         "| tritonserver | RSS | 10 | 20 | 20.1 | +0.50 % | 30 |",
         "| tritonserver | own | 10 | 20 | 20.1 | +0.50 % | 30 |",
