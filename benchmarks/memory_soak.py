@@ -241,11 +241,14 @@ def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         if len(rested) < 2:
             continue
         start, end = rested["warmup rest"], rested["soak rest"]
+        peak = max(row[label] for row in samples if label in row)
         report[label] = {
             "rss_first_mib": next(row[label] for row in samples if label in row),
             "rss_rest_after_warmup_mib": start,
             "rss_rest_at_end_mib": end,
-            "rss_peak_mib": max(row[label] for row in samples if label in row),
+            "rss_peak_mib": peak,
+            # A leak peaks near the end; a pool's high-water mark where the load first needed it.
+            "peak_first_at_s": next(row["t_s"] for row in samples if row.get(label) == peak),
             "growth_after_warmup_pct": round(100 * (end - start) / start, 2) if start else 0.0,
         }
     return report
@@ -299,7 +302,7 @@ def machine() -> str:
     host = bench.machine()
     line = f"{host['cpu']}, {host['cpus']} CPUs, Python {host['python']}"
     try:
-        gpus = [row[0] for row in nvidia_smi("name", timeout_s=30)] if shutil.which("nvidia-smi") else []
+        gpus = [row[0] for row in nvidia_smi("gpu=name", timeout_s=30)] if shutil.which("nvidia-smi") else []
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
         gpus = []
     return line + "".join(f", {count} x {name}" for name, count in collections.Counter(gpus).items())
@@ -328,10 +331,12 @@ def report(results: dict[str, Any], command: str) -> str:
         "have passed, and at the end; the target is growth under 1 %. *own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
         "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
-        "are under load.",
+        "are under load; when a peak was first reached tells a leak (near the end) from a pool that grew to what "
+        "the load once needed and kept it (CUDA's caching allocator, the tensor pool, malloc's arenas).",
         "",
-        "| process | memory | first MiB | rest after warm-up MiB | rest at end MiB | growth | peak MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| process | memory | first MiB | rest after warm-up MiB | rest at end MiB | growth | peak MiB "
+        "| peak first at min |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     kinds = {"": "RSS", " own": "own", " shmem": "shared", " cuda": "CUDA"}
     processes = results["processes"]
@@ -345,9 +350,13 @@ def report(results: dict[str, Any], command: str) -> str:
             lines.append(
                 f"| {label} | {kind} | {row['rss_first_mib']:g} | {row['rss_rest_after_warmup_mib']:g} "
                 f"| {row['rss_rest_at_end_mib']:g} | {row['growth_after_warmup_pct']:+.2f} % "
-                f"| {row['rss_peak_mib']:g} |"
+                f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _minutes(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 60:.1f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ def test_growth_compares_the_rests_and_ignores_the_load_between() -> None:
             "rss_rest_after_warmup_mib": 60.0,
             "rss_rest_at_end_mib": 61.0,
             "rss_peak_mib": 120.0,
+            "peak_first_at_s": 15,
             "growth_after_warmup_pct": 1.67,
         }
     }
@@ -46,6 +47,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
         "rss_rest_after_warmup_mib": 20.0,
         "rss_rest_at_end_mib": 20.1,
         "rss_peak_mib": 30.0,
+        "peak_first_at_s": 90.0,
         "growth_after_warmup_pct": 0.5,
     }
     results = {
@@ -73,11 +75,11 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
     assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[1:] == [
-        "| all GPUs | CUDA | 10 | 20 | 20.1 | +0.50 % | 30 |",
-        "| gateway | RSS | 10 | 20 | 20.1 | +0.50 % | 30 |",
-        "| tritonserver | RSS | 10 | 20 | 20.1 | +0.50 % | 30 |",
-        "| tritonserver | own | 10 | 20 | 20.1 | +0.50 % | 30 |",
-        "| tritonserver | shared | 10 | 20 | 20.1 | +0.50 % | 30 |",
+        "| all GPUs | CUDA | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| gateway | RSS | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | RSS | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | own | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | shared | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
     ]
 
 
