@@ -246,6 +246,39 @@ def test_a_mel_much_longer_than_the_rest_is_vocoded_apart() -> None:
     assert [[p[0] for p in batch] for batch in _padding_batches(lopsided)] == [[[0], [2]], [[1]]]
 
 
+def test_a_large_eager_vocoding_is_made_in_slices_of_rows_that_sound_as_one_call(
+    t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows x frames beyond EAGER_HIFT_ROW_FRAMES go to HiFT a few rows at a time (its memory grows with
+    both); each row's audio and excitation are what one padded call gives."""
+    from tts_gateway.models.cosyvoice2.engines import token2wav
+
+    hift = t2w.hift
+    generator = torch.Generator().manual_seed(3)
+    mels = [torch.randn(rows, 80, frames, generator=generator) for rows, frames in ((2, 30), (1, 22), (2, 26))]
+    noises = [
+        hift.draw_noise(mel.shape[0], mel.shape[2], torch.Generator().manual_seed(i)) for i, mel in enumerate(mels)
+    ]
+    mel, noise, frames = hift.padded(mels, noises)
+    cache = torch.randn(mel.shape[0], 1, 2 * hift.samples_per_frame, generator=generator)
+    with torch.inference_mode():
+        whole = hift.vocode(mel, noise, cache, frames)
+        calls: list[int] = []
+        vocode = hift.vocode
+
+        def counting(mel: torch.Tensor, *args: Any) -> Any:
+            calls.append(mel.shape[0])
+            return vocode(mel, *args)
+
+        monkeypatch.setattr(hift, "vocode", counting)
+        monkeypatch.setattr(token2wav, "EAGER_HIFT_ROW_FRAMES", 2 * 30)
+        sliced = token2wav._vocode_in_slices(hift, mel, noise, cache, frames)
+    assert calls == [2, 2, 1]
+    for got, want in zip(sliced, whole, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_later_chunks_of_different_lengths_vocoded_together_sound_as_alone(t2w: Token2Wav) -> None:
     """Two streams' later chunks (each continuing its own cached excitation), one longer: padded into one
     HiFT call, each gives the audio it gives converted alone."""

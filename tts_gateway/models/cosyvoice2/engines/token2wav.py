@@ -34,6 +34,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 from torch._dynamo.exc import TorchDynamoException
 
+from tts_gateway.models.cosyvoice2.engines.cuda_memory import ReservedMemoryWatch
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import MAX_ROWS as ENCODER_GRAPH_ROWS
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import EncoderGraphs
 from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
@@ -57,6 +58,14 @@ _log = logging.getLogger(__name__)
 DEFAULT_STATE_TTL_S = 300.0
 # Calls whose prompt + tokens lie within this many of each other share one flow pass (one padded batch).
 _GROUP_SPAN_TOKENS = 128
+# Rows x mel frames of one eager HiFT call at most (more rows are vocoded in slices; rows never mix).
+# Its CUDA memory grows with both (about 0.24 MiB a row and frame at CosyVoice2's size, float32), and
+# torch's allocator keeps the largest call's for good, so an unbounded call set the memory a GPU needs
+# when many streams' final chunks met at once. Its time is nearly flat up to this size (14 ms for
+# one row of 50 frames, 40 ms for 32 rows of 100 on an H200), so slicing costs little.
+EAGER_HIFT_ROW_FRAMES: Final = 3200
+# The rows of the eager call made at load to reserve that memory from the start.
+_RESERVED_HIFT_ROWS = 32
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
 
@@ -170,6 +179,9 @@ class Token2Wav:
             self.prefix_limit = _frames_within(prefix_cache, flow, n_timesteps, prefix_limit)
         self.sync_timing = False
         self.last_timing: dict[str, float] = {}
+        if self._device.type == "cuda":
+            self._reserve_eager_vocoding()
+        self.memory_watch = ReservedMemoryWatch.for_device(self._device)
 
     @classmethod
     def from_model_dir(
@@ -449,20 +461,31 @@ class Token2Wav:
             else:
                 full, cache_source = stream.hift.prepare(mel[:, :, call.token_offset * self._token_mel_ratio :])
                 vocode.append((full, cache_source, stream.generator))
-        waves = self._vocode(vocode)
+        waves, eager_hift = self._vocode(vocode)
         audio = []
         for (_, call, _, stream), (mel, _, _), (wav, source) in zip(group, vocode, waves, strict=True):
             if stream is None:
                 audio.append(self._to_numpy(wav))
             else:
                 audio.append(self._to_numpy(stream.hift.finish(mel, wav, source, final=call.finalize)))
+        # Mel frames of the group's solve (its longest call, voice prompt included).
+        frames = self._token_mel_ratio * max(i.prompt_token.numel() + i.token.numel() for i in items)
         self.last_timing = {
             "rows": float(len(group)),
-            # Mel frames of the group's solve (its longest call, voice prompt included).
-            "frames": float(self._token_mel_ratio * max(i.prompt_token.numel() + i.token.numel() for i in items)),
+            "frames": float(frames),
             "flow_s": flowed - started - lent,
             "hift_s": time.monotonic() - flowed,
         }
+        if self.memory_watch is not None and (rise := self.memory_watch.rise()) is not None:
+            _log.info(
+                "CUDA memory reserved rose from %d to %d MiB converting %d calls of up to %d mel frames"
+                " (HiFT vocoded eagerly: %s)",
+                rise[0] >> 20,
+                rise[1] >> 20,
+                len(group),
+                frames,
+                ", ".join(f"{rows} x {length} frames" for rows, length in eager_hift) or "none",
+            )
         return audio
 
     def _prefix(self, call: Conversion, item: FlowItem) -> VoicePrefix | None:
@@ -505,9 +528,12 @@ class Token2Wav:
             groups.append([entry])
         return [sorted(group, key=lambda entry: entry[0]) for group in groups]
 
-    def _vocode(self, calls: list[tuple[Tensor, Tensor | None, torch.Generator]]) -> list[tuple[Tensor, Tensor]]:
+    def _vocode(
+        self, calls: list[tuple[Tensor, Tensor | None, torch.Generator]]
+    ) -> tuple[list[tuple[Tensor, Tensor]], list[tuple[int, int]]]:
         """HiFT over the calls: those of equal mel and excitation lengths together, from a CUDA graph where
         one was recorded for them; the rest (mels of any length) padded into one call per excitation length.
+        Returns each call's waveform and excitation, and the (rows, frames) of every eager call.
 
         Unpadded, vocoding costs about the same for 1 row as for 32 (launch-bound): a group of chunks of
         25 lengths took 25 such calls."""
@@ -532,13 +558,27 @@ class Token2Wav:
                 continue
             for row, index in enumerate(members):
                 out[index] = (graphed[0][row], graphed[1][row : row + 1])
+        eager_shapes = []
         for parts in (batch for same_cache in eager.values() for batch in _padding_batches(same_cache)):
             members, mel, noise, cache, frames = _padded_batch(parts, self.hift)
-            wav, source = self.hift.vocode(mel, noise, cache, frames)
+            eager_shapes.append((mel.shape[0], mel.shape[2]))
+            wav, source = _vocode_in_slices(self.hift, mel, noise, cache, frames)
             lengths = [calls[i][0].shape[2] * self.hift.samples_per_frame for i in members]
             for row, (index, length) in enumerate(zip(members, lengths, strict=True)):
                 out[index] = (wav[row, :length], source[row : row + 1, :, :length])
-        return out
+        return out, eager_shapes
+
+    @torch.inference_mode()
+    def _reserve_eager_vocoding(self) -> None:
+        """One eager HiFT call of the largest size :meth:`_vocode` makes, so that the allocator holds
+        its memory from the start rather than from the first time many final chunks meet."""
+        rows, frames = _RESERVED_HIFT_ROWS, EAGER_HIFT_ROW_FRAMES // _RESERVED_HIFT_ROWS
+        dtype = self.hift.conv_pre.bias.dtype
+        mel = torch.zeros(rows, self.hift.conv_pre.in_channels, frames, device=self._device, dtype=dtype)
+        cache = torch.zeros(
+            rows, 1, self.mel_cache_frames * self.hift.samples_per_frame, device=self._device, dtype=dtype
+        )
+        self.hift.vocode(mel, self.hift.draw_noise(rows, frames), cache)
 
     def _flow_item(self, call: Conversion, target: Tensor) -> FlowItem:
         # Copies: prompts are shared, read-only arrays (a voice cache hands the same one to many requests).
@@ -656,6 +696,28 @@ def _padding_batches(
             batches.append([part])
             rows, held = count, count * length
     return batches
+
+
+def _vocode_in_slices(
+    hift: HiFTGenerator, mel: Tensor, noise: ExcitationNoise, cache: Tensor | None, frames: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """:meth:`HiFTGenerator.vocode` in calls of at most :data:`EAGER_HIFT_ROW_FRAMES` rows x frames (at
+    least a row each)."""
+    step = max(1, EAGER_HIFT_ROW_FRAMES // mel.shape[2])
+    if mel.shape[0] <= step:
+        return hift.vocode(mel, noise, cache, frames)
+    waves, sources = [], []
+    for start in range(0, mel.shape[0], step):
+        rows = slice(start, start + step)
+        wav, source = hift.vocode(
+            mel[rows],
+            ExcitationNoise(noise.phase[rows], noise.gaussian[rows]),
+            None if cache is None else cache[rows],
+            None if frames is None else frames[rows],
+        )
+        waves.append(wav)
+        sources.append(source)
+    return torch.cat(waves), torch.cat(sources)
 
 
 def _padded_batch(
