@@ -60,8 +60,8 @@ DEFAULT_STATE_TTL_S = 300.0
 _GROUP_SPAN_TOKENS = 128
 # Rows x mel frames of one eager HiFT call at most (more rows are vocoded in slices; rows never mix).
 # Its CUDA memory grows with both (about 0.24 MiB a row and frame at CosyVoice2's size, float32), and
-# torch's allocator keeps the largest call's for good, so an unbounded call set the memory a GPU needs
-# when many streams' final chunks met at once. Its time is nearly flat up to this size (14 ms for
+# torch's allocator keeps the largest call's for good: unbounded, the moment many streams' final chunks
+# meet would set the memory a GPU needs, long after start. Its time is nearly flat up to this size (14 ms for
 # one row of 50 frames, 40 ms for 32 rows of 100 on an H200), so slicing costs little.
 EAGER_HIFT_ROW_FRAMES: Final = 3200
 # The rows of the eager call made at load to reserve that memory from the start.
