@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,6 +52,25 @@ def test_token2wav_logs_the_work_that_raised_its_memory(token2wav_dir: Path, cap
     (line,) = [r.getMessage() for r in caplog.records if "CUDA memory" in r.message]
     # 12 prompt + 20 target tokens, 2 mel frames a token; without HiFT graphs every call is vocoded eagerly.
     assert line == (
-        "CUDA memory reserved rose from 0 to 512 MiB converting 1 calls of up to 64 mel frames"
-        " (HiFT vocoded eagerly: 1 x 40 frames)"
+        "CUDA memory reserved rose from 0 to 512 MiB while converting 1 calls of up to 64 mel frames"
+        " (HiFT batches vocoded eagerly: 1 x 40 frames)"
     )
+
+
+def test_the_reserving_call_runs_the_padded_path_and_leaves_the_global_generator_alone(
+    token2wav_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made at load on CUDA only; here on the CPU for its shapes and its draws."""
+    t2w = Token2Wav.from_model_dir(token2wav_dir, device="cpu", dtype=torch.float32)
+    vocoded: list[tuple[tuple[int, ...], bool]] = []
+    vocode = t2w.hift.vocode
+
+    def recording(mel: torch.Tensor, *args: Any) -> Any:
+        vocoded.append((tuple(mel.shape), args[2] is not None))
+        return vocode(mel, *args)
+
+    monkeypatch.setattr(t2w.hift, "vocode", recording)
+    state = torch.get_rng_state()
+    t2w._reserve_eager_vocoding()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert vocoded == [((32, 80, 100), True)]

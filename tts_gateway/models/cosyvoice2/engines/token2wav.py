@@ -58,7 +58,8 @@ _log = logging.getLogger(__name__)
 DEFAULT_STATE_TTL_S = 300.0
 # Calls whose prompt + tokens lie within this many of each other share one flow pass (one padded batch).
 _GROUP_SPAN_TOKENS = 128
-# Rows x mel frames of one eager HiFT call at most (more rows are vocoded in slices; rows never mix).
+# Rows x mel frames of one eager HiFT call at most, unless a single row is longer (more rows are
+# vocoded in slices; rows never mix).
 # Its CUDA memory grows with both (about 0.24 MiB a row and frame at CosyVoice2's size, float32), and
 # torch's allocator keeps the largest call's for good: unbounded, the moment many streams' final chunks
 # meet would set the memory a GPU needs, long after start. Its time is nearly flat up to this size (14 ms for
@@ -478,8 +479,8 @@ class Token2Wav:
         }
         if self.memory_watch is not None and (rise := self.memory_watch.rise()) is not None:
             _log.info(
-                "CUDA memory reserved rose from %d to %d MiB converting %d calls of up to %d mel frames"
-                " (HiFT vocoded eagerly: %s)",
+                "CUDA memory reserved rose from %d to %d MiB while converting %d calls of up to %d mel frames"
+                " (HiFT batches vocoded eagerly: %s)",
                 rise[0] >> 20,
                 rise[1] >> 20,
                 len(group),
@@ -533,7 +534,8 @@ class Token2Wav:
     ) -> tuple[list[tuple[Tensor, Tensor]], list[tuple[int, int]]]:
         """HiFT over the calls: those of equal mel and excitation lengths together, from a CUDA graph where
         one was recorded for them; the rest (mels of any length) padded into one call per excitation length.
-        Returns each call's waveform and excitation, and the (rows, frames) of every eager call.
+        Returns each call's waveform and excitation, and the (rows, frames) of every padded eager batch
+        (vocoded in slices of rows where it is larger than :data:`EAGER_HIFT_ROW_FRAMES`).
 
         Unpadded, vocoding costs about the same for 1 row as for 32 (launch-bound): a group of chunks of
         25 lengths took 25 such calls."""
@@ -570,15 +572,17 @@ class Token2Wav:
 
     @torch.inference_mode()
     def _reserve_eager_vocoding(self) -> None:
-        """One eager HiFT call of the largest size :meth:`_vocode` makes, so that the allocator holds
-        its memory from the start rather than from the first time many final chunks meet."""
+        """One padded eager HiFT call of the largest size :meth:`_vocode` makes of several rows, so that the
+        allocator holds its memory from the start rather than from the first time many final chunks meet."""
         rows, frames = _RESERVED_HIFT_ROWS, EAGER_HIFT_ROW_FRAMES // _RESERVED_HIFT_ROWS
         dtype = self.hift.conv_pre.bias.dtype
         mel = torch.zeros(rows, self.hift.conv_pre.in_channels, frames, device=self._device, dtype=dtype)
         cache = torch.zeros(
             rows, 1, self.mel_cache_frames * self.hift.samples_per_frame, device=self._device, dtype=dtype
         )
-        self.hift.vocode(mel, self.hift.draw_noise(rows, frames), cache)
+        # Its own generator: the global one stays as it was. Per-row frames: the padded path, with its masks.
+        noise = self.hift.draw_noise(rows, frames, torch.Generator(device=self._device).manual_seed(0))
+        self.hift.vocode(mel, noise, cache, torch.full((rows,), frames, device=self._device))
 
     def _flow_item(self, call: Conversion, target: Tensor) -> FlowItem:
         # Copies: prompts are shared, read-only arrays (a voice cache hands the same one to many requests).
