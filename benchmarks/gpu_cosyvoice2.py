@@ -61,7 +61,7 @@ from tritonclient.utils import InferenceServerException
 
 from benchmarks import cosyvoice2_triton, gpu_floors, gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer, children
-from benchmarks.gpu_query import nvidia_smi
+from benchmarks.gpu_query import nvidia_smi, used_mib_by_gpu
 from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded.fleet import EmbeddedFleet, embedded_servers
@@ -276,7 +276,7 @@ class GpuMemoryPeak:
 
     def _sample(self) -> None:
         while True:
-            used = [int(row[0]) for row in nvidia_smi("gpu=memory.used")]
+            used = used_mib_by_gpu()
             self.peak_mib = [max(pair) for pair in zip(self.peak_mib or [0] * len(used), used, strict=True)]
             if self._stop.wait(self._interval_s):
                 return

@@ -21,6 +21,11 @@ def nvidia_smi(query: str, timeout_s: float | None = None) -> list[list[str]]:
     return [[field.strip() for field in row.split(",")] for row in answer.stdout.splitlines() if row.strip()]
 
 
+def used_mib_by_gpu(timeout_s: float | None = None) -> list[int]:
+    """MiB in use on each GPU, whoever holds it."""
+    return [int(row[0]) for row in nvidia_smi("gpu=memory.used", timeout_s)]
+
+
 def cuda_mib_by_pid(timeout_s: float | None = None) -> dict[int, int]:
     """Pid -> MiB of CUDA memory the process holds (rows without a figure are left out)."""
     held: dict[int, int] = {}

@@ -37,7 +37,7 @@ from numpy.typing import NDArray
 from transformers import AutoTokenizer
 from tritonclient.utils import InferenceServerException
 
-from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi
+from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi, used_mib_by_gpu
 from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
@@ -234,7 +234,7 @@ def dump_stub_stacks(repository: Path, settle_s: float = 2.0) -> None:
 
 def gpu_memory_used() -> int:
     """MiB in use on GPU 0."""
-    return int(nvidia_smi("gpu=memory.used")[0][0])
+    return used_mib_by_gpu()[0]
 
 
 def cuda_memory_by_model(repository: Path, server_pid: int | None) -> dict[str, int]:

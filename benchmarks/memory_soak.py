@@ -49,7 +49,7 @@ from benchmarks.bench_load import gateway_session
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cpu_default import pinned_cores
-from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi
+from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi, used_mib_by_gpu
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
 MAX_CHARS = 4096
@@ -141,7 +141,7 @@ def cuda_mib() -> tuple[dict[int, int], int | None]:
     if shutil.which("nvidia-smi") is None:
         return {}, None
     try:
-        used = sum(int(row[0]) for row in nvidia_smi("gpu=memory.used", timeout_s=30))
+        used = sum(used_mib_by_gpu(timeout_s=30))
         return cuda_mib_by_pid(timeout_s=30), used
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, ValueError):
         return {}, None
