@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from numpy.typing import NDArray
 
+from tts_gateway.models.cosyvoice2.engines.cuda_memory import ReservedMemoryWatch
 from tts_gateway.models.cosyvoice2.engines.token2wav import StreamStateError, Token2Wav
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
@@ -19,6 +22,7 @@ pytestmark = pytest.mark.cosyvoice
 SAMPLES_PER_TOKEN = 960
 PROMPT_TOKENS = 12
 LOOKAHEAD = 3
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +211,39 @@ def test_idle_states_expire(token2wav_dir: Path, t2w: Token2Wav, prompt: VoicePr
     assert expiring.active_streams == 1
     with pytest.raises(StreamStateError, match="expired"):
         expiring.stream_chunk("live", tokens, prompt, 15, True)
+
+
+def test_a_rise_of_its_cuda_memory_is_logged_with_the_work_that_took_it(
+    t2w: Token2Wav, prompt: VoicePrompt, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    readings = iter([0, 0, 512 * MIB])
+    monkeypatch.setattr(t2w, "memory_watch", ReservedMemoryWatch(lambda: next(readings)))
+    tokens = speech_tokens(20)
+    with caplog.at_level(logging.INFO, logger="tts_gateway.models.cosyvoice2.engines.token2wav"):
+        t2w.offline(tokens, prompt)  # the watch reads 0: nothing to say
+        assert not [r for r in caplog.records if "CUDA memory" in r.message]
+        t2w.offline(tokens, prompt)
+    (line,) = [r.getMessage() for r in caplog.records if "CUDA memory" in r.message]
+    # 12 prompt + 20 target tokens, 2 mel frames a token; without HiFT graphs every call is vocoded eagerly.
+    assert line == (
+        "CUDA memory reserved rose from 0 to 512 MiB while converting 1 calls of up to 64 mel frames"
+        " (HiFT batches vocoded eagerly: 1 x 40 frames)"
+    )
+
+
+def test_the_reserving_call_runs_the_padded_path_and_leaves_the_global_generator_alone(
+    t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made at load on CUDA only; here on the CPU for its shapes and its draws."""
+    vocoded: list[tuple[tuple[int, ...], bool]] = []
+    vocode = t2w.hift.vocode
+
+    def recording(mel: torch.Tensor, *args: Any) -> Any:
+        vocoded.append((tuple(mel.shape), args[2] is not None))
+        return vocode(mel, *args)
+
+    monkeypatch.setattr(t2w.hift, "vocode", recording)
+    state = torch.get_rng_state()
+    t2w._reserve_eager_vocoding()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert vocoded == [((32, 80, 100), True)]
