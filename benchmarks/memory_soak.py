@@ -10,7 +10,11 @@ shared between Triton and a stub, the Python backend's pool for tensors, which k
 largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
 files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses for a rest after the
 warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
-at those two rests, the growth between (the target: under 1 %), and its peak under load. Under
+at those two rests, the growth between (the target: under 1 %), and its peak under load. The
+warm-up's first third sends only the longest input, from every listener at once: the pools (the
+tensor pool, CUDA's caching allocator, malloc's arenas) then reach the size the heaviest load needs
+before growth is counted, so growth after the warm-up is memory kept per request, not a pool that
+a rare run of long inputs later stretched. Under
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at
 rest tells growth from work in progress. Each response's first byte is timed too, by phase: what the
 load's listeners waited through the run.
@@ -59,6 +63,8 @@ REST_S = 30.0
 REQUEST_TIMEOUT_S = 600.0
 # The row of the GPUs' memory in use, whoever holds it.
 DEVICE_LABEL = "all GPUs"
+# The share of the warm-up that sends only the longest input.
+LONGEST_SHARE = 1 / 3
 
 _SENTENCES = (
     "The morning train left the station a few minutes late.",
@@ -78,9 +84,10 @@ class Speech(NamedTuple):
     max_chars: int
 
 
-def soak_text(rng: random.Random, max_chars: int = MAX_CHARS) -> str:
-    """Sentences up to a length drawn log-uniformly between 20 and ``max_chars`` characters."""
-    limit = int(20 * (max_chars / 20) ** rng.random())
+def soak_text(rng: random.Random, max_chars: int = MAX_CHARS, *, longest: bool = False) -> str:
+    """Sentences up to a length drawn log-uniformly between 20 and ``max_chars`` characters
+    (``max_chars`` itself with ``longest``)."""
+    limit = max_chars if longest else int(20 * (max_chars / 20) ** rng.random())
     text = rng.choice(_SENTENCES)
     while len(text) < limit:
         text += " " + rng.choice(_SENTENCES)
@@ -152,6 +159,7 @@ async def _load(
     speech: Speech,
     concurrency: int,
     until: float,
+    longest_until: float,
     rng: random.Random,
     counts: dict[str, int],
     first_byte_s: list[float],
@@ -161,7 +169,7 @@ async def _load(
             body = {
                 "model": speech.model,
                 "voice": speech.voice,
-                "input": soak_text(rng, speech.max_chars),
+                "input": soak_text(rng, speech.max_chars, longest=time.monotonic() < longest_until),
                 "response_format": rng.choice(FORMATS),
             }
             if rng.random() < 0.5:
@@ -219,8 +227,10 @@ async def _soak(
         phase[0] = name
         if sampler.done():  # it failed: say so now rather than after the run
             sampler.result()
-        until = time.monotonic() + load_minutes * 60
-        await _load(url, speech, concurrency, until, rng, counts, first_byte_s[name])
+        start = time.monotonic()
+        until = start + load_minutes * 60
+        longest_until = start + LONGEST_SHARE * load_minutes * 60 if name == "warmup" else start
+        await _load(url, speech, concurrency, until, longest_until, rng, counts, first_byte_s[name])
         phase[0] = f"{name} rest"
         await asyncio.sleep(REST_S)
     sampler.cancel()
@@ -286,6 +296,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "machine": machine(),
         "minutes": args.minutes,
         "warmup_minutes": args.warmup,
+        "warmup_longest_minutes": round(LONGEST_SHARE * args.warmup, 2),
         "concurrency": args.concurrency,
         "cores": args.cores,
         "stack": stack_setup,
@@ -328,7 +339,8 @@ def report(results: dict[str, Any], command: str) -> str:
         + ".",
         "",
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
-        "have passed, and at the end; the target is growth under 1 %. *own*: anonymous memory, neither shared nor "
+        f"have passed{_longest_first(results)}, and at the end; the target is growth under 1 %. "
+        "*own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
         "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
         "are under load; when a peak was first reached tells a leak (near the end) from a pool that grew to what "
@@ -353,6 +365,11 @@ def report(results: dict[str, Any], command: str) -> str:
                 f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _longest_first(results: dict[str, Any]) -> str:
+    longest = results.get("warmup_longest_minutes")
+    return f" (the first {longest:g} of them sending only the longest input)" if longest else ""
 
 
 def _minutes(seconds: float | None) -> str:

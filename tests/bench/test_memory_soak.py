@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 
 import pytest
 
-from benchmarks.memory_soak import _child_label, growth, report, rss_mib
+from benchmarks.memory_soak import _child_label, growth, report, rss_mib, soak_text
 
 
 def test_a_process_own_memory_leaves_out_what_it_shares() -> None:
@@ -55,6 +56,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
         "machine": "x86_64, 2 CPUs",
         "minutes": 30.0,
         "warmup_minutes": 5.0,
+        "warmup_longest_minutes": 1.67,
         "concurrency": 8,
         "speech": {"model": "piper", "voice": "alloy", "max_chars": 4096},
         "requests": {"ok": 500},
@@ -73,6 +75,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
     }
     text = report(results, "python -m benchmarks.memory_soak")
     assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
+    assert "once the first 5 minutes have passed (the first 1.67 of them sending only the longest input)" in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[1:] == [
         "| all GPUs | CUDA | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
@@ -95,3 +98,10 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
 )
 def test_child_processes_are_labelled_by_their_role(parent: str, argv: list[str], label: str) -> None:
     assert _child_label(parent, argv) == label
+
+
+def test_soak_inputs_vary_in_length_except_the_longest_ones() -> None:
+    rng = random.Random(0)
+    lengths = {len(soak_text(rng, 1000)) for _ in range(200)}
+    assert min(lengths) < 200 and max(lengths) <= 1000 and len(lengths) > 50
+    assert {len(soak_text(rng, 1000, longest=True)) for _ in range(20)} == {1000}
