@@ -6,7 +6,9 @@ and one LLM context for all of its text, so the prosody runs on from phrase to p
 are complete (a word with a digit or a symbol waits for the next word, so that numbers, money and
 units are normalised with their neighbours), normalised as in a speech request, in the model and
 voice of the context's :class:`ContextPlan`; the model decides when it has enough to speak, and its
-audio goes out as it comes.
+audio goes out as it comes. Each piece waits until the model took the one before, and the words
+that waited behind a piece in flight go together as the next one: a request per word outruns the
+model under load. Nothing waits for more words: an idle model gets each word once it is complete.
 
 The session opens with the context's first words, on the least busy Triton server serving the
 deployment (:meth:`TritonPool.session`), and holds one of the speech service's admission slots for
@@ -142,12 +144,16 @@ class StreamedTextSynthesis:
             self._sender = asyncio.create_task(work, name="text-stream-session")
 
     async def _run(self) -> None:
-        """Opens the session with the first text, sends the rest as it comes, then waits for the audio's end
-        (the end of the context's audio once this returns)."""
+        """Opens the session with the first text, sends the rest as it comes (the texts that waited, joined
+        into one piece), then waits for the audio's end (the end of the context's audio once this returns)."""
         async with contextlib.AsyncExitStack() as stack:
             session: TextStreamCall | None = None
             reader: asyncio.Task[None] | None = None
-            while (text := await self._texts.get()) is not None:
+            ended = False
+            while not ended:
+                text, ended = self._waiting(await self._texts.get())
+                if not text:  # the input's end alone
+                    continue
                 words = await self._sessions.normalized(self._context, text.strip())
                 if session is None:
                     await stack.enter_async_context(self._speech_slots)
@@ -166,6 +172,18 @@ class StreamedTextSynthesis:
             if session is not None and reader is not None:
                 await session.finish()
                 await reader
+
+    def _waiting(self, first: str | None) -> tuple[str, bool]:
+        """``first`` and the texts queued behind it, joined (one piece for the model), and whether the
+        input's end came among them."""
+        texts: list[str] = []
+        item = first
+        while item is not None:
+            texts.append(item)
+            if self._texts.empty():
+                return "".join(texts), False
+            item = self._texts.get_nowait()
+        return "".join(texts), True
 
     async def _read(self, session: TextStreamCall, sample_rate: int) -> None:
         encoder = create_encoder("pcm", sample_rate)

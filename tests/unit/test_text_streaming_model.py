@@ -1,0 +1,180 @@
+"""StreamedTextSynthesis in process, over a model session that takes pieces when told: the words that
+wait behind a piece in flight go to the model as one piece, normalised once, in order, and their
+characters are still aligned once each."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+from tests.unit.test_text_stream_alignment import check
+from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE
+from tts_gateway.gateway.speech.plan import ContextPlan
+from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
+from tts_gateway.gateway.speech.text_stream.text_streaming_model import StreamedTextSynthesis, TextStreamCalls
+
+# The context's model speaks at the output rate, so the audio's length in bytes gives its duration.
+CONTEXT = cast(ContextPlan, SimpleNamespace(model=SimpleNamespace(sample_rate=OUTPUT_SAMPLE_RATE)))
+# What the model speaks for each piece, and at the text's end.
+SPOKEN_SAMPLES = OUTPUT_SAMPLE_RATE // 5
+# Turns of the event loop (no clock) within which a word reaches an idle model: a handful of task
+# switches from the socket's push to the session's send.
+TURNS = 10
+
+
+class Model:
+    """One session in the model: notes every piece as it is sent (``None`` for the text's end) and takes
+    it once ``taking`` is set; speaks a little audio for each piece taken, and for the end."""
+
+    def __init__(self, *, taking: bool = True) -> None:
+        self.received: list[str | None] = []
+        self.taking = asyncio.Event()
+        if taking:
+            self.taking.set()
+        self._sent = asyncio.Condition()
+        self._audio: asyncio.Queue[NDArray[np.float32] | None] = asyncio.Queue()
+
+    async def send_text(self, piece: str) -> None:
+        self.received.append(piece)
+        async with self._sent:
+            self._sent.notify_all()
+        await self.taking.wait()
+        self._audio.put_nowait(np.zeros(SPOKEN_SAMPLES, np.float32))
+
+    async def finish(self) -> None:
+        self.received.append(None)
+        self._audio.put_nowait(np.zeros(SPOKEN_SAMPLES, np.float32))
+        self._audio.put_nowait(None)
+
+    async def sent(self, count: int) -> None:
+        """Until ``count`` pieces were sent."""
+        async with self._sent:
+            await self._sent.wait_for(lambda: len(self.received) >= count)
+
+    async def cancel(self) -> None:
+        self._audio.put_nowait(None)
+
+    async def __aiter__(self) -> AsyncIterator[NDArray[np.float32]]:
+        while (chunk := await self._audio.get()) is not None:
+            yield chunk
+
+
+class Sessions:
+    """:class:`TextStreamCalls` over one :class:`Model`, whose normalisation upper-cases and notes its input."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.normalized_texts: list[str] = []
+
+    async def normalized(self, context: ContextPlan, text: str) -> str:
+        self.normalized_texts.append(text)
+        return text.upper()
+
+    @contextlib.asynccontextmanager
+    async def open(self, context: ContextPlan) -> AsyncIterator[Model]:
+        yield self.model
+
+
+def synthesis(sessions: Sessions) -> StreamedTextSynthesis:
+    return StreamedTextSynthesis(cast(TextStreamCalls, sessions), CONTEXT, PhraseChunker(), asyncio.Semaphore(1))
+
+
+async def turns(count: int = TURNS) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def aligned(stream: StreamedTextSynthesis) -> tuple[str, str, list[bool]]:
+    """The characters (as sent, as spoken) that the chunks report, each chunk's alignment checked within
+    its audio, and which chunks end the phrase."""
+    chars, normalized, ends = "", "", []
+    async for chunk in stream.chunks():
+        ms = len(chunk.pcm) / 2 / OUTPUT_SAMPLE_RATE * 1000
+        sent, spoken = chunk.align(ms)
+        for alignment in (sent, spoken):
+            check(alignment.chars, alignment.start_ms, alignment.duration_ms, ms)
+        chars += "".join(sent.chars)
+        normalized += "".join(spoken.chars)
+        ends.append(chunk.phrase_end)
+    return chars, normalized, ends
+
+
+async def test_words_that_wait_behind_a_piece_in_flight_go_as_one_piece_normalised_once() -> None:
+    model = Model(taking=False)
+    sessions = Sessions(model)
+    stream = synthesis(sessions)
+    await stream.push("One ")
+    await model.sent(1)
+    for word in ("two ", "three ", "four "):
+        await stream.push(word)
+    await turns()
+    assert model.received == ["ONE "], "nothing more is sent while the model has not taken the first piece"
+    assert stream.in_progress
+    model.taking.set()
+    await model.sent(2)
+    await turns()
+    assert model.received == ["ONE ", "TWO THREE FOUR "]
+    assert sessions.normalized_texts == ["One", "two three four"]
+    assert not stream.in_progress
+    await stream.aclose()
+
+
+async def test_with_an_idle_model_every_word_goes_as_soon_as_it_is_complete() -> None:
+    model = Model()
+    sessions = Sessions(model)
+    stream = synthesis(sessions)
+    words = ["One ", "two ", "three ", "four "]
+    for count, word in enumerate(words, start=1):
+        await stream.push(word)
+        # No clock: the word reaches the model within a few turns of the event loop.
+        await turns()
+        assert len(model.received) == count
+    assert model.received == [word.upper() for word in words]
+    assert sessions.normalized_texts == [word.strip() for word in words]
+    await stream.aclose()
+
+
+async def test_the_end_that_waits_with_words_sends_them_then_finishes() -> None:
+    model = Model(taking=False)
+    stream = synthesis(Sessions(model))
+    await stream.push("One ")
+    await model.sent(1)
+    await stream.push("two ")
+    await stream.push("three")
+    await stream.end_input()
+    model.taking.set()
+    chars, normalized, ends = await aligned(stream)
+    assert model.received == ["ONE ", "TWO THREE", None]
+    assert chars == "One two three"
+    assert normalized == "ONE TWO THREE"
+    assert ends[-1] and not any(ends[:-1])
+    assert stream.buffered == 0 and not stream.in_progress
+
+
+async def test_the_characters_of_joined_pieces_are_each_aligned_once() -> None:
+    model = Model(taking=False)
+    stream = synthesis(Sessions(model))
+    listener = asyncio.create_task(aligned(stream))
+    words = ["  Hello ", "there,  ", "how ", "are ", "you ", "today? ", "Fine, ", "thanks."]
+    await stream.push(words[0])
+    await model.sent(1)
+    for word in words[1:4]:
+        await stream.push(word)
+    model.taking.set()
+    # The first piece's audio is aligned while the rest of the text is still coming.
+    await model.sent(2)
+    for word in words[4:]:
+        await stream.push(word)
+    await stream.end_input()
+    chars, normalized, ends = await listener
+    assert model.received == ["  HELLO ", "THERE,  HOW ARE ", "YOU TODAY? FINE, THANKS.", None]
+    text = "".join(words)
+    assert chars == text
+    assert normalized == text.upper()
+    assert len(ends) == 4 and ends[-1]
