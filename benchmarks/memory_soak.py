@@ -16,7 +16,8 @@ tensor pool, CUDA's caching allocator, malloc's arenas) then reach the size the 
 before growth is counted, so growth after the warm-up is memory kept per request, not a pool that
 a rare run of long inputs later stretched. Under
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at
-rest tells growth from work in progress. Each response's first byte is timed too, by phase: what the
+rest tells growth from work in progress. With a profile the report also quotes the lines in which a model logged its
+CUDA memory stepping up (token2wav names the calls that took it), so a step has a cause. Each response's first byte is timed too, by phase: what the
 load's listeners waited through the run.
 
     python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2] [--out DIR --name NAME]
@@ -65,6 +66,8 @@ REQUEST_TIMEOUT_S = 600.0
 DEVICE_LABEL = "all GPUs"
 # The share of the warm-up that sends only the longest input.
 LONGEST_SHARE = 1 / 3
+# How a model's log line begins to say that its CUDA memory stepped up (token2wav's names the calls that took it).
+MEMORY_STEP_MARK = "CUDA memory reserved rose"
 
 _SENTENCES = (
     "The morning train left the station a few minutes late.",
@@ -264,6 +267,13 @@ def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return report
 
 
+def memory_steps(log: Path) -> list[str]:
+    """The lines of a Triton log in which a model says its CUDA memory stepped up, and why."""
+    if not log.exists():
+        return []
+    return [line.strip() for line in log.read_text(errors="replace").splitlines() if MEMORY_STEP_MARK in line]
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """The soak as ``args`` ask; ``workdir`` holds the gateway's files (and the Triton's, with a profile)."""
     cores = pinned_cores(args.cores) if args.cores else None
@@ -278,6 +288,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if server.pid is None:
                 raise RuntimeError("the Triton for the profile did not start")
             roots = {server.pid: "tritonserver"}
+            triton_log: Path | None = server.log_path
             env = {
                 "TTS_TRITON_URL": server.grpc_url,
                 "TTS_WORKERS": str(args.gateway_workers),
@@ -286,11 +297,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             speech = Speech("tts-1", args.voice or "lumen", args.max_chars)
             stack_setup: dict[str, Any] | None = dataclasses.asdict(setup)
         else:
-            roots, env, stack_setup = {}, {"TTS_TRITON_URL": ""}, None
+            roots, env, stack_setup, triton_log = {}, {"TTS_TRITON_URL": ""}, None, None
             speech = Speech("piper", args.voice or "alloy", args.max_chars)
         gateway = stack.enter_context(GatewayServer(workdir / "gateway", env, cores=cores))
         roots[gateway.pid] = "gateway"
         result = asyncio.run(_soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency))
+        steps = None if triton_log is None else memory_steps(triton_log)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -304,6 +316,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "requests": result["requests"],
         "first_byte_ms": result["first_byte_ms"],
         "processes": growth(result["samples"]),
+        "memory_steps": steps,
         "samples": result["samples"],
     }
 
@@ -364,6 +377,10 @@ def report(results: dict[str, Any], command: str) -> str:
                 f"| {row['rss_rest_at_end_mib']:g} | {row['growth_after_warmup_pct']:+.2f} % "
                 f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
+    steps = results.get("memory_steps")
+    if steps is not None:
+        lines += ["", "What the models logged of their CUDA memory stepping up, with the work that took it:", ""]
+        lines += [f"- `{line}`" for line in steps] or ["- nothing"]
     return "\n".join(lines) + "\n"
 
 

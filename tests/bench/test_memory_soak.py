@@ -5,10 +5,11 @@ from __future__ import annotations
 import mmap
 import os
 import random
+from pathlib import Path
 
 import pytest
 
-from benchmarks.memory_soak import _child_label, growth, report, rss_mib, soak_text
+from benchmarks.memory_soak import _child_label, growth, memory_steps, report, rss_mib, soak_text
 
 
 def test_a_process_own_memory_leaves_out_what_it_shares() -> None:
@@ -73,7 +74,9 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
             "gateway shmem": {**row, "rss_peak_mib": 0.0},
         },
     }
-    text = report(results, "python -m benchmarks.memory_soak")
+    text = report({**results, "memory_steps": []}, "python -m benchmarks.memory_soak")
+    assert text.endswith("with the work that took it:\n\n- nothing\n")
+    assert "stepping up" not in report(results, "python -m benchmarks.memory_soak")
     assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
     assert "once the first 5 minutes have passed (the first 1.67 of them sending only the longest input)" in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
@@ -105,3 +108,14 @@ def test_soak_inputs_vary_in_length_except_the_longest_ones() -> None:
     lengths = {len(soak_text(rng, 1000)) for _ in range(200)}
     assert min(lengths) < 200 and max(lengths) <= 1000 and len(lengths) > 50
     assert {len(soak_text(rng, 1000, longest=True)) for _ in range(20)} == {1000}
+
+
+def test_the_models_memory_steps_are_read_from_the_triton_log(tmp_path: Path) -> None:
+    log = tmp_path / "tritonserver.log"
+    step = (
+        "I1129 04:00:00.000000 7 pb_stub.cc:1] token2wav: CUDA memory reserved rose from 18786 to 19300 MiB"
+        " while converting 32 calls of up to 640 mel frames (HiFT batches vocoded eagerly: none)"
+    )
+    log.write_text(f"I1129 03:59:00.000000 7 model_lifecycle.cc:1] loaded token2wav\n{step}\n")
+    assert memory_steps(log) == [step]
+    assert memory_steps(tmp_path / "absent.log") == []
