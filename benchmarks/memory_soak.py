@@ -1,24 +1,25 @@
 """Memory over a long run of the embedded CPU default, or of a CosyVoice2 profile on its own Triton.
 
 Starts the gateway as users run it (on the embedded CPU default it starts its own Triton on the
-``cpu`` profile; with ``--profile`` a Triton is started here on that CosyVoice2 profile over a random
-checkpoint, ``benchmarks/cosyvoice2_triton.py``, and the gateway is pointed at it), sends requests
-at ``--concurrency`` for ``--minutes``, inputs of mixed length up to 4,096 characters in every
-response format, streamed and whole, and samples the resident memory of every process: the
+``cpu`` profile; with ``--profile`` a Triton is started here on that CosyVoice2 profile over a
+random checkpoint, ``benchmarks/cosyvoice2_triton.py``, and the gateway is pointed at it), sends
+requests at ``--concurrency`` for ``--minutes``, inputs of mixed length up to 4,096 characters in
+every response format, streamed and whole, and samples the resident memory of every process: the
 gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the part
 shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
 largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
 files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses for a rest after the
-warm-up (``--warmup`` minutes) and at the end; the report is each process's memory
-at those two rests, the growth between (the target: under 1 %), and its peak under load. The
-warm-up's first third sends only the longest input, from every listener at once: the pools (the
-tensor pool, CUDA's caching allocator, malloc's arenas) then reach the size the heaviest load needs
-before growth is counted, so growth after the warm-up is memory kept per request, not a pool that
-a rare run of long inputs later stretched. Under
-load the RSS follows the longest sentences being synthesised at that moment, so only memory at
-rest tells growth from work in progress. With a profile the report also quotes the lines in which a model logged its
-CUDA memory stepping up (token2wav names the calls that took it), so a step has a cause. Each response's first byte is timed too, by phase: what the
-load's listeners waited through the run.
+warm-up (``--warmup`` minutes) and at the end; the report is each process's memory at those two
+rests, the growth between (the target: under 1 %), and its peak under load.
+
+The warm-up's first third sends only the longest input, from every listener at once: the pools (the
+tensor pool, CUDA's caching allocator, malloc's arenas) grow toward what the heaviest load needs
+before growth is counted, so growth after it is mostly memory kept per request (a pool can still
+step up when the random load later packs more requests onto one process than the warm-up did). Under
+load the RSS follows the longest sentences being synthesised at that moment, so only memory at rest
+tells growth from work in progress. With a profile the report also quotes the lines in which a model
+logged its CUDA memory stepping up (token2wav names the calls that took it), so a step has a cause.
+Each response's first byte is timed too, by phase: what the load's listeners waited through the run.
 
     python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2] [--out DIR --name NAME]
     # CosyVoice2 on one GPU, 64 streams:
