@@ -225,10 +225,10 @@ def test_a_rise_of_its_cuda_memory_is_logged_with_the_work_that_took_it(
         assert not [r for r in caplog.records if "CUDA memory" in r.message]
         t2w.offline(tokens, prompt)
     (line,) = [r.getMessage() for r in caplog.records if "CUDA memory" in r.message]
-    # 12 prompt + 20 target tokens, 2 mel frames a token; without HiFT graphs every call is vocoded eagerly.
+    # 12 prompt + 20 target tokens, 2 mel frames a token; without graphs every call is solved and vocoded eagerly.
     assert line == (
         "CUDA memory reserved rose from 0 to 512 MiB while converting 1 calls of up to 64 mel frames"
-        " (HiFT batches vocoded eagerly: 1 x 40 frames)"
+        " (flow solved eagerly: 1 x 64 frames; HiFT batches vocoded eagerly: 1 x 40 frames)"
     )
     assert line.startswith(MEMORY_STEP_MARK)  # what the memory soak's report collects
 
