@@ -437,15 +437,15 @@ class Token2Wav:
         for index, prefix in enumerate(prefixes):
             by_prefix.setdefault(id(prefix), []).append(index)
         eager_flow: list[tuple[int, int]] = []
-        solver = _noting_misses(self.solver, eager_flow)
         for members in by_prefix.values():
             grouped = self.flow.inference_batch(
                 [items[i] for i in members],
                 n_timesteps=self.n_timesteps,
-                solver=solver,
+                solver=self.solver,
                 prefix=prefixes[members[0]],
                 between_segments=lend_the_gpu,
                 encoder=self.encoder_graphs,
+                eager=eager_flow,
             )
             for index, mel in zip(members, grouped, strict=True):
                 mels[index] = mel
@@ -685,27 +685,6 @@ _SameLength: TypeAlias = tuple[list[int], Tensor, ExcitationNoise, Tensor | None
 # mel starts a batch of its own (one launch-bound call, about 15-20 ms on an H100, costs less than
 # padding a group of short chunks to one long final chunk).
 MAX_PADDING_WASTE: Final = 2.0
-
-
-def _noting_misses(solver: MelSolver | None, misses: list[tuple[int, int]]) -> MelSolver:
-    """``solver`` (None: none), noting in ``misses`` the (rows, frames) of every batch it leaves to the eager
-    solve: the eager solve's memory grows with them, and the CUDA-memory log names them."""
-
-    def solve(
-        mu: Tensor,
-        mask: Tensor,
-        speaker: Tensor,
-        cond: Tensor,
-        streaming: Tensor,
-        prefix: VoicePrefix | None,
-        between_segments: Callable[[], None] | None = None,
-    ) -> Tensor | None:
-        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefix, between_segments)
-        if mel is None:
-            misses.append((mu.size(0), mu.size(2)))
-        return mel
-
-    return solve
 
 
 def _shapes(batches: list[tuple[int, int]]) -> str:
