@@ -14,8 +14,8 @@ rests, the growth between (the target: under 1 %), and its peak under load.
 
 The warm-up's first third sends only the longest input, from every listener at once: the pools (the
 tensor pool, CUDA's caching allocator, malloc's arenas) grow toward what the heaviest load needs
-before growth is counted, so growth after it is mostly memory kept per request (a pool can still
-step up when the random load later packs more requests onto one process than the warm-up did). Under
+before growth is counted, so that growth after it is less often a pool still filling; a pool can
+still step up when the random load later packs more work onto one process than the warm-up did. Under
 load the RSS follows the longest sentences being synthesised at that moment, so only memory at rest
 tells growth from work in progress. With a profile the report also quotes the lines in which a model
 logged its CUDA memory stepping up (token2wav names the calls that took it), so a step has a cause.
@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import json
 import random
+import re
 import shlex
 import shutil
 import subprocess
@@ -67,8 +68,8 @@ REQUEST_TIMEOUT_S = 600.0
 DEVICE_LABEL = "all GPUs"
 # The share of the warm-up that sends only the longest input.
 LONGEST_SHARE = 1 / 3
-# How a model's log line begins to say that its CUDA memory stepped up (token2wav's names the calls that took it).
-MEMORY_STEP_MARK = "CUDA memory reserved rose"
+# The time glog (Triton's log) puts before each line: I MMDD HH:MM:SS.micro.
+_LOG_TIME = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{1,6})")
 
 _SENTENCES = (
     "The morning train left the station a few minutes late.",
@@ -226,6 +227,7 @@ async def _soak(
     first_byte_s: dict[str, list[float]] = {"warmup": [], "soak": []}
     rng = random.Random(0)
     phase = ["warmup"]
+    started = datetime.datetime.now(datetime.UTC)
     sampler = asyncio.create_task(_sample(roots, phase, samples))
     for name, load_minutes in (("warmup", warmup), ("soak", minutes - warmup)):
         phase[0] = name
@@ -241,6 +243,7 @@ async def _soak(
     with contextlib.suppress(asyncio.CancelledError):
         await sampler
     return {
+        "started": started.isoformat(timespec="seconds"),
         "requests": counts,
         "first_byte_ms": {name: percentiles_ms(values) for name, values in first_byte_s.items()},
         "samples": samples,
@@ -268,11 +271,23 @@ def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return report
 
 
-def memory_steps(log: Path) -> list[str]:
-    """The lines of a Triton log in which a model says its CUDA memory stepped up, and why."""
+def memory_steps(log: Path, mark: str, started: datetime.datetime) -> list[dict[str, Any]]:
+    """The lines of a Triton log that contain ``mark`` (a model saying its CUDA memory stepped up, and
+    why), each with the minute of the run it came at (None where Triton put no time before it)."""
     if not log.exists():
         return []
-    return [line.strip() for line in log.read_text(errors="replace").splitlines() if MEMORY_STEP_MARK in line]
+    lines = (line.strip() for line in log.read_text(errors="replace").splitlines() if mark in line)
+    return [{"at_min": _run_minute(line, started), "line": line} for line in lines]
+
+
+def _run_minute(line: str, started: datetime.datetime) -> float | None:
+    found = _LOG_TIME.match(line)
+    if found is None:
+        return None
+    month, day, hour, minute, second = (int(part) for part in found.groups()[:5])
+    micro = int(found.group(6).ljust(6, "0"))
+    at = started.replace(month=month, day=day, hour=hour, minute=minute, second=second, microsecond=micro)
+    return round((at - started).total_seconds() / 60, 1)
 
 
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -303,7 +318,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         gateway = stack.enter_context(GatewayServer(workdir / "gateway", env, cores=cores))
         roots[gateway.pid] = "gateway"
         result = asyncio.run(_soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency))
-        steps = None if triton_log is None else memory_steps(triton_log)
+        steps = None
+        if triton_log is not None:
+            # Imported here, as cosyvoice2_triton above: it needs torch.
+            from tts_gateway.models.cosyvoice2.engines.cuda_memory import STEP_LOG_PREFIX
+
+            started = datetime.datetime.fromisoformat(result["started"])
+            steps = memory_steps(triton_log, STEP_LOG_PREFIX, started)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -314,6 +335,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "cores": args.cores,
         "stack": stack_setup,
         "speech": speech._asdict(),
+        "started": result["started"],
         "requests": result["requests"],
         "first_byte_ms": result["first_byte_ms"],
         "processes": growth(result["samples"]),
@@ -381,13 +403,17 @@ def report(results: dict[str, Any], command: str) -> str:
     steps = results.get("memory_steps")
     if steps is not None:
         lines += ["", "What the models logged of their CUDA memory stepping up, with the work that took it:", ""]
-        lines += [f"- `{line}`" for line in steps] or ["- nothing"]
+        lines += [_step_line(step) for step in steps] or ["- nothing"]
     return "\n".join(lines) + "\n"
+
+
+def _step_line(step: dict[str, Any]) -> str:
+    return f"- `{step['line']}`" if step["at_min"] is None else f"- min {step['at_min']:.1f}: `{step['line']}`"
 
 
 def _longest_first(results: dict[str, Any]) -> str:
     longest = results.get("warmup_longest_minutes")
-    return f" (the first {longest:g} of them sending only the longest input)" if longest else ""
+    return f" (of which the first {longest:g} min sent only the longest input)" if longest else ""
 
 
 def _minutes(seconds: float | None) -> str:

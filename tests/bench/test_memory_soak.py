@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 import random
@@ -76,9 +77,13 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
     }
     text = report({**results, "memory_steps": []}, "python -m benchmarks.memory_soak")
     assert text.endswith("with the work that took it:\n\n- nothing\n")
+    step = {"at_min": 8.8, "line": "token2wav: CUDA memory reserved rose from 1 to 2 MiB"}
+    assert report({**results, "memory_steps": [step]}, "x").endswith(
+        "\n- min 8.8: `token2wav: CUDA memory reserved rose from 1 to 2 MiB`\n"
+    )
     assert "stepping up" not in report(results, "python -m benchmarks.memory_soak")
     assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
-    assert "once the first 5 minutes have passed (the first 1.67 of them sending only the longest input)" in text
+    assert "once the first 5 minutes have passed (of which the first 1.67 min sent only the longest input)" in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[1:] == [
         "| all GPUs | CUDA | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
@@ -110,12 +115,18 @@ def test_soak_inputs_vary_in_length_except_the_longest_ones() -> None:
     assert {len(soak_text(rng, 1000, longest=True)) for _ in range(20)} == {1000}
 
 
-def test_the_models_memory_steps_are_read_from_the_triton_log(tmp_path: Path) -> None:
+def test_the_models_memory_steps_are_read_from_the_triton_log_with_the_minute_they_came(tmp_path: Path) -> None:
     log = tmp_path / "tritonserver.log"
     step = (
-        "I1129 04:00:00.000000 7 pb_stub.cc:1] token2wav: CUDA memory reserved rose from 18786 to 19300 MiB"
-        " while converting 32 calls of up to 640 mel frames (HiFT batches vocoded eagerly: none)"
+        'I1129 04:14:49.123456 5889 triton_logging.py:52] "token2wav: tts_gateway.models.cosyvoice2.engines.token2wav:'
+        " CUDA memory reserved rose from 18786 to 19300 MiB while converting 32 calls of up to 640 mel frames"
+        ' (flow solved eagerly: none; HiFT batches vocoded eagerly: 8 x 400 frames)"'
     )
-    log.write_text(f"I1129 03:59:00.000000 7 model_lifecycle.cc:1] loaded token2wav\n{step}\n")
-    assert memory_steps(log) == [step]
-    assert memory_steps(tmp_path / "absent.log") == []
+    loaded = 'I1129 04:05:40.000001 5889 triton_logging.py:52] "token2wav: ...: flow and HiFT weights loaded"'
+    log.write_text(f"{loaded}\n{step}\nCUDA memory reserved rose, a line without Triton's time\n")
+    started = datetime.datetime(2026, 11, 29, 4, 6, 3, tzinfo=datetime.UTC)
+    assert memory_steps(log, "CUDA memory reserved rose", started) == [
+        {"at_min": 8.8, "line": step},
+        {"at_min": None, "line": "CUDA memory reserved rose, a line without Triton's time"},
+    ]
+    assert memory_steps(tmp_path / "absent.log", "CUDA memory reserved rose", started) == []

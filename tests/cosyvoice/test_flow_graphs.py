@@ -113,14 +113,15 @@ def test_a_solve_lends_only_once_its_first_segment_has_run(flow: CausalFlow) -> 
     assert order == ["first segment done", "lent"]
 
 
-def test_the_solves_no_bucket_holds_are_reported_as_eager(flow: CausalFlow) -> None:
+def test_solves_that_fit_no_graph_are_reported_as_eager(flow: CausalFlow) -> None:
     graphs = cpu_graphs(flow, max_rows=4)
     eager: list[tuple[int, int]] = []
-    flow.inference_batch([item(60, 20, streaming=True)], solver=graphs, eager=eager)
+    flow.inference_batch([item(60, 20, streaming=True)], solver=graphs, eager_solves=eager)
     assert eager == []
     # 40 prompt + 120 target tokens, 2 mel frames a token: 320 frames, past the largest bucket (256).
-    flow.inference_batch([item(61, 120, streaming=False), item(62, 30, streaming=False)], solver=graphs, eager=eager)
+    long_and_short = [item(61, 120, streaming=False), item(62, 30, streaming=False)]
+    flow.inference_batch(long_and_short, solver=graphs, eager_solves=eager)
     assert eager == [(2, 320)]
-    flow.inference_batch([item(63, 20, streaming=True)], eager=eager)  # no solver: eager
+    flow.inference_batch([item(63, 20, streaming=True)], eager_solves=eager)  # no solver: eager
     # A streaming chunk's last 3 tokens are look-ahead only: (40 + 20 - 3) tokens of 2 frames.
     assert eager == [(2, 320), (1, 114)]

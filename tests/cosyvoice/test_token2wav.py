@@ -13,8 +13,7 @@ import pytest
 import torch
 from numpy.typing import NDArray
 
-from benchmarks.memory_soak import MEMORY_STEP_MARK
-from tts_gateway.models.cosyvoice2.engines.cuda_memory import ReservedMemoryWatch
+from tts_gateway.models.cosyvoice2.engines.cuda_memory import STEP_LOG_PREFIX, ReservedMemoryWatch
 from tts_gateway.models.cosyvoice2.engines.token2wav import StreamStateError, Token2Wav
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
@@ -230,7 +229,7 @@ def test_a_rise_of_its_cuda_memory_is_logged_with_the_work_that_took_it(
         "CUDA memory reserved rose from 0 to 512 MiB while converting 1 calls of up to 64 mel frames"
         " (flow solved eagerly: 1 x 64 frames; HiFT batches vocoded eagerly: 1 x 40 frames)"
     )
-    assert line.startswith(MEMORY_STEP_MARK)  # what the memory soak's report collects
+    assert line.startswith(STEP_LOG_PREFIX)  # what the memory soak's report collects
 
 
 def test_the_reserving_call_runs_the_padded_path_and_leaves_the_global_generator_alone(

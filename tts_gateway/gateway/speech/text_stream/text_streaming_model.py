@@ -149,10 +149,10 @@ class StreamedTextSynthesis:
         async with contextlib.AsyncExitStack() as stack:
             session: TextStreamCall | None = None
             reader: asyncio.Task[None] | None = None
-            ended = False
-            while not ended:
-                text, ended = self._waiting(await self._texts.get())
-                if not text:  # the input's end alone
+            input_done = False
+            while not input_done:
+                text, input_done = self._waiting(await self._texts.get())
+                if not text:  # nothing to send: an empty piece, or the input's end alone
                     continue
                 words = await self._sessions.normalized(self._context, text.strip())
                 if session is None:

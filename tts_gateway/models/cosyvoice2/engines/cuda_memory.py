@@ -15,6 +15,13 @@ import torch
 
 # Smaller rises go unlogged (the allocator reserves in segments of a few MiB while a load builds up).
 MIN_STEP_BYTES: Final = 64 << 20
+# How a step's log line begins: the memory soak's report collects the lines by it.
+STEP_LOG_PREFIX: Final = "CUDA memory reserved rose"
+
+
+def describe_step(rise: tuple[int, int]) -> str:
+    """The start of a step's log line: what the memory rose from and to, in MiB."""
+    return f"{STEP_LOG_PREFIX} from {rise[0] >> 20} to {rise[1] >> 20} MiB"
 
 
 class ReservedMemoryWatch:

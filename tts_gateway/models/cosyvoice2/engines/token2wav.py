@@ -34,7 +34,7 @@ from numpy.typing import NDArray
 from torch import Tensor
 from torch._dynamo.exc import TorchDynamoException
 
-from tts_gateway.models.cosyvoice2.engines.cuda_memory import ReservedMemoryWatch
+from tts_gateway.models.cosyvoice2.engines.cuda_memory import ReservedMemoryWatch, describe_step
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import MAX_ROWS as ENCODER_GRAPH_ROWS
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import EncoderGraphs
 from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
@@ -445,7 +445,7 @@ class Token2Wav:
                 prefix=prefixes[members[0]],
                 between_segments=lend_the_gpu,
                 encoder=self.encoder_graphs,
-                eager=eager_flow,
+                eager_solves=eager_flow,
             )
             for index, mel in zip(members, grouped, strict=True):
                 mels[index] = mel
@@ -481,10 +481,9 @@ class Token2Wav:
         }
         if self.memory_watch is not None and (rise := self.memory_watch.rise()) is not None:
             _log.info(
-                "CUDA memory reserved rose from %d to %d MiB while converting %d calls of up to %d mel frames"
+                "%s while converting %d calls of up to %d mel frames"
                 " (flow solved eagerly: %s; HiFT batches vocoded eagerly: %s)",
-                rise[0] >> 20,
-                rise[1] >> 20,
+                describe_step(rise),
                 len(group),
                 frames,
                 _shapes(eager_flow),

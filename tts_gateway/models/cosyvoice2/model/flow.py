@@ -221,7 +221,7 @@ class CausalFlow(nn.Module):
         prefix: VoicePrefix | None = None,
         between_segments: Callable[[], None] | None = None,
         encoder: TokenEncoder | None = None,
-        eager: list[tuple[int, int]] | None = None,
+        eager_solves: list[tuple[int, int]] | None = None,
     ) -> list[Tensor]:
         """Mel ``[80, frames_i]`` (float32) of each item's target tokens, computed as one batch.
 
@@ -231,7 +231,7 @@ class CausalFlow(nn.Module):
         flow-matching solve where it has a shape that fits (and calls ``between_segments`` between the
         parts of its solve, see :class:`MelSolver`); ``encoder`` likewise replaces the eager encoder (for
         example :mod:`tts_gateway.models.cosyvoice2.engines.encoder_graphs`). With ``prefix`` (recorded for the
-        items' voice, which all items must share, all streaming) the solve runs only after it. ``eager``,
+        items' voice, which all items must share, all streaming) the solve runs only after it. ``eager_solves``,
         where given, gets the (rows, frames) of the solve when it runs eagerly (its memory grows with them).
         """
         start = 0 if prefix is None else prefix.frames
@@ -271,8 +271,8 @@ class CausalFlow(nn.Module):
             mu, mask, cond = mu[:, :, start:], mask[:, :, start:], cond[:, :, start:]
         mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefix, between_segments)
         if mel is None:
-            if eager is not None:
-                eager.append((mu.size(0), mu.size(2)))
+            if eager_solves is not None:
+                eager_solves.append((mu.size(0), mu.size(2)))
             tape = None
             if prefix is not None:
                 tape = PrefixReplay(prefix.tensors, torch.ones(start, dtype=torch.bool, device=device))
