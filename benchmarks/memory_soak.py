@@ -243,7 +243,7 @@ async def _soak(
     with contextlib.suppress(asyncio.CancelledError):
         await sampler
     return {
-        "started": started.isoformat(timespec="seconds"),
+        "started": started,
         "requests": counts,
         "first_byte_ms": {name: percentiles_ms(values) for name, values in first_byte_s.items()},
         "samples": samples,
@@ -323,8 +323,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             # Imported here, as cosyvoice2_triton above: it needs torch.
             from tts_gateway.models.cosyvoice2.engines.cuda_memory import STEP_LOG_PREFIX
 
-            started = datetime.datetime.fromisoformat(result["started"])
-            steps = memory_steps(triton_log, STEP_LOG_PREFIX, started)
+            steps = memory_steps(triton_log, STEP_LOG_PREFIX, result["started"])
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -335,7 +334,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "cores": args.cores,
         "stack": stack_setup,
         "speech": speech._asdict(),
-        "started": result["started"],
+        "started": result["started"].isoformat(timespec="seconds"),
         "requests": result["requests"],
         "first_byte_ms": result["first_byte_ms"],
         "processes": growth(result["samples"]),
