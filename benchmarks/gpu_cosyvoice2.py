@@ -457,14 +457,25 @@ def _first_hop_cell(hops: dict[str, float]) -> str:
     return f"{hops['mean']:g} ({hops['min']:g}-{hops['max']:g})"
 
 
+def _llm_sentence(setup: dict[str, Any]) -> str:
+    if setup["profile"] == SERVER_PROFILE:
+        return (
+            f"LLM: {setup['llm']}, a process of its own on the same GPU, which the orchestrator streams tokens "
+            "from over the OpenAI completions API (the stand-in for vLLM, SGLang or trtllm-serve)"
+        )
+    return (
+        f"LLM: {setup['llm']} (the PyTorch engine batches every request over a static KV cache with decode "
+        "steps replayed as CUDA graphs)"
+    )
+
+
 def markdown(report: dict[str, Any]) -> str:
     setup = report["setup"]
     lines = [
         f"## CosyVoice2 behind Triton, profile `{setup['profile']}` (LLM: {setup['llm']}), {setup['device']}",
         "",
         "**Random weights at full size** (flow and HiFT at CosyVoice2-0.5B's hyper-parameters, the LLM at "
-        f"Qwen2-0.5B's shape, bf16); LLM: {setup['llm']} (the PyTorch engine batches every request over a "
-        "static KV cache with decode steps replayed as CUDA graphs); token2wav batching concurrent calls, the "
+        f"Qwen2-0.5B's shape, bf16); {_llm_sentence(setup)}; token2wav batching concurrent calls, the "
         "flow solve replayed as CUDA graphs; not TensorRT-LLM. The L20 columns are upstream's figures "
         "(runtime/triton_trtllm: real weights, TensorRT-LLM, 26 prompts, ~170 s of audio) on a **different "
         "GPU**: a point of reference, not a like-for-like comparison.",
@@ -828,6 +839,9 @@ def run(args: argparse.Namespace) -> bool:
         log(f"{len(servers)} tritonserver(s) ready in {startup_s:.1f} s (instances {instances}; log {triton.log_path})")
         params, llm_params = model_parameters(triton.grpc_url)
         token2wav = config_parameters(triton.grpc_url, params["token2wav_model"])
+        stream_model = contract.stream_model_name(MODEL)
+        # The streaming model's own workers: a profile or --set may give it more than the offline model.
+        stream_workers = int(config_parameters(triton.grpc_url, stream_model)["stream_workers"])
         n_timesteps = int(token2wav.get("n_timesteps") or 10)
         jobs = make_jobs(texts, voices, tokenizer, params)
         audio = [job.expected_tokens / 25 for job in jobs]
@@ -845,7 +859,7 @@ def run(args: argparse.Namespace) -> bool:
                 "torch_cuda": torch.version.cuda,
                 "instances": instances,
                 "offline_slots": instances[MODEL],
-                "stream_slots": instances[contract.stream_model_name(MODEL)] * int(params["stream_workers"]),
+                "stream_slots": instances[stream_model] * stream_workers,
                 "llm_slots": instances[params["llm_model"]] * int(llm_params["max_slots"]) if llm_params else "-",
                 "overrides": [*(CPU_OVERRIDES if args.cpu else ()), *server_sets, *args.set],
                 "prompts": len(jobs),
