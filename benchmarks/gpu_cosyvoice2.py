@@ -63,6 +63,7 @@ from benchmarks import cosyvoice2_triton, gpu_floors, gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.gpu_query import nvidia_smi, used_mib_by_gpu
 from benchmarks.gpu_sanity import ROOT, Voice
+from benchmarks.server_processes import CpuUse, cores_cell, cpu_seconds
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded.fleet import EmbeddedFleet, embedded_servers
 from tts_gateway.gateway.embedded.server import EmbeddedTritonError
@@ -149,6 +150,8 @@ class Client:
     http: aiohttp.ClientSession
     gateways: dict[tuple[str, int], GatewayServer]
     timeout_s: float
+    # The first GPU's tritonserver, whose processes' CPU each pass measures.
+    triton_pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,8 @@ class PassResult:
     gpus: int = 1
     # CPU time of the gateway's processes over the pass / its wall time: how many cores it kept busy.
     gateway_cores: float | None = None
+    # The same for each process of the first GPU's Triton server, and its busiest thread (server_processes.py).
+    triton_cores: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.requests if r.error is None]
@@ -236,6 +241,7 @@ class PassResult:
             "gpu_peak_mib": max(self.gpu_peak_mib) if self.gpu_peak_mib else None,
             "gpu_peak_mib_each": self.gpu_peak_mib,
             "gateway_cores": self.gateway_cores,
+            "triton_cpu_cores": self.triton_cores,
         }
 
 
@@ -414,27 +420,30 @@ async def run_pass(
             )
 
     cpu_before = process_tree_cpu_s(gateway.pid) if gateway is not None else 0.0
+    triton_cpu = CpuUse(client.triton_pid, "tritonserver") if client.triton_pid is not None else None
+    if triton_cpu is not None:
+        triton_cpu.start()
     with GpuMemoryPeak(gpu) as peak:
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - started
     cores = None if gateway is None else round((process_tree_cpu_s(gateway.pid) - cpu_before) / wall, 2)
     results.sort(key=lambda r: r.prompt)
-    return PassResult(target, mode, concurrency, wall, peak.peak_mib, results, gpus, cores)
+    triton_cores = triton_cpu.cores() if triton_cpu is not None else {}
+    return PassResult(target, mode, concurrency, wall, peak.peak_mib, results, gpus, cores, triton_cores)
 
 
 def process_tree_cpu_s(root: int) -> float:
     """User plus system CPU seconds used so far by ``root`` and its live descendants (a gateway's workers)."""
-    ticks, pending = 0, [root]
+    seconds, pending = 0.0, [root]
     while pending:
         pid = pending.pop()
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            seconds += cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
             pending += children(pid)
         except OSError:  # ended since it was listed
             continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
 def make_jobs(texts: list[str], voices: list[Voice], tokenizer: Any, params: dict[str, str]) -> list[Job]:
@@ -555,6 +564,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{hops}.",
         ]
         lines += floor_lines(report, staged)
+    lines += cpu_lines(report)
     lines += [
         "",
         f"L20 {L20_STREAM_NO_CACHE}. Requests served at once: offline {setup['offline_slots']} (instances), "
@@ -577,6 +587,25 @@ def markdown(report: dict[str, Any]) -> str:
     if setup.get("command"):
         lines += ["", f"Command: `{setup['command']}`."]
     return "\n".join(lines) + "\n"
+
+
+def cpu_lines(report: dict[str, Any]) -> list[str]:
+    """The Triton processes that kept the most CPU busy in each pass (none in reports from before the figure)."""
+    measured = [item for item in report["passes"] if item.get("triton_cpu_cores")]
+    if not measured:
+        return []
+    return [
+        "",
+        "### The Triton server's busiest processes (CPU cores over the pass, its busiest thread's in brackets)",
+        "",
+        "A model instance is `stub:MODEL`. A thread near one core is bound by itself (the GPU waits on it); "
+        "a process near one core in all may be held by Python's interpreter lock.",
+        "",
+        *(
+            f"- {item['target']} {item['mode']}, {item['concurrency']} streams: {cores_cell(item['triton_cpu_cores'])}"
+            for item in measured
+        ),
+    ]
 
 
 def floor_lines(report: dict[str, Any], staged: list[dict[str, Any]]) -> list[str]:
@@ -706,11 +735,12 @@ async def measure(
     timeout_s: float,
     out: Path,
     trace_dir: Path,
+    triton_pid: int | None,
 ) -> bool:
     """Warm up, then run every level for each target in both modes; returns whether every request succeeded."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
-        client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s)
+        client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s, triton_pid)
         try:
             gpu_counts = sorted({gpus for _, gpus in gateways} | {1})
             return await _measure(
@@ -916,6 +946,7 @@ def run(args: argparse.Namespace) -> bool:
                 timeout_s=args.timeout_s,
                 out=args.out,
                 trace_dir=trace_dir,
+                triton_pid=triton.pid,
             )
         )
         if gpu:

@@ -53,10 +53,11 @@ import aiohttp
 
 from benchmarks import bench
 from benchmarks.bench_load import gateway_session
-from benchmarks.bench_stack import GatewayServer, children
+from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cpu_default import pinned_cores
 from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi, used_mib_by_gpu
+from benchmarks.server_processes import labelled_processes
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
 MAX_CHARS = 4096
@@ -97,41 +98,6 @@ def soak_text(rng: random.Random, max_chars: int = MAX_CHARS, *, longest: bool =
     while len(text) < limit:
         text += " " + rng.choice(_SENTENCES)
     return text[:max_chars]
-
-
-def process_tree(root: int, label: str) -> dict[str, int]:
-    """Label -> pid of ``root`` (as ``label``) and its descendants: tritonserver, stub:MODEL."""
-    labels: dict[str, int] = {}
-    pending = [(root, label)]
-    while pending:
-        pid, label = pending.pop()
-        # A gateway's worker processes share a name: numbered from the lowest pid (a respawned one renumbers).
-        unique, copy = label, 2
-        while unique in labels:
-            unique, copy = f"{label} {copy}", copy + 1
-        labels[unique] = pid
-        for child in sorted(children(pid), reverse=True):  # popped lowest first
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
-                continue
-            pending.append((child, _child_label(label, [arg.decode(errors="replace") for arg in argv]) or str(child)))
-    return labels
-
-
-def _child_label(parent: str, argv: Sequence[str]) -> str:
-    """tritonserver, stub:MODEL, or the parent's label and the child's role: its worker processes, the
-    resource tracker of Python's multiprocessing, inductor's compile workers."""
-    name = Path(argv[0]).name
-    if name == "triton_python_backend_stub":
-        # argv: stub, model path, shm region, ... ; the model path ends in NAME/VERSION/model.py
-        return f"stub:{Path(argv[1]).parent.parent.name}"
-    if not name.startswith("python"):
-        return name
-    command = " ".join(argv)
-    roles = {"resource_tracker": "resource tracker", "compile_worker": "compile worker", "spawn_main": "worker"}
-    role = next((role for marker, role in roles.items() if marker in command), name)
-    return f"{parent} {role}"
 
 
 def rss_mib(pid: int) -> dict[str, float]:
@@ -206,7 +172,7 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
         if device_used is not None:
             row[f"{DEVICE_LABEL} cuda"] = device_used
         for root, root_label in roots.items():
-            for label, pid in process_tree(root, root_label).items():
+            for label, pid in labelled_processes(root, root_label).items():
                 try:
                     memory = rss_mib(pid)
                 except (FileNotFoundError, ProcessLookupError):

@@ -84,6 +84,7 @@ from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cosyvoice2_triton import cosyvoice2_triton
 from benchmarks.gpu_query import nvidia_smi
 from benchmarks.gpu_sanity import print_server_errors
+from benchmarks.server_processes import CpuUse, cores_cell
 
 UTTERANCES = (
     "Thanks for calling. Your order shipped this morning and should arrive on Thursday. "
@@ -289,9 +290,18 @@ class ServedCounts:
 
 
 async def level(
-    args: argparse.Namespace, url: str, sockets: int, pace: float, served: ServedCounts, *, rounds: int
+    args: argparse.Namespace,
+    url: str,
+    sockets: int,
+    pace: float,
+    served: ServedCounts,
+    cpu_roots: dict[str, int],
+    *,
+    rounds: int,
 ) -> dict[str, Any]:
-    """``sockets`` WebSocket clients at once, ``rounds`` utterances each; then as many HTTP clients."""
+    """``sockets`` WebSocket clients at once, ``rounds`` utterances each; then as many HTTP clients. The
+    processes under ``cpu_roots`` (label -> pid: the Triton server and the gateway started here) have their
+    CPU measured over each path's run."""
 
     def text(index: int, round_: int) -> str:
         return UTTERANCES[(index + round_) % len(UTTERANCES)]
@@ -313,10 +323,17 @@ async def level(
                     await attempt(run, utterance(path, index, round_), args.timeout_s)
 
             before = served.now()
+            cpu = [CpuUse(pid, label) for label, pid in cpu_roots.items()]
+            for use in cpu:
+                use.start()
             started = time.perf_counter()
             await asyncio.gather(*(one_client(i) for i in range(sockets)))
             run.wall_s = time.perf_counter() - started
-            row[path] = summary(run) | {"triton_requests": served.since(before)}
+            cores = {label: figures for use in cpu for label, figures in use.cores().items()}
+            row[path] = summary(run) | {
+                "triton_requests": served.since(before),
+                "cpu_cores": dict(sorted(cores.items(), key=lambda item: -item[1]["process"])),
+            }
     return row
 
 
@@ -328,6 +345,8 @@ def _ms(figures: dict[str, float | None]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     setup = report["setup"]
     stack = setup.get("stack")
+    # Reports from before the CPU was measured, and runs on a gateway not started here, have no such column.
+    with_cpu = any(row.get(path, {}).get("cpu_cores") for row in report["levels"] for path in ("websocket", "http"))
     lines = [
         f"# Text streaming: {setup['report_name']}",
         "",
@@ -350,15 +369,26 @@ def markdown(report: dict[str, Any]) -> str:
         "First audio after the first word, after the first sentence's last word (p50 / p90 ms), stalls a "
         "listener hears (per utterance), RTF (the path's wall time over its audio seconds) and failed "
         "utterances, over the WebSocket (`ws`) and the OpenAI HTTP path fed whole sentences (`http`). "
-        "Triton requests: what the server's serving models took during the path's run.",
+        "Triton requests: what the server's serving models took during the path's run."
+        + (
+            " Busiest processes: the CPU cores each process started here (Triton's, a model instance being "
+            "`stub:MODEL`, and the gateway's) kept busy over the path's run, its busiest thread's in brackets; "
+            "a process near one core in all may be held by Python's interpreter lock, a thread near one core "
+            "is bound by itself."
+            if with_cpu
+            else ""
+        ),
         "",
         "| pace ms/word | sockets | path | first text → audio | sentence end → audio | stalls | stalled s "
-        "| audio s | RTF | failed | Triton requests |",
-        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| audio s | RTF | failed | Triton requests |"
+        + (" busiest processes, CPU cores (thread) |" if with_cpu else ""),
+        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|" + ("---|" if with_cpu else ""),
     ]
     for row in report["levels"]:
         if "skipped" in row:
-            lines.append(f"| {row['pace_ms']} | {row['sockets']} | skipped: {row['skipped']} |||||||||")
+            lines.append(
+                f"| {row['pace_ms']} | {row['sockets']} | skipped: {row['skipped']} |||||||||" + "|" * with_cpu
+            )
             continue
         for path in ("websocket", "http"):
             figures = row[path]
@@ -370,6 +400,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {figures['stalls_per_utterance']} | {figures['stalled_s_per_utterance']} "
                 f"| {figures['audio_s_per_utterance']} | {figures['rtf'] if figures['rtf'] is not None else '-'} "
                 f"| {figures['failed']}/{figures['utterances']} | {served or '-'} |"
+                + (f" {cores_cell(figures.get('cpu_cores', {}))} |" if with_cpu else "")
             )
     errors = [
         f"- {row['pace_ms']} ms/word, {row['sockets']} sockets, {path}: {row[path]['first_error']}"
@@ -400,12 +431,17 @@ def device() -> str:
 
 
 async def measure(
-    args: argparse.Namespace, url: str, report: dict[str, Any], served: ServedCounts, deadline: float
+    args: argparse.Namespace,
+    url: str,
+    report: dict[str, Any],
+    served: ServedCounts,
+    cpu_roots: dict[str, int],
+    deadline: float,
 ) -> None:
     """Warm-up (``--warmup`` sockets, then HTTP clients, one utterance each; all must succeed), then every
     pace and level, the report written after each."""
     warm_started = time.perf_counter()
-    warm = await level(args, url, args.warmup, args.paces[0], served, rounds=1)
+    warm = await level(args, url, args.warmup, args.paces[0], served, cpu_roots, rounds=1)
     report["setup"]["warmup_s"] = round(time.perf_counter() - warm_started, 1)
     for path in ("websocket", "http"):
         if warm[path]["failed"]:
@@ -419,7 +455,7 @@ async def measure(
                 report["levels"].append({"sockets": sockets, "pace_ms": round(pace * 1000), "skipped": reason})
             else:
                 started = time.perf_counter()
-                report["levels"].append(await level(args, url, sockets, pace, served, rounds=args.rounds))
+                report["levels"].append(await level(args, url, sockets, pace, served, cpu_roots, rounds=args.rounds))
                 previous = time.perf_counter() - started
             print(json.dumps(report["levels"][-1]), flush=True)
             write_report(args.out, report)
@@ -475,6 +511,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "levels": [],
     }
     setup = report["setup"]
+    cpu_roots: dict[str, int] = {}
     with contextlib.ExitStack() as stack:
         triton_url = args.triton_url
         if args.gateway_url:
@@ -488,6 +525,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 )
                 triton_url = server.grpc_url
+                if server.pid is not None:
+                    cpu_roots["tritonserver"] = server.pid
                 setup["stack"] = asdict(stack_setup)
                 print(f"Triton ready: {setup['stack']}", flush=True)
             elif triton_url is not None:
@@ -497,12 +536,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gateway.start(timeout=args.startup_timeout)
             stack.callback(gateway.stop)
             url = gateway.url
+            cpu_roots["gateway"] = gateway.pid  # with the embedded default its Triton is one of its children
             setup["gateway"] = (
                 "started here (embedded CPU default)"
                 if triton_url is None
                 else f"started here on Triton {triton_url} ({args.gateway_workers} workers)"
             )
-        asyncio.run(measure(args, url, report, ServedCounts(triton_url), deadline))
+        asyncio.run(measure(args, url, report, ServedCounts(triton_url), cpu_roots, deadline))
     setup["total_s"] = round(time.perf_counter() - started, 1)
     write_report(args.out, report)
     return report

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.memory_soak import _child_label, growth, memory_steps, report, rss_mib, soak_text
+from benchmarks.memory_soak import growth, memory_steps, report, rss_mib, soak_text
+from benchmarks.server_processes import child_label
 
 
 def test_a_process_own_memory_leaves_out_what_it_shares() -> None:
@@ -105,7 +106,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
     ],
 )
 def test_child_processes_are_labelled_by_their_role(parent: str, argv: list[str], label: str) -> None:
-    assert _child_label(parent, argv) == label
+    assert child_label(parent, argv) == label
 
 
 def test_soak_inputs_vary_in_length_except_the_longest_ones() -> None:
