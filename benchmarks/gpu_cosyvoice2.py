@@ -66,7 +66,7 @@ from benchmarks.gpu_sanity import ROOT, Voice
 from benchmarks.server_processes import CpuUse, cores_cell, cpu_seconds
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded.fleet import EmbeddedFleet, embedded_servers
-from tts_gateway.gateway.embedded.server import EmbeddedTritonError
+from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract, stage_trace
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_checkpoint, full_size
 from tts_gateway.models.cosyvoice2.model import vocab
@@ -150,8 +150,9 @@ class Client:
     http: aiohttp.ClientSession
     gateways: dict[tuple[str, int], GatewayServer]
     timeout_s: float
-    # The first GPU's tritonserver, whose processes' CPU each pass measures.
-    triton_pid: int | None = None
+    # The first GPU's tritonserver, whose processes' CPU each pass measures (its pid read at each pass: a
+    # supervisor may have restarted it).
+    triton: EmbeddedTriton | None = None
 
 
 @dataclass(frozen=True)
@@ -420,7 +421,8 @@ async def run_pass(
             )
 
     cpu_before = process_tree_cpu_s(gateway.pid) if gateway is not None else 0.0
-    triton_cpu = CpuUse(client.triton_pid, "tritonserver") if client.triton_pid is not None else None
+    triton_pid = client.triton.pid if client.triton is not None else None
+    triton_cpu = CpuUse(triton_pid, "tritonserver") if triton_pid is not None else None
     if triton_cpu is not None:
         triton_cpu.start()
     with GpuMemoryPeak(gpu) as peak:
@@ -574,6 +576,13 @@ def markdown(report: dict[str, Any]) -> str:
     memory = report.get("cuda_memory_by_process_mib")
     if memory:
         lines.append(f"CUDA memory by process at the end (MiB): {memory}.")
+    if setup["profile"] == SERVER_PROFILE:
+        lines.append(
+            "The LLM server is the process that is not a stub: transformers' paged cache takes most of the free GPU "
+            "memory by default. `max_token_text_ratio=2.0`: that server loads the LLM as a plain Qwen2 without the "
+            "head's bias through which the random checkpoint stops, so the longest output is set to the shortest, "
+            "as long as in the in-Triton runs."
+        )
     lines.append(
         f"Setup: instances {setup['instances']}; torch {setup['torch']} (CUDA {setup['torch_cuda']}); checkpoint "
         f"{setup['checkpoint_s']:.0f} s, tritonserver start (load and CUDA-graph capture) {setup['startup_s']:.0f} s, "
@@ -598,8 +607,9 @@ def cpu_lines(report: dict[str, Any]) -> list[str]:
         "",
         "### The Triton server's busiest processes (CPU cores over the pass, its busiest thread's in brackets)",
         "",
-        "A model instance is `stub:MODEL`. A thread near one core is bound by itself (the GPU waits on it); "
-        "a process near one core in all may be held by Python's interpreter lock.",
+        "A model instance is `stub:MODEL`. A process near one core in all may be held by Python's interpreter "
+        "lock; a thread near one core is busy or spinning in a CUDA synchronisation (CUDA's default), which "
+        "this figure does not tell apart (the LLM engine's 'host waiting for a launched step' does for its own).",
         "",
         *(
             f"- {item['target']} {item['mode']}, {item['concurrency']} streams: {cores_cell(item['triton_cpu_cores'])}"
@@ -735,12 +745,12 @@ async def measure(
     timeout_s: float,
     out: Path,
     trace_dir: Path,
-    triton_pid: int | None,
+    triton: EmbeddedTriton | None,
 ) -> bool:
     """Warm up, then run every level for each target in both modes; returns whether every request succeeded."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
-        client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s, triton_pid)
+        client = Client(aio_grpcclient.InferenceServerClient(url), http, gateways, timeout_s, triton)
         try:
             gpu_counts = sorted({gpus for _, gpus in gateways} | {1})
             return await _measure(
@@ -946,7 +956,7 @@ def run(args: argparse.Namespace) -> bool:
                 timeout_s=args.timeout_s,
                 out=args.out,
                 trace_dir=trace_dir,
-                triton_pid=triton.pid,
+                triton=triton,
             )
         )
         if gpu:

@@ -1,10 +1,11 @@
 """A server's processes by role (tritonserver, stub:MODEL, a gateway's workers) and the CPU each kept busy.
 
 Triton runs every Python-backend model instance as a process of its own (a stub), so the CPU a stub
-used over a run says whether that model's host side could be the limit: a stub whose busiest thread
-kept close to one core busy is bound by that thread, and one whose threads together stay near one
-core while the GPU waits may be bound by Python's interpreter lock. ``memory_soak`` labels the
-processes it samples the same way.
+used over a run hints at whether that model's host side could be the limit: a process whose threads
+together stay near one core may be held by Python's interpreter lock. A single thread near one core
+is busy, or spinning in a CUDA synchronisation (CUDA's default while a process has fewer contexts than
+the host has cores), so it tells no more than that alone. ``memory_soak`` labels the processes it
+samples the same way.
 """
 
 from __future__ import annotations
@@ -59,12 +60,19 @@ def cpu_seconds(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of ``pid`` so far, its ended threads' included; None once it has ended (a zombie included)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if stat.rpartition(")")[2].split()[0] in ("Z", "X") else cpu_seconds(stat)
+
+
 def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """Thread id -> CPU seconds of each live thread of ``pid``; empty once it has ended (a zombie included)."""
+    """Thread id -> CPU seconds of each live thread of ``pid``; empty once it has been reaped."""
     found: dict[int, float] = {}
     try:
-        if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X"):
-            return found
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except (FileNotFoundError, ProcessLookupError):
         return found
@@ -79,20 +87,22 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
 class CpuUse:
     """CPU cores each process under ``root`` kept busy from :meth:`start` to :meth:`cores`, and its busiest thread's.
 
-    Processes are labelled as :func:`labelled_processes` does and listed at :meth:`start`; threads
-    started later count from zero, threads that ended meanwhile are not counted (their time is lost,
-    so a figure is a lower bound where a process's threads come and go).
+    Processes are labelled as :func:`labelled_processes` does and listed at :meth:`start` (one started
+    later is not counted). A process's figure counts all its threads, those that ended meanwhile too;
+    the busiest thread is one alive at the end (a thread started later counts from zero).
     """
 
     def __init__(self, root: int, label: str) -> None:
         self._root, self._label = root, label
         self._pids: dict[str, int] = {}
-        self._before: dict[str, dict[int, float]] = {}
+        self._before: dict[str, tuple[float, dict[int, float]]] = {}
         self._started = 0.0
 
     def start(self) -> None:
         self._pids = labelled_processes(self._root, self._label)
-        self._before = {label: thread_cpu_seconds(pid) for label, pid in self._pids.items()}
+        self._before = {
+            label: (process_cpu_seconds(pid) or 0.0, thread_cpu_seconds(pid)) for label, pid in self._pids.items()
+        }
         self._started = time.monotonic()
 
     def cores(self, least: float = 0.05) -> dict[str, dict[str, float]]:
@@ -101,14 +111,15 @@ class CpuUse:
         wall = max(time.monotonic() - self._started, 1e-9)
         used: dict[str, dict[str, float]] = {}
         for label, pid in self._pids.items():
+            process_before, threads_before = self._before[label]
+            process = process_cpu_seconds(pid)
             threads = thread_cpu_seconds(pid)
-            if not threads:  # it has ended
+            if process is None or not threads:  # it has ended
                 continue
-            before = self._before.get(label, {})
-            deltas = [seconds - before.get(tid, 0.0) for tid, seconds in threads.items()]
-            total = sum(deltas) / wall
+            total = (process - process_before) / wall
+            busiest = max(seconds - threads_before.get(tid, 0.0) for tid, seconds in threads.items()) / wall
             if total >= least:
-                used[label] = {"process": round(total, 2), "thread": round(max(deltas) / wall, 2)}
+                used[label] = {"process": round(total, 2), "thread": round(busiest, 2)}
         return dict(sorted(used.items(), key=lambda item: -item[1]["process"]))
 
 

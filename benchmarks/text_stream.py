@@ -373,8 +373,8 @@ def markdown(report: dict[str, Any]) -> str:
         + (
             " Busiest processes: the CPU cores each process started here (Triton's, a model instance being "
             "`stub:MODEL`, and the gateway's) kept busy over the path's run, its busiest thread's in brackets; "
-            "a process near one core in all may be held by Python's interpreter lock, a thread near one core "
-            "is bound by itself."
+            "a process near one core in all may be held by Python's interpreter lock (a thread near one core "
+            "is busy or spinning in a CUDA synchronisation, which the figure does not tell apart)."
             if with_cpu
             else ""
         ),
