@@ -422,7 +422,7 @@ async def run_pass(
 
     cpu_before = process_tree_cpu_s(gateway.pid) if gateway is not None else 0.0
     triton_pid = client.triton.pid if client.triton is not None else None
-    triton_cpu = CpuUse(triton_pid, "tritonserver") if triton_pid is not None else None
+    triton_cpu = CpuUse({"tritonserver": triton_pid}) if triton_pid is not None else None
     if triton_cpu is not None:
         triton_cpu.start()
     with GpuMemoryPeak(gpu) as peak:

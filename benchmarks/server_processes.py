@@ -85,21 +85,26 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
 
 
 class CpuUse:
-    """CPU cores each process under ``root`` kept busy from :meth:`start` to :meth:`cores`, and its busiest thread's.
+    """CPU cores each process under ``roots`` (label -> pid) kept busy from :meth:`start` to :meth:`cores`, and its
+    busiest thread's.
 
     Processes are labelled as :func:`labelled_processes` does and listed at :meth:`start` (one started
     later is not counted). A process's figure counts all its threads, those that ended meanwhile too;
     the busiest thread is one alive at the end (a thread started later counts from zero).
     """
 
-    def __init__(self, root: int, label: str) -> None:
-        self._root, self._label = root, label
+    def __init__(self, roots: dict[str, int]) -> None:
+        self._roots = roots
         self._pids: dict[str, int] = {}
         self._before: dict[str, tuple[float, dict[int, float]]] = {}
         self._started = 0.0
 
     def start(self) -> None:
-        self._pids = labelled_processes(self._root, self._label)
+        self._pids = {
+            label: pid
+            for root_label, root in self._roots.items()
+            for label, pid in labelled_processes(root, root_label).items()
+        }
         self._before = {
             label: (process_cpu_seconds(pid) or 0.0, thread_cpu_seconds(pid)) for label, pid in self._pids.items()
         }

@@ -323,17 +323,12 @@ async def level(
                     await attempt(run, utterance(path, index, round_), args.timeout_s)
 
             before = served.now()
-            cpu = [CpuUse(pid, label) for label, pid in cpu_roots.items()]
-            for use in cpu:
-                use.start()
+            cpu = CpuUse(cpu_roots)
+            cpu.start()
             started = time.perf_counter()
             await asyncio.gather(*(one_client(i) for i in range(sockets)))
             run.wall_s = time.perf_counter() - started
-            cores = {label: figures for use in cpu for label, figures in use.cores().items()}
-            row[path] = summary(run) | {
-                "triton_requests": served.since(before),
-                "cpu_cores": dict(sorted(cores.items(), key=lambda item: -item[1]["process"])),
-            }
+            row[path] = summary(run) | {"triton_requests": served.since(before), "cpu_cores": cpu.cores()}
     return row
 
 

@@ -49,7 +49,7 @@ def parent() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def test_processes_count_their_threads_ended_or_alive(parent: subprocess.Popen[bytes]) -> None:
-    use = CpuUse(parent.pid, "server")
+    use = CpuUse({"server": parent.pid})
     use.start()
     time.sleep(2.0)
     cores = use.cores()
@@ -66,7 +66,7 @@ def test_processes_count_their_threads_ended_or_alive(parent: subprocess.Popen[b
 
 
 def test_a_process_that_ended_is_left_out(parent: subprocess.Popen[bytes]) -> None:
-    use = CpuUse(parent.pid, "server")
+    use = CpuUse({"server": parent.pid})
     use.start()
     subprocess.run(["pkill", "-KILL", "-s", str(parent.pid)], check=False)
     parent.wait()
