@@ -1,9 +1,11 @@
 """Text-streaming sessions end to end: the gateway's TextStreamCall against a real tritonserver.
 
-The cosyvoice2-cpu profile over the tiny checkpoint deploys ``cosyvoice2_bistream`` (one orchestrator
-instance holding the sessions) next to the PyTorch LLM that interleaves text and speech. With random
-weights the audio is noise; the checks are about the session: audio before the text is complete,
-a clean end, pieces refused after it, and a cancelled session's LLM request ended at once.
+The cosyvoice2-cpu profile over the tiny checkpoint deploys ``cosyvoice2_bistream`` (two orchestrator
+instances, Triton's sequence batcher sending each session's requests to the one holding it) next to
+the PyTorch LLM that interleaves text and speech. With random weights the audio is noise; the checks
+are about the session: audio before the text is complete, a clean end, pieces refused after it, a
+cancelled session's LLM request ended at once, pieces reaching their session's instance, and every
+ended session giving its place in the batcher back.
 """
 
 from __future__ import annotations
@@ -148,3 +150,31 @@ async def test_text_for_a_session_not_open_is_refused(client: TritonClient) -> N
     stranger = TextStreamCall(client, MODEL, "never-opened")
     with pytest.raises(InvalidRequestError, match="no open session"):
         await stranger.send_text("hello")
+
+
+async def test_sessions_on_both_instances_get_their_pieces(client: TritonClient, voice: dict[str, object]) -> None:
+    # The batcher places sessions round the two instances; a piece sent to the other one would be refused there
+    # (no open session).
+    sessions = [await TextStreamCall.open(client, MODEL, f"spread-{n}", voice) for n in range(4)]
+    audio: list[list[tuple[float, NDArray[np.float32]]]] = [[] for _ in sessions]
+    readers = [asyncio.create_task(_collect(session, chunks)) for session, chunks in zip(sessions, audio, strict=True)]
+    for piece in PIECES[:3]:
+        for session in sessions:
+            await session.send_text(piece)
+    for session in sessions:
+        await session.finish()
+    await asyncio.wait_for(asyncio.gather(*readers), 300)
+    assert all(chunks for chunks in audio), [len(chunks) for chunks in audio]
+
+
+async def test_every_ended_session_gives_its_place_back(client: TritonClient, voice: dict[str, object]) -> None:
+    # More sessions one after another than the batcher has places (2 instances x 16): without the close that ends
+    # each one's sequence, the 33rd would wait for a place until its opening timed out.
+    for n in range(40):
+        session = await TextStreamCall.open(client, MODEL, f"place-{n}", voice)
+        if n % 8:
+            await session.cancel()
+        else:  # ends by itself once its audio is read
+            await session.finish()
+            async for _ in session:
+                pass

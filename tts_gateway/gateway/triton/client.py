@@ -55,6 +55,9 @@ _CHANNEL_ARGS = [
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 1 << 20),
 ]
+# Triton's sequence batcher refusing a request of a sequence it does not hold (never started, ended,
+# or released after its idle time).
+_SEQUENCE_NOT_HELD: Final = "must specify the START flag on the first request of the sequence"
 _UNAVAILABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.UNKNOWN")
 
 
@@ -66,6 +69,21 @@ class TritonModelConfig:
     inputs: frozenset[str]
     decoupled: bool
     parameters: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SequenceFlags:
+    """A request's place in a Triton sequence (its correlation id and flags).
+
+    A text-streaming model keeps each session in one of its instances; Triton's sequence batcher
+    sends every request of a sequence to the instance its first request went to, so a session's
+    requests carry its id as the correlation id, the opening request ``start`` and the session's
+    last request ``end`` (which frees the sequence's slot in the batcher).
+    """
+
+    id: str
+    start: bool = False
+    end: bool = False
 
 
 def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -> GatewayError:
@@ -83,6 +101,11 @@ def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -
         message = (call.details() if call is not None else None) or str(exc)
     # Errors of decoupled models arrive as a message only; the contract models lead it with their code.
     code, _, rest = message.partition("] ") if message.startswith("[") else ("", "", message)
+    if _SEQUENCE_NOT_HELD in message:
+        return InvalidRequestError(
+            f"model {model!r} has no open session for this request: never opened, ended, or idle too long",
+            code="no_open_session",
+        )
     if status == "StatusCode.INVALID_ARGUMENT" or code == "[INVALID_ARG":
         return InvalidRequestError(f"model {model!r} rejected the request: {rest}", code="backend_rejected")
     if code == "[UNAVAILABLE":
@@ -190,18 +213,24 @@ class TritonClient:
                     yield chunk
 
     def session_audio(
-        self, model: str, values: Mapping[str, Any], request_id: str
+        self, model: str, values: Mapping[str, Any], request_id: str, session: str
     ) -> AsyncGenerator[NDArray[np.float32], None]:
         """The audio of the text-streaming session that ``values`` open: every response's waveform, the
         first (empty: the session is open) included, until the last. No time limit: a session waits for
         its text as long as its client takes to send it. Leaving the iterator early cancels the session's
-        request."""
-        return self._responses(model, values, request_id, None, None, until_final=True)
+        request. ``session`` starts the Triton sequence that routes the session's requests (see
+        :class:`SequenceFlags`)."""
+        sequence = SequenceFlags(session, start=True)
+        return self._responses(model, values, request_id, None, None, until_final=True, sequence=sequence)
 
-    async def session_call(self, model: str, values: Mapping[str, Any], request_id: str) -> None:
+    async def session_call(
+        self, model: str, values: Mapping[str, Any], request_id: str, session: str, *, last: bool = False
+    ) -> None:
         """One request to an open session (a piece of its text, its end, its close) on a stream of its
-        own; returns once the model has answered it. The caller bounds the wait."""
-        calls = self._responses(model, values, request_id, None, None, until_final=False)
+        own; returns once the model has answered it. The caller bounds the wait. ``last`` ends the
+        session's Triton sequence: no request of the session may follow."""
+        sequence = SequenceFlags(session, end=last)
+        calls = self._responses(model, values, request_id, None, None, until_final=False, sequence=sequence)
         async with contextlib.aclosing(calls) as responses:
             async for _ in responses:
                 pass
@@ -215,11 +244,18 @@ class TritonClient:
         chunk_timeout: float | None,
         *,
         until_final: bool,
+        sequence: SequenceFlags | None = None,
     ) -> AsyncGenerator[NDArray[np.float32], None]:
         """The waveform of every response to one request on a stream of its own, until the stream ends
         (or, ``until_final``, at the response flagged final: a session's reader is done there);
         ``chunk_timeout`` bounds the wait for each response."""
-        request = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
+        request: dict[str, Any] = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
+        if sequence is not None:
+            request |= {
+                "sequence_id": sequence.id,
+                "sequence_start": sequence.start,
+                "sequence_end": sequence.end,
+            }
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield request

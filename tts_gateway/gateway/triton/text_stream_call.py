@@ -9,6 +9,12 @@ after another arrive in order.
 
 Leaving the audio iterator early, or :meth:`TextStreamCall.cancel`, closes the session in the
 model and cancels the audio stream; the model frees the LLM slot the session holds.
+
+Every request carries the session id as its Triton correlation id: the model's sequence batcher
+sends all of a session's requests to the instance that holds it, so sessions spread over the
+model's instances. The opening request starts the sequence and the close ends it; a session that
+ended by itself is still closed once its audio is read (the model takes a close of an ended session
+as done), so the batcher's place is freed whichever way the session ends, a failed opening included.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class TextStreamCall:
         self._numbers = itertools.count(1)
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
+        self._sequence_ended = False
 
     @classmethod
     async def open(
@@ -58,13 +65,17 @@ class TextStreamCall:
         if not session_id:
             raise InvalidRequestError("a session needs an id")
         session = cls(client, model, session_id)
-        audio = client.session_audio(model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0")
+        audio = client.session_audio(model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0", session_id)
         session._reader = asyncio.create_task(session._read(audio), name=f"text-stream-{session_id}")
         try:
             async with asyncio.timeout(_ACK_TIMEOUT_S):
                 await asyncio.shield(session._opened)
-        except BaseException:
-            await session.aclose()
+        except BaseException as exc:
+            await session.cancel()
+            if session._opened.done() and not session._opened.cancelled():
+                session._opened.exception()  # seen: what is raised here is the session's failure
+            if isinstance(exc, TimeoutError):
+                raise ServerTimeoutError(f"model {model!r} did not open the session in time") from None
             raise
         return session
 
@@ -78,11 +89,13 @@ class TextStreamCall:
         await self._call({contract.TEXT_END: True})
 
     async def cancel(self) -> None:
-        """End the session now: the model stops it (freeing its LLM slot) and ends its audio stream, which
-        this waits for (a few seconds at most, then cancels it); the session id is free again after."""
-        if not self._ended:
-            with contextlib.suppress(GatewayError):  # the session ended meanwhile
-                await self._call({contract.SESSION_CLOSE: True})
+        """End the session now (or, once it ended by itself, its Triton sequence): the model stops it
+        (freeing its LLM slot) and ends its audio stream, which this waits for (a few seconds at most,
+        then cancels it); the session id is free again after."""
+        if not self._sequence_ended:
+            self._sequence_ended = True
+            # Shielded: a caller cancelled meanwhile must not leave the sequence holding its place.
+            await asyncio.shield(asyncio.ensure_future(self._close()))
         if self._reader is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._reader), _CLOSE_WAIT_S)
@@ -101,29 +114,34 @@ class TextStreamCall:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[NDArray[np.float32]]:
-        finished = False
         try:
             while True:
                 item = await self._audio.get()
                 if item is None:
-                    finished = True
                     return
                 if isinstance(item, GatewayError):
-                    finished = True
                     raise item
                 yield item
         finally:
-            if not finished:
-                await self.cancel()
+            # Stops a session left early; ends the Triton sequence of one that ended by itself.
+            await self.cancel()
 
-    async def _call(self, values: Mapping[str, Any]) -> None:
-        if self._ended:
+    async def _close(self) -> None:
+        with contextlib.suppress(GatewayError):  # the server failed or left the sequence: nothing to end
+            await self._call({contract.SESSION_CLOSE: True}, last=True)
+
+    async def _call(self, values: Mapping[str, Any], *, last: bool = False) -> None:
+        if self._ended and not last:
             raise InvalidRequestError(f"session {self._session_id!r} has ended")
         request_id = f"{self._session_id}:{next(self._numbers)}"
         try:
             async with asyncio.timeout(_ACK_TIMEOUT_S):
                 await self._client.session_call(
-                    self._model, {**values, contract.SESSION_ID: self._session_id}, request_id
+                    self._model,
+                    {**values, contract.SESSION_ID: self._session_id},
+                    request_id,
+                    self._session_id,
+                    last=last,
                 )
         except TimeoutError:
             raise ServerTimeoutError(f"model {self._model!r} did not take a text piece in time") from None

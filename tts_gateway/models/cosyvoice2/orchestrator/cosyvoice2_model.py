@@ -7,7 +7,8 @@ handling (tensors, streaming, cancellation, errors) is shared with the other spe
 in :mod:`tts_gateway.models.triton_speech_model`. Deployed as ``cosyvoice2`` (one response)
 and ``cosyvoice2_stream`` (decoupled: one response per chunk, then the final flag), and with
 ``text_streaming`` as ``cosyvoice2_bistream``: sessions whose text arrives in pieces
-(:mod:`tts_gateway.models.cosyvoice2.orchestrator.text_sessions`), one instance.
+(:mod:`tts_gateway.models.cosyvoice2.orchestrator.text_sessions`), routed to their instance by
+Triton's sequence batcher.
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ class CosyVoice2Model(SpeechContractModel):
 
     def initialize(self, args: dict[str, str]) -> None:
         super().initialize(args)
-        if self._sessions is not None and (not self.decoupled or self.instances != 1):
-            raise ValueError("text_streaming needs a decoupled model with one instance (sessions live in it)")
-        # Every session's pieces reach this one instance's execute thread; each is answered once the LLM took
-        # it (a round trip), so they are passed on from threads of their own: on the execute thread, each
-        # session's text waited behind every other session's.
+        if self._sessions is not None and not self.decoupled:
+            raise ValueError("text_streaming needs a decoupled model")
+        if self._sessions is not None and "sequence_batching" not in self.config:
+            # Without it Triton hands a session's pieces to any instance, which may not hold the session.
+            raise ValueError("text_streaming needs sequence_batching (a session's requests reach its instance)")
+        # Every piece of this instance's sessions reaches its execute thread; each is answered once the LLM
+        # took it (a round trip), so they are passed on from threads of their own: on the execute thread,
+        # each session's text waited behind every other session's.
         self._pieces = (
             None
             if self._sessions is None

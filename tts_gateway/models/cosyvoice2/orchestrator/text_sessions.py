@@ -2,10 +2,11 @@
 
 The contract (:mod:`tts_gateway.models.contract`, ``SESSION_ID`` and after): the request that carries
 the voice opens the session and streams its audio; later requests of the session carry text, its end
-or a close and are answered at once. All of a session's requests must reach the process holding it,
-so the deployment has one instance (its worker threads serve the sessions). Each session gets a
-text-stream id of its own, unique on the server, for the LLM and token2wav, so callers' session ids
-never meet.
+or a close and are answered at once. All of a session's requests must reach the process holding it:
+the deployment's sequence batcher routes them by their correlation id, the session id, to the
+instance that took the opening request (its worker threads serve the sessions it holds). Each
+session gets a text-stream id of its own, unique on the server, for the LLM and token2wav, so
+callers' session ids never meet.
 """
 
 from __future__ import annotations
@@ -90,10 +91,14 @@ class TextSessions:
                 del self._streams[call.session_id]
 
     def send(self, call: SessionCall) -> None:
-        """Pass a later request's text, end or close to its open session."""
+        """Pass a later request's text, end or close to its open session. A close of a session that
+        is not open is done already: a caller closes every session it opened, also one that ended by
+        itself or failed to open, to end its Triton sequence."""
         with self._lock:
             stream_id = self._streams.get(call.session_id)
         if stream_id is None:
+            if call.close and not call.text and not call.end:
+                return
             raise ContractError(f"no open session {call.session_id!r}")
         self._pipeline.send_text(stream_id, call.text, end=call.end, cancel=call.close)
 
