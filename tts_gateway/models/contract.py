@@ -56,6 +56,10 @@ INSTRUCTIONS: Final = "instructions"
 # first response is empty: the session is open and takes text); later requests with the same
 # ``session_id`` carry ``text_piece`` and/or ``text_end`` (the text is complete) or
 # ``session_close`` (end it now) and are answered at once with an empty final response.
+# Each request also carries the session id as its Triton correlation id (``sequence_id``), START on
+# the opening request and END on the session's last, a close (also sent once a session ended by
+# itself: a close of a session not open is done): the model's sequence batcher sends all of a
+# session's requests to the instance that holds it.
 SESSION_ID: Final = "session_id"
 TEXT_PIECE: Final = "text_piece"
 TEXT_END: Final = "text_end"
