@@ -4,8 +4,8 @@ The cosyvoice2-cpu profile over the tiny checkpoint deploys ``cosyvoice2_bistrea
 instances, Triton's sequence batcher sending each session's requests to the one holding it) next to
 the PyTorch LLM that interleaves text and speech. With random weights the audio is noise; the checks
 are about the session: audio before the text is complete, a clean end, pieces refused after it, a
-cancelled session's LLM request ended at once, pieces reaching their session's instance, and every
-ended session giving its place in the batcher back.
+cancelled session's LLM request ended at once, pieces reaching their session's instance, every
+session giving its place in the batcher back however it ends, and a full model refusing one more.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tritonclient.grpc as syncclient
 from numpy.typing import NDArray
 
 from tests.conftest import CosyVoiceServer
-from tts_gateway.gateway.errors import InvalidRequestError
+from tts_gateway.gateway.errors import InvalidRequestError, RateLimitError
 from tts_gateway.gateway.triton.client import TritonClient
 from tts_gateway.gateway.triton.model_catalog import ModelCatalog
 from tts_gateway.gateway.triton.text_stream_call import TextStreamCall
@@ -142,6 +142,10 @@ async def test_a_session_id_in_use_is_refused(client: TritonClient, voice: dict[
     try:
         with pytest.raises(InvalidRequestError, match="open already"):
             await TextStreamCall.open(client, MODEL, "twice", voice)
+        # The refused opening left the session that holds the id (and its sequence) as it was.
+        await session.send_text(PIECES[0])
+        await session.finish()
+        assert [chunk async for chunk in session]
     finally:
         await session.cancel()
 
@@ -168,13 +172,40 @@ async def test_sessions_on_both_instances_get_their_pieces(client: TritonClient,
 
 
 async def test_every_ended_session_gives_its_place_back(client: TritonClient, voice: dict[str, object]) -> None:
-    # More sessions one after another than the batcher has places (2 instances x 16): without the close that ends
-    # each one's sequence, the 33rd would wait for a place until its opening timed out.
+    # More sessions one after another than the batcher has places (2 instances x 4): without the close that ends
+    # each one's sequence, the 9th would find no place.
     for n in range(40):
-        session = await TextStreamCall.open(client, MODEL, f"place-{n}", voice)
+        session = await TextStreamCall.open(client, MODEL, f"place-{n}", voice, place_wait_s=5)
         if n % 8:
             await session.cancel()
         else:  # ends by itself once its audio is read
             await session.finish()
             async for _ in session:
                 pass
+
+
+async def test_failed_openings_give_their_place_back(client: TritonClient, voice: dict[str, object]) -> None:
+    # Without a voice the request opens no session: the model refuses it after Triton gave its sequence a place.
+    for n in range(20):
+        with pytest.raises(InvalidRequestError, match="no open session"):
+            await TextStreamCall.open(client, MODEL, f"voiceless-{n}", {contract.SEED: 1}, place_wait_s=5)
+    session = await TextStreamCall.open(client, MODEL, "after-the-failures", voice, place_wait_s=5)
+    await session.cancel()
+
+
+async def test_a_full_model_refuses_the_next_session_for_now(client: TritonClient, voice: dict[str, object]) -> None:
+    places = 2 * 4
+    sessions = [await TextStreamCall.open(client, MODEL, f"full-{n}", voice, place_wait_s=1) for n in range(places)]
+    try:
+        # The opening's wait for a place is over; the sessions it opened run on.
+        await asyncio.sleep(2)
+        with pytest.raises(RateLimitError, match="as many sessions as it can"):
+            await TextStreamCall.open(client, MODEL, "one-too-many", voice, place_wait_s=1)
+        await sessions[0].send_text(PIECES[0])
+        await sessions[0].finish()
+        assert [chunk async for chunk in sessions[0]]
+    finally:
+        for session in sessions:
+            await session.cancel()
+    again = await TextStreamCall.open(client, MODEL, "one-too-many", voice, place_wait_s=5)
+    await again.cancel()

@@ -64,6 +64,9 @@ SESSION_ID: Final = "session_id"
 TEXT_PIECE: Final = "text_piece"
 TEXT_END: Final = "text_end"
 SESSION_CLOSE: Final = "session_close"
+# How a model's refusal of an opening request for a session id it holds already reads (the caller
+# must not end that sequence: it is the open session's).
+SESSION_IN_USE: Final = "is open already"
 
 WAVEFORM: Final = "waveform"
 

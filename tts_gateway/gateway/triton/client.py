@@ -34,6 +34,7 @@ from tts_gateway.gateway.errors import (
     GatewayError,
     InvalidRequestError,
     ModelUnavailableError,
+    RateLimitError,
     ServerTimeoutError,
     ServerUnavailableError,
     SynthesisError,
@@ -58,6 +59,8 @@ _CHANNEL_ARGS = [
 # Triton's sequence batcher refusing a request of a sequence it does not hold (never started, ended,
 # or released after its idle time).
 _SEQUENCE_NOT_HELD: Final = "must specify the START flag on the first request of the sequence"
+# ...and an opening request of a sequence that waited longer than its timeout for a place.
+_NO_PLACE: Final = "timeout of the corresponding sequence has been expired"
 _UNAVAILABLE_STATUSES = ("StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.UNKNOWN")
 
 
@@ -101,6 +104,10 @@ def translate_error(exc: InferenceServerException | grpc.RpcError, model: str) -
         message = (call.details() if call is not None else None) or str(exc)
     # Errors of decoupled models arrive as a message only; the contract models lead it with their code.
     code, _, rest = message.partition("] ") if message.startswith("[") else ("", "", message)
+    if _NO_PLACE in message:
+        return RateLimitError(
+            f"model {model!r} holds as many sessions as it can; none ended in time to make room", retry_after=5
+        )
     if _SEQUENCE_NOT_HELD in message:
         return InvalidRequestError(
             f"model {model!r} has no open session for this request: never opened, ended, or idle too long",
@@ -206,22 +213,27 @@ class TritonClient:
         self, model: str, values: Mapping[str, Any], request_id: str
     ) -> AsyncGenerator[NDArray[np.float32], None]:
         """Chunks of a decoupled model, in order; leaving the iterator early cancels the request."""
-        responses = self._responses(model, values, request_id, self._timeout, self._chunk_timeout, until_final=False)
+        responses = self._responses(
+            self._request(model, values, request_id), self._timeout, self._chunk_timeout, until_final=False
+        )
         async with contextlib.aclosing(responses):
             async for chunk in responses:
                 if chunk.size:
                     yield chunk
 
     def session_audio(
-        self, model: str, values: Mapping[str, Any], request_id: str, session: str
+        self, model: str, values: Mapping[str, Any], request_id: str, session: str, place_wait_s: float
     ) -> AsyncGenerator[NDArray[np.float32], None]:
         """The audio of the text-streaming session that ``values`` open: every response's waveform, the
         first (empty: the session is open) included, until the last. No time limit: a session waits for
         its text as long as its client takes to send it. Leaving the iterator early cancels the session's
         request. ``session`` starts the Triton sequence that routes the session's requests (see
-        :class:`SequenceFlags`)."""
+        :class:`SequenceFlags`); the request waits at most ``place_wait_s`` for a place in it."""
         sequence = SequenceFlags(session, start=True)
-        return self._responses(model, values, request_id, None, None, until_final=True, sequence=sequence)
+        request = self._request(model, values, request_id, sequence)
+        # Triton's request timeout, in microseconds, bounds its wait in the sequence batcher's backlog.
+        request["timeout"] = round(place_wait_s * 1e6)
+        return self._responses(request, None, None, until_final=True)
 
     async def session_call(
         self, model: str, values: Mapping[str, Any], request_id: str, session: str, *, last: bool = False
@@ -229,36 +241,38 @@ class TritonClient:
         """One request to an open session (a piece of its text, its end, its close) on a stream of its
         own; returns once the model has answered it. The caller bounds the wait. ``last`` ends the
         session's Triton sequence: no request of the session may follow."""
-        sequence = SequenceFlags(session, end=last)
-        calls = self._responses(model, values, request_id, None, None, until_final=False, sequence=sequence)
+        calls = self._responses(
+            self._request(model, values, request_id, SequenceFlags(session, end=last)), None, None, until_final=False
+        )
         async with contextlib.aclosing(calls) as responses:
             async for _ in responses:
                 pass
 
+    @staticmethod
+    def _request(
+        model: str, values: Mapping[str, Any], request_id: str, sequence: SequenceFlags | None = None
+    ) -> dict[str, Any]:
+        """One request of a gRPC stream, as ``stream_infer`` takes it."""
+        request: dict[str, Any] = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
+        if sequence is not None:
+            request |= {"sequence_id": sequence.id, "sequence_start": sequence.start, "sequence_end": sequence.end}
+        return request
+
     async def _responses(
         self,
-        model: str,
-        values: Mapping[str, Any],
-        request_id: str,
+        request: Mapping[str, Any],
         stream_timeout: float | None,
         chunk_timeout: float | None,
         *,
         until_final: bool,
-        sequence: SequenceFlags | None = None,
     ) -> AsyncGenerator[NDArray[np.float32], None]:
-        """The waveform of every response to one request on a stream of its own, until the stream ends
-        (or, ``until_final``, at the response flagged final: a session's reader is done there);
-        ``chunk_timeout`` bounds the wait for each response."""
-        request: dict[str, Any] = {"model_name": model, "inputs": build_inputs(values), "request_id": request_id}
-        if sequence is not None:
-            request |= {
-                "sequence_id": sequence.id,
-                "sequence_start": sequence.start,
-                "sequence_end": sequence.end,
-            }
+        """The waveform of every response to ``request`` (:meth:`_request`) on a stream of its own, until
+        the stream ends (or, ``until_final``, at the response flagged final: a session's reader is done
+        there); ``chunk_timeout`` bounds the wait for each response."""
+        model = str(request["model_name"])
 
         async def one_request() -> AsyncIterator[dict[str, Any]]:
-            yield request
+            yield dict(request)
 
         responses = self._client.stream_infer(one_request(), stream_timeout=stream_timeout)
         finished = False

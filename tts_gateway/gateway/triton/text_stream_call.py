@@ -12,9 +12,12 @@ model and cancels the audio stream; the model frees the LLM slot the session hol
 
 Every request carries the session id as its Triton correlation id: the model's sequence batcher
 sends all of a session's requests to the instance that holds it, so sessions spread over the
-model's instances. The opening request starts the sequence and the close ends it; a session that
-ended by itself is still closed once its audio is read (the model takes a close of an ended session
-as done), so the batcher's place is freed whichever way the session ends, a failed opening included.
+model's instances. The opening request starts the sequence and waits at most ``place_wait_s`` for
+a place in the batcher (then the model is full: :class:`RateLimitError`); the close ends it. A
+session that ended by itself is still closed once its audio is read (the model takes a close of an
+ended session as done), and an opening that failed is dropped, then closed, so the batcher's place
+is given back however a session ends. Only a close that never reaches the server (the gateway
+stopped, the connection lost) leaves the place held, until the model's idle time frees it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
@@ -32,8 +36,12 @@ from tts_gateway.gateway.errors import GatewayError, InvalidRequestError, Server
 from tts_gateway.gateway.triton.client import TritonClient
 from tts_gateway.models import contract
 
-# An acknowledgement that takes this long means the model is stuck.
+_log = logging.getLogger(__name__)
+
+# An acknowledgement that takes this long, once the model has the request, means the model is stuck.
 _ACK_TIMEOUT_S = 30.0
+# How long an opening request waits for a place while the model holds all the sessions it can.
+_PLACE_WAIT_S = 30.0
 # How long a cancelled session's audio stream may take to end before it is cancelled.
 _CLOSE_WAIT_S = 10.0
 
@@ -50,7 +58,7 @@ class TextStreamCall:
         self._numbers = itertools.count(1)
         self._reader: asyncio.Task[None] | None = None
         self._ended = False
-        self._sequence_ended = False
+        self._closing: asyncio.Future[None] | None = None
 
     @classmethod
     async def open(
@@ -59,21 +67,28 @@ class TextStreamCall:
         model: str,
         session_id: str,
         voice: Mapping[str, Any],
+        *,
+        place_wait_s: float = _PLACE_WAIT_S,
     ) -> TextStreamCall:
         """Open a session on ``model`` with the contract inputs ``voice`` (see ``SpeechPlan.voice_inputs``; sampling
         inputs such as ``seed`` may join them); returns once the model holds the session."""
         if not session_id:
             raise InvalidRequestError("a session needs an id")
         session = cls(client, model, session_id)
-        audio = client.session_audio(model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0", session_id)
+        audio = client.session_audio(
+            model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0", session_id, place_wait_s
+        )
         session._reader = asyncio.create_task(session._read(audio), name=f"text-stream-{session_id}")
         try:
-            async with asyncio.timeout(_ACK_TIMEOUT_S):
+            async with asyncio.timeout(place_wait_s + _ACK_TIMEOUT_S):
                 await asyncio.shield(session._opened)
         except BaseException as exc:
-            await session.cancel()
+            # Dropped first: an opening request still waiting for a place ends its sequence with it.
+            await session.aclose()
             if session._opened.done() and not session._opened.cancelled():
                 session._opened.exception()  # seen: what is raised here is the session's failure
+            if not _in_use(exc):  # the sequence of an id in use is that session's own
+                await session.cancel()
             if isinstance(exc, TimeoutError):
                 raise ServerTimeoutError(f"model {model!r} did not open the session in time") from None
             raise
@@ -91,15 +106,18 @@ class TextStreamCall:
     async def cancel(self) -> None:
         """End the session now (or, once it ended by itself, its Triton sequence): the model stops it
         (freeing its LLM slot) and ends its audio stream, which this waits for (a few seconds at most,
-        then cancels it); the session id is free again after."""
-        if not self._sequence_ended:
-            self._sequence_ended = True
+        then cancels it); the session id is free again after. Every call waits for the one close."""
+        self._ended = True  # nothing may follow the close
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        try:
             # Shielded: a caller cancelled meanwhile must not leave the sequence holding its place.
-            await asyncio.shield(asyncio.ensure_future(self._close()))
-        if self._reader is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._reader), _CLOSE_WAIT_S)
-        await self.aclose()
+            await asyncio.shield(self._closing)
+            if self._reader is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._reader), _CLOSE_WAIT_S)
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         """Cancel the audio stream (the model notices the cancellation) and stop reading it."""
@@ -127,8 +145,12 @@ class TextStreamCall:
             await self.cancel()
 
     async def _close(self) -> None:
-        with contextlib.suppress(GatewayError):  # the server failed or left the sequence: nothing to end
+        try:
             await self._call({contract.SESSION_CLOSE: True}, last=True)
+        except GatewayError:
+            pass  # the server failed, or holds no such sequence: nothing to end
+        except Exception:
+            _log.warning("closing text-stream session %s failed", self._session_id, exc_info=True)
 
     async def _call(self, values: Mapping[str, Any], *, last: bool = False) -> None:
         if self._ended and not last:
@@ -165,3 +187,8 @@ class TextStreamCall:
             if not self._opened.done():
                 self._opened.set_exception(failure or InvalidRequestError("the session ended before it opened"))
             await self._audio.put(failure)
+
+
+def _in_use(exc: BaseException) -> bool:
+    """Whether an opening failed because the model holds another session under its id."""
+    return isinstance(exc, InvalidRequestError) and contract.SESSION_IN_USE in exc.message

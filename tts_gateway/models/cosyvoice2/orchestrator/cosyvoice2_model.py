@@ -53,9 +53,10 @@ class CosyVoice2Model(SpeechContractModel):
         super().initialize(args)
         if self._sessions is not None and not self.decoupled:
             raise ValueError("text_streaming needs a decoupled model")
-        if self._sessions is not None and "sequence_batching" not in self.config:
-            # Without it Triton hands a session's pieces to any instance, which may not hold the session.
-            raise ValueError("text_streaming needs sequence_batching (a session's requests reach its instance)")
+        if self._sessions is not None and "oldest" not in self.config.get("sequence_batching", {}):
+            # Without it Triton hands a session's pieces to any instance, which may not hold the session; the
+            # direct strategy would give an instance one session (max_batch_size 0: one place).
+            raise ValueError("text_streaming needs sequence_batching with the oldest strategy (sessions stay put)")
         # Every piece of this instance's sessions reaches its execute thread; each is answered once the LLM
         # took it (a round trip), so they are passed on from threads of their own: on the execute thread,
         # each session's text waited behind every other session's.

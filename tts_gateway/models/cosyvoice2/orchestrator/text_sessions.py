@@ -68,7 +68,7 @@ class TextSessions:
         stream_id = uuid.uuid4().hex
         with self._lock:
             if call.session_id in self._streams:
-                raise ContractError(f"session {call.session_id!r} is open already")
+                raise ContractError(f"session {call.session_id!r} {contract.SESSION_IN_USE}")
             self._streams[call.session_id] = stream_id
         return stream_id
 
