@@ -1,15 +1,17 @@
 """Where a streaming first chunk's flow time goes on the GPU: encoder against solve, kernels against wall time.
 
 On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), token2wav with the solve
-recorded as CUDA graphs converts ``--rows`` streams' first chunks (15 tokens + 3 look-ahead after a 4 s
-voice prompt) at once, as the Triton model does. Reported per row count: the flow's and HiFT's time
-(medians of 5, synchronised), the encoder's share (run eagerly, before the recorded solve), and from
-one conversion under ``torch.profiler``: how many GPU kernels ran, their summed time against the wall
-time, and the kernels that took the most. Many short kernels whose sum is close to the wall time mean
+recorded as CUDA graphs, its U-Net levels compiled as the GPU profiles compile them (``--compile-backend``),
+converts ``--rows`` streams' first chunks at once, as the Triton model does (``--tokens``: by default the
+``gpu-torch`` profile's first hop of 25 tokens and the 3-token look-ahead, after a 4 s voice prompt).
+Reported per row count: the flow's and HiFT's time (medians of 5, synchronised), the encoder's share
+where it runs as a module (above the encoder's CUDA graphs' 16 rows), and from one conversion under
+``torch.profiler``: how many GPU kernels ran, their summed time against the wall time, and the kernels
+that took the most. Many short kernels whose sum is close to the wall time mean
 the GPU is busy with launch-sized work: fusing them (a compiler) helps, more batching less so.
 
-    python -m benchmarks.gpu_flow_profile --out /tmp/flow      # GPU: about a minute after the checkpoint
-    python -m benchmarks.gpu_flow_profile --cpu --rows 1 --out /tmp/flow   # rehearsal, float32, eager
+    python -m benchmarks.gpu_flow_profile --rows 1,32 --out /tmp/flow   # GPU: about a minute after the checkpoint
+    python -m benchmarks.gpu_flow_profile --cpu --rows 1 --out /tmp/flow   # rehearsal, float32, uncompiled
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu_engine_check import ROOT, _flow_and_hift, _synchronize, four_second_voice
@@ -30,7 +33,7 @@ from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wa
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 
-def _first_chunks(rows: int, tag: str, prompt: VoicePrompt, tokens: np.ndarray) -> list[Conversion]:
+def _first_chunks(rows: int, tag: str, prompt: VoicePrompt, tokens: NDArray[np.int64]) -> list[Conversion]:
     return [Conversion(f"{tag}-{row}", tokens, prompt, 0, False) for row in range(rows)]
 
 
@@ -62,7 +65,9 @@ def _timed_encoder(t2w: Token2Wav) -> tuple[list[float], Callable[[], None]]:
     return times, remove
 
 
-def profile_rows(t2w: Token2Wav, rows: int, prompt: VoicePrompt, tokens: np.ndarray, cuda: bool) -> dict[str, Any]:
+def profile_rows(
+    t2w: Token2Wav, rows: int, prompt: VoicePrompt, tokens: NDArray[np.int64], cuda: bool
+) -> dict[str, Any]:
     for warm in range(3):
         _convert(t2w, _first_chunks(rows, f"warm{rows}-{warm}", prompt, tokens))
     encoder, unhook = _timed_encoder(t2w)
@@ -85,7 +90,8 @@ def profile_rows(t2w: Token2Wav, rows: int, prompt: VoicePrompt, tokens: np.ndar
         "rows": rows,
         "flow_ms": round(1000 * float(np.median([s["flow_s"] for s in splits])), 1),
         "hift_ms": round(1000 * float(np.median([s["hift_s"] for s in splits])), 1),
-        "encoder_ms": round(1000 * float(np.median(encoder)), 1),
+        # None where the encoder was replayed from its CUDA graphs (up to 16 rows), not run as a module.
+        "encoder_ms": round(1000 * float(np.median(encoder)), 1) if encoder else None,
         "profiled_wall_ms": round(1000 * wall, 1),
         "gpu_kernels": int(sum(event.count for event in events)),
         "gpu_kernel_ms": round(sum(event.self_device_time_total for event in events) / 1000, 1),
@@ -101,24 +107,32 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_cosyvoice2")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rows", default="1,16", help="first chunks converted together, e.g. 1,16")
-    parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU in float32, eagerly")
+    parser.add_argument("--tokens", type=int, default=28, help="target tokens of a first chunk, look-ahead included")
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="the flow's U-Net levels compiled with this; empty: uncompiled"
+    )
+    parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU in float32, uncompiled")
     args = parser.parse_args()
     rows = [int(count) for count in args.rows.split(",")]
     cuda = not args.cpu
+    backend = args.compile_backend if cuda else ""
     t2w = Token2Wav.from_model_dir(
         _flow_and_hift(args.workdir),
         device="cuda" if cuda else "cpu",
         dtype=torch.float16 if cuda else torch.float32,
         graph_rows=max(rows) if cuda else 0,
         graph_frames=512,
+        compile_backend=backend,
     )
     t2w.sync_timing = True
     rng = np.random.default_rng(0)
     prompt = four_second_voice(rng)
-    tokens = rng.integers(0, 6561, 18)
+    tokens = rng.integers(0, 6561, args.tokens)
     report = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
+        "compile_backend": backend,
+        "tokens": args.tokens,
         "runs": [profile_rows(t2w, count, prompt, tokens, cuda) for count in rows],
     }
     args.out.mkdir(parents=True, exist_ok=True)
