@@ -7,8 +7,8 @@ converts ``--rows`` streams' first chunks at once, as the Triton model does (``-
 Reported per row count: the flow's and HiFT's time (medians of 5, synchronised), the encoder's share
 where it runs as a module (above the encoder's CUDA graphs' 16 rows), and from one conversion under
 ``torch.profiler``: how many GPU kernels ran, their summed time against the wall time, and the kernels
-that took the most. Many short kernels whose sum is close to the wall time mean
-the GPU is busy with launch-sized work: fusing them (a compiler) helps, more batching less so.
+that took the most. Many short kernels whose sum is close to the wall time mean the GPU is busy with
+launch-sized work: fusing them (a compiler) helps, more batching less so.
 
     python -m benchmarks.gpu_flow_profile --rows 1,32 --out /tmp/flow   # GPU: about a minute after the checkpoint
     python -m benchmarks.gpu_flow_profile --cpu --rows 1 --out /tmp/flow   # rehearsal, float32, uncompiled
