@@ -5,7 +5,7 @@ recorded as CUDA graphs, its U-Net levels compiled as the GPU profiles compile t
 converts ``--rows`` streams' first chunks at once, as the Triton model does (``--tokens``: by default the
 ``gpu-torch`` profile's first hop of 25 tokens and the 3-token look-ahead, after a 4 s voice prompt).
 Reported per row count: the flow's and HiFT's time (medians of 5, synchronised), the encoder's share
-where it runs as a module (above the encoder's CUDA graphs' 16 rows), and from one conversion under
+where it runs as a module (beyond its CUDA graphs' buckets), and from one conversion under
 ``torch.profiler``: how many GPU kernels ran, their summed time against the wall time, and the kernels
 that took the most. Many short kernels whose sum is close to the wall time mean the GPU is busy with
 launch-sized work: fusing them (a compiler) helps, more batching less so.
@@ -90,7 +90,7 @@ def profile_rows(
         "rows": rows,
         "flow_ms": round(1000 * float(np.median([s["flow_s"] for s in splits])), 1),
         "hift_ms": round(1000 * float(np.median([s["hift_s"] for s in splits])), 1),
-        # None where the encoder was replayed from its CUDA graphs (up to 16 rows), not run as a module.
+        # None where the encoder was replayed from its CUDA graphs, not run as a module.
         "encoder_ms": round(1000 * float(np.median(encoder)), 1) if encoder else None,
         "profiled_wall_ms": round(1000 * wall, 1),
         "gpu_kernels": int(sum(event.count for event in events)),

@@ -75,14 +75,22 @@ def test_batches_padded_into_buckets_give_the_eager_encoders_mel(flow: CausalFlo
     assert graphs.encoded == len(batches)
 
 
-def test_a_batch_no_bucket_holds_is_encoded_eagerly(flow: CausalFlow) -> None:
+def test_a_batch_longer_than_every_bucket_is_encoded_eagerly(flow: CausalFlow) -> None:
     graphs = CountingGraphs(flow, max_rows=2, max_tokens=64, token_step=32)
-    too_many = [item(seed, 10, streaming=True) for seed in range(3)]
-    too_long = [item(9, 40, streaming=False)]  # 40 prompt tokens + 40: past 64
-    for batch in (too_many, too_long):
-        for expected, encoded in zip(_solved(flow, batch, None), _solved(flow, batch, graphs), strict=True):
-            torch.testing.assert_close(encoded, expected, rtol=1e-5, atol=1e-5)
+    too_long = [item(9, 40, streaming=False), item(10, 10, streaming=True)]  # 40 prompt tokens + 40: past 64
+    for expected, encoded in zip(_solved(flow, too_long, None), _solved(flow, too_long, graphs), strict=True):
+        torch.testing.assert_close(encoded, expected, rtol=1e-5, atol=1e-5)
     assert graphs.encoded == 0
+
+
+def test_more_rows_than_the_largest_bucket_are_encoded_in_slices_of_its_rows(flow: CausalFlow) -> None:
+    graphs = CountingGraphs(flow, max_rows=2, max_tokens=64, token_step=32)
+    # Five rows of different lengths and kinds: slices of 2, 2 and 1 rows, each padded to the batch's width.
+    batch = [item(seed, 4 + 5 * seed, streaming=seed != 3) for seed in range(5)]
+    for expected, encoded in zip(_solved(flow, batch, None), _solved(flow, batch, graphs), strict=True):
+        assert encoded.shape == expected.shape
+        torch.testing.assert_close(encoded, expected, rtol=1e-5, atol=1e-5)
+    assert graphs.encoded == 1
 
 
 def test_the_result_is_a_copy_that_a_later_batch_leaves_alone(flow: CausalFlow) -> None:

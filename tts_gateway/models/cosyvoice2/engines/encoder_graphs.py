@@ -12,8 +12,8 @@ in the flow's :func:`~.flow_graphs.row_buckets`, tokens (prompt and target, befo
 in steps of ``token_step`` up to ``max_tokens``. A batch is copied into the smallest bucket that
 holds it; the encoder masks right-padded tokens and rows without tokens, so each row gets what it
 would get alone (up to floating-point reordering), as for the eager batch that pads to its longest
-row. A batch larger than every bucket returns None and is encoded eagerly (token2wav records up to
-:data:`MAX_ROWS` rows).
+row. A batch of more rows than the largest bucket is encoded in slices of that many (token2wav records
+up to :data:`MAX_ROWS` rows); one longer than every bucket returns None and is encoded eagerly.
 
 The graphs share one memory pool and static buffers: a lock keeps calls (with their copies in and
 out) from overlapping, and the result is a copy, since a first chunk converted between the segments
@@ -40,9 +40,9 @@ from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
 _log = logging.getLogger(__name__)
 
 MAX_ROWS: Final = 16
-"""Most rows token2wav records the encoder for. From about 32 rows the eager encoder's launches overlap the
-GPU's work (a group's flow took as long either way on an H200), while the largest bucket's pool doubles:
-9.0 GB for 32 rows x 768 tokens against 4.5 GB for 16 (the attention scores of its relative positions)."""
+"""Most rows token2wav records the encoder for; larger groups are encoded in slices of as many. Recorded for
+32 rows, a group's flow took as long as with the eager encoder on an H200, while the largest bucket's pool
+doubled: 9.0 GB for 32 rows x 768 tokens against 4.5 GB for 16 (the attention scores of its relative positions)."""
 
 
 class EncoderGraphs:
@@ -78,12 +78,23 @@ class EncoderGraphs:
 
     @torch.inference_mode()
     def __call__(self, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor | None:
-        """:meth:`CausalFlow.encode` of ``tokens`` ``[B, W]`` (on the CPU), or None when no bucket holds them."""
-        count, width = tokens.shape
-        rows = next((r for r in self._rows if r >= count), None)
-        bucket = next((t for t in self._tokens if t >= width - self._lookahead), None)
-        if rows is None or bucket is None:
+        """:meth:`CausalFlow.encode` of ``tokens`` ``[B, W]`` (on the CPU), or None when no bucket holds that many
+        tokens. More rows than the largest bucket's are encoded in slices of its rows: rows are encoded apart
+        from each other, and the eager encoder would take new memory for every larger shape it meets."""
+        bucket = next((t for t in self._tokens if t >= tokens.size(1) - self._lookahead), None)
+        if bucket is None:
             return None
+        most = self._rows[-1]
+        slices = [
+            self._replay(bucket, *(t[start : start + most] for t in (tokens, lengths, has_context, streaming)))
+            for start in range(0, tokens.size(0), most)
+        ]
+        return slices[0] if len(slices) == 1 else torch.cat(slices)
+
+    def _replay(self, bucket: int, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor:
+        """The mu of at most the largest bucket's rows, from the graph of ``bucket`` tokens."""
+        count, width = tokens.shape
+        rows = next(r for r in self._rows if r >= count)
         with self._lock:
             # Rows and tokens past the batch's are masked; zeroed, they hold nothing of an earlier batch.
             self._input[:rows].zero_()
