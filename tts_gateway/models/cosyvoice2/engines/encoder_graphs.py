@@ -81,18 +81,22 @@ class EncoderGraphs:
         """:meth:`CausalFlow.encode` of ``tokens`` ``[B, W]`` (on the CPU), or None when no bucket holds that many
         tokens. More rows than the largest bucket's are encoded in slices of its rows: rows are encoded apart
         from each other, and the eager encoder would take new memory for every larger shape it meets."""
-        bucket = next((t for t in self._tokens if t >= tokens.size(1) - self._lookahead), None)
+        count, width = tokens.shape
+        bucket = next((t for t in self._tokens if t >= width - self._lookahead), None)
         if bucket is None:
             return None
+        mu = self._mu.new_empty(count, self._mu.size(1), self._ratio * (width - self._lookahead))
         most = self._rows[-1]
-        slices = [
-            self._replay(bucket, *(t[start : start + most] for t in (tokens, lengths, has_context, streaming)))
-            for start in range(0, tokens.size(0), most)
-        ]
-        return slices[0] if len(slices) == 1 else torch.cat(slices)
+        for start in range(0, count, most):
+            part = slice(start, start + most)
+            self._replay(bucket, mu[part], tokens[part], lengths[part], has_context[part], streaming[part])
+        return mu
 
-    def _replay(self, bucket: int, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor:
-        """The mu of at most the largest bucket's rows, from the graph of ``bucket`` tokens."""
+    def _replay(
+        self, bucket: int, out: Tensor, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor
+    ) -> None:
+        """Write into ``out`` the mu of at most the largest bucket's rows, from the graph of ``bucket`` tokens
+        (a copy: a later batch encodes over the same buffers)."""
         count, width = tokens.shape
         rows = next(r for r in self._rows if r >= count)
         with self._lock:
@@ -105,7 +109,7 @@ class EncoderGraphs:
             self._has_context[:count] = has_context
             self._streaming[:count] = streaming
             self._graphs[rows, bucket].replay()
-            return self._mu[:count, :, : self._ratio * (width - self._lookahead)].clone()
+            out.copy_(self._mu[:count, :, : self._ratio * (width - self._lookahead)])
 
     def _encode(self, rows: int, tokens: int) -> None:
         mu = self._flow.encode(
