@@ -175,7 +175,7 @@ def check_token2wav(
         assert prefix is not None
         report["flow_prefix_frames"] = prefix.frames
         report["flow_prefix_mb"] = round(prefix.nbytes / 2**20, 1)
-        prefix_mel = graphs.flow.inference_batch([item], solver=solver, prefix=prefix)[0]
+        prefix_mel = graphs.flow.inference_batch([item], solver=solver, prefixes=[prefix])[0]
     mode = "eager" if solver is None else "graph"
     report[f"flow_{mode}_vs_eager_rel_error"] = _relative(graph_mel, eager_mel)
     report[f"flow_{mode}_after_prefix_vs_eager_rel_error"] = _relative(prefix_mel, eager_mel)

@@ -59,9 +59,23 @@ def test_alike_levels_share_one_compiled_graph() -> None:
     assert _compiled_graphs() - before == 3
 
 
-def test_compiling_needs_the_voice_prefix_cache_off(token2wav_dir: Path) -> None:
-    with pytest.raises(ValueError, match="prefix"):
-        Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager", prefix_cache_mb=64)
+def test_compiled_levels_solve_several_voices_after_their_prefixes_without_compiling_again(
+    token2wav_dir: Path,
+) -> None:
+    """Two voices' streams, their chunks in one solve each after its own voice's prefix (150 and 100 frames);
+    the warm-up at load compiled the levels for a prefix too."""
+    plain = Token2Wav.from_model_dir(token2wav_dir)
+    compiled = Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager", prefix_cache_mb=64)
+    loaded = _compiled_graphs()
+    speakers = [voice(1, 80), voice(2, 60)]
+    spoken = tokens(70, 3)
+    for offset, end in ((0, 28), (25, 53), (50, 70)):
+        batch = [Conversion(f"voice-{n}", spoken[:end], s, offset, end == 70) for n, s in enumerate(speakers)]
+        for want, have in zip(plain.convert(batch), compiled.convert(batch), strict=True):
+            assert isinstance(want, np.ndarray) and isinstance(have, np.ndarray)
+            np.testing.assert_allclose(have, want, atol=2e-4)
+    assert compiled.prefix_cache is not None and len(compiled.prefix_cache) == 2
+    assert _compiled_graphs() == loaded
 
 
 def test_compiling_needs_graph_buckets_of_aligned_frames(token2wav_dir: Path) -> None:

@@ -21,6 +21,7 @@ from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     frames_within,
     prefix_frames,
     prefix_nbytes,
+    replay_rows,
     voice_key,
 )
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
@@ -69,7 +70,7 @@ def test_streaming_chunks_after_the_prefix_equal_chunks_solved_whole(flow: Causa
     for tokens in (18, 43, 100):
         item = chunk(voice, tokens, tokens)
         whole = flow.inference_batch([item])[0]
-        after = flow.inference_batch([item], prefix=prefix)[0]
+        after = flow.inference_batch([item], prefixes=[prefix])[0]
         assert after.shape == whole.shape == (80, 2 * (tokens - 3))
         torch.testing.assert_close(after, whole, rtol=1e-5, atol=1e-5)
 
@@ -78,31 +79,43 @@ def test_rows_of_one_voice_share_the_prefix_in_one_batch(flow: CausalFlow) -> No
     voice = prompt(2)
     prefix = flow.record_prefix(*voice, flow.prefix_frames(PROMPT_TOKENS))
     items = [chunk(voice, 20, 1), chunk(voice, 57, 2), chunk(voice, 31, 3)]
-    for whole, after in zip(flow.inference_batch(items), flow.inference_batch(items, prefix=prefix), strict=True):
+    after_prefix = flow.inference_batch(items, prefixes=[prefix] * 3)
+    for whole, after in zip(flow.inference_batch(items), after_prefix, strict=True):
         torch.testing.assert_close(after, whole, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_of_several_voices_share_one_solve_each_after_its_own_prefix(flow: CausalFlow) -> None:
+    """Voices with prefixes of 150 and 100 frames: each row's frames start after its own."""
+    long_voice, short_voice = prompt(8), prompt(9, tokens=60)
+    long_prefix, short_prefix = flow.record_prefix(*long_voice, 150), flow.record_prefix(*short_voice, 100)
+    items = [chunk(long_voice, 20, 1), chunk(short_voice, 57, 2), chunk(long_voice, 31, 3), chunk(short_voice, 18, 4)]
+    mixed = flow.inference_batch(items, prefixes=[long_prefix, short_prefix, long_prefix, short_prefix])
+    for item, after in zip(items, mixed, strict=True):
+        torch.testing.assert_close(after, flow.inference_batch([item])[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: CausalFlow) -> None:
-    """What the CUDA graphs do: the prefix sits in fixed-size buffers, its unused frames masked."""
+    """What the CUDA graphs do: the prefix sits in a slot of fixed-size buffers, its unused frames masked."""
     voice = prompt(3)
     prefix = flow.record_prefix(*voice, 100)
     item = chunk(voice, 30, 4)
-    expected = flow.inference_batch([item], prefix=prefix)[0]
+    expected = flow.inference_batch([item], prefixes=[prefix])[0]
 
     capacity = 250
     padded = []
     for tensor in prefix.tensors:
-        if tensor.dim() == 4:  # keys and values [2, heads, frames, d]; the rest is garbage that must not count
-            buffer = torch.full((*tensor.shape[:2], capacity, tensor.shape[3]), 7.0)
-            buffer[:, :, : prefix.frames] = tensor
-            padded.append(buffer)
-        else:
-            padded.append(tensor)
-    visible = torch.zeros(capacity, dtype=torch.bool)
-    visible[: prefix.frames] = True
+        # Slot 1 of two; the other slot and the unused frames hold garbage that must not count.
+        shape = [4, *tensor.shape[1:]]
+        if tensor.dim() == 4:  # keys and values [2, heads, frames, d]; the rest is convolutions' left context
+            shape[2] = capacity
+        buffer = torch.full(shape, 7.0)
+        buffer[2:, :, : tensor.size(2)] = tensor
+        padded.append(buffer)
+    visible = torch.zeros(2, capacity, dtype=torch.bool)
+    visible[:, : prefix.frames] = True
 
     def padded_solver(mu, mask, speaker, cond, streaming, given, between_segments=None):  # type: ignore[no-untyped-def]
-        assert given is prefix
+        assert list(given) == [prefix]
         return flow.decoder(
             mu,
             mask,
@@ -110,26 +123,27 @@ def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: Causal
             cond,
             10,
             streaming,
-            noise=flow.decoder.noise(given.frames, mu.size(2)),
-            tape=PrefixReplay(padded, visible),
+            noise=flow.decoder.noise(prefix.frames, mu.size(2)),
+            tape=PrefixReplay(padded, replay_rows([1], 1), visible),
         )
 
-    got = flow.inference_batch([item], prefix=prefix, solver=padded_solver)[0]
+    got = flow.inference_batch([item], prefixes=[prefix], solver=padded_solver)[0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def cpu_graphs(flow: CausalFlow) -> FlowSolverGraphs:
+def cpu_graphs(flow: CausalFlow, *, max_rows: int = 2, prefix_voices: int = 4) -> FlowSolverGraphs:
     """Buckets of 1-2 rows and 128-256 frames, both families (prefix buffers of 200 frames), replayed eagerly."""
     return FlowSolverGraphs(
         flow.decoder,
         n_timesteps=10,
         mel_bins=80,
-        max_rows=2,
+        max_rows=max_rows,
         max_frames=256,
         frame_step=128,
         device=torch.device("cpu"),
         dtype=torch.float32,
         prefix_frames=200,
+        prefix_voices=prefix_voices,
     )
 
 
@@ -143,7 +157,7 @@ def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flo
         prefix = flow.record_prefix(*voice, frames)
         items = [chunk(voice, 20, 1), chunk(voice, 45, 2)]
         whole = flow.inference_batch(items)
-        replayed = flow.inference_batch(items, solver=graphs, prefix=prefix)
+        replayed = flow.inference_batch(items, solver=graphs, prefixes=[prefix, prefix])
         for want, got in zip(whole, replayed, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for want, got in zip(whole, flow.inference_batch(items, solver=graphs), strict=True):
@@ -151,7 +165,20 @@ def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flo
     too_long = VoicePrefix(250, prefix.steps, prefix.tensors)
     mu = torch.zeros(1, 80, 100)
     streaming = torch.ones(1, dtype=torch.bool)
-    assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, too_long) is None
+    assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, [too_long]) is None
+
+
+def test_the_graph_solver_solves_rows_of_several_voices_in_one_replay_up_to_its_slots(flow: CausalFlow) -> None:
+    graphs = cpu_graphs(flow, max_rows=4, prefix_voices=2)
+    voices = [prompt(10), prompt(11, tokens=60), prompt(12)]
+    recorded = [flow.record_prefix(*voice, flow.prefix_frames(voice[0].numel())) for voice in voices]
+    items = [chunk(voices[1], 20, 1), chunk(voices[0], 45, 2), chunk(voices[1], 33, 3)]
+    replayed = flow.inference_batch(items, solver=graphs, prefixes=[recorded[1], recorded[0], recorded[1]])
+    for item, got in zip(items, replayed, strict=True):
+        torch.testing.assert_close(got, flow.inference_batch([item])[0], rtol=1e-5, atol=1e-5)
+    mu = torch.zeros(3, 80, 100)
+    streaming = torch.ones(3, dtype=torch.bool)
+    assert graphs(mu, torch.ones(3, 1, 100), torch.zeros(3, 80), mu, streaming, recorded) is None
 
 
 def test_a_prefix_serves_only_streaming_chunks_of_a_long_enough_prompt(flow: CausalFlow) -> None:
@@ -159,7 +186,7 @@ def test_a_prefix_serves_only_streaming_chunks_of_a_long_enough_prompt(flow: Cau
     prefix = flow.record_prefix(*voice, 100)
     offline = FlowItem(torch.arange(10), *voice, streaming=False, finalize=True)
     with pytest.raises(ValueError, match="streaming"):
-        flow.inference_batch([offline], prefix=prefix)
+        flow.inference_batch([offline], prefixes=[prefix])
     with pytest.raises(ValueError, match="not a recordable prefix"):
         flow.record_prefix(*voice, 200)
     with pytest.raises(ValueError, match="not a recordable prefix"):
@@ -211,7 +238,7 @@ def test_a_prefix_replays_only_with_the_steps_it_was_recorded_over(flow: CausalF
     voice = prompt(7)
     prefix = flow.record_prefix(*voice, 100, n_timesteps=10)
     with pytest.raises(ValueError, match="recorded over 10 solver steps, not 5"):
-        flow.inference_batch([chunk(voice, 20, 1)], n_timesteps=5, prefix=prefix)
+        flow.inference_batch([chunk(voice, 20, 1)], n_timesteps=5, prefixes=[prefix])
 
 
 # --- through Token2Wav ---------------------------------------------------------------------------
@@ -297,9 +324,9 @@ def test_a_solve_after_a_prefix_lends_its_buffers_between_segments_and_gets_them
 
     def another_voice_meanwhile() -> None:
         # A shorter prefix: it leaves fewer of the buffers' frames visible, which the first solve must undo.
-        meanwhile.append(flow.inference_batch(others, solver=graphs, prefix=other_prefix))
+        meanwhile.append(flow.inference_batch(others, solver=graphs, prefixes=[other_prefix]))
 
-    got = flow.inference_batch(items, solver=graphs, prefix=prefix, between_segments=another_voice_meanwhile)
+    got = flow.inference_batch(items, solver=graphs, prefixes=[prefix] * 2, between_segments=another_voice_meanwhile)
     assert len(meanwhile) == 1
     for want, solved in zip(flow.inference_batch(items), got, strict=True):
         torch.testing.assert_close(solved, want, rtol=1e-5, atol=1e-5)
@@ -312,4 +339,4 @@ def test_a_prefix_recorded_over_other_steps_is_not_replayed(flow: CausalFlow) ->
     twenty_steps = flow.record_prefix(*voice, 150, n_timesteps=20)
     mu = torch.zeros(1, 80, 100)
     streaming = torch.ones(1, dtype=torch.bool)
-    assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, twenty_steps) is None
+    assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, [twenty_steps]) is None

@@ -24,6 +24,8 @@ from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 from tts_gateway.models.cosyvoice2.model.flow_decoder import UNetLevel
 
 _WARM_UP_TOKENS: Final = 20
+# A prompt long enough for a voice prefix of one chunk (50 frames) before its look-ahead.
+_WARM_UP_PREFIX_TOKENS: Final = 40
 
 ALIGNED_FRAMES: Final = 8
 """Frames of a compiled flow's eager solves are padded to a multiple of this. Inductor specialises a
@@ -36,7 +38,8 @@ def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, war
     """Compile the U-Net levels of ``flow``'s estimator in place with ``backend``; seconds taken.
 
     ``torch.compile`` only traces a level at its first call, so this then converts a streaming
-    first chunk: a request must not be the one that waits for a compile. (The estimator's batch
+    first chunk (and one after a voice prefix where ``flow.prefix_slots`` says prefixes are replayed):
+    a request must not be the one that waits for a compile. (The estimator's batch
     is the classifier-free-guidance pair, never 1, so the trace's sizes stay symbolic.) Inductor
     picks its kernels' block sizes and reduction splits for the shape of that first call, so a
     caller about to record CUDA graphs passes ``warm_up=False`` and lets its recording, which starts
@@ -78,5 +81,14 @@ def _warm_up(flow: CausalFlow, n_timesteps: int) -> None:
         finalize=False,
     )
     flow.inference_batch([item], n_timesteps=n_timesteps)
+    if flow.prefix_slots[1] > 0:
+        # A chunk after a voice prefix: the levels take a tape then, which compiles them once more.
+        prompt = torch.zeros(_WARM_UP_PREFIX_TOKENS, dtype=torch.long)
+        feat = torch.zeros(cfg.token_mel_ratio * prompt.numel(), cfg.output_size, dtype=weight.dtype)
+        prefix = flow.record_prefix(
+            prompt, feat, item.embedding, flow.prefix_frames(prompt.numel()), n_timesteps=n_timesteps
+        )
+        after = FlowItem(tokens, prompt, feat, item.embedding, streaming=True, finalize=False)
+        flow.inference_batch([after], n_timesteps=n_timesteps, prefixes=[prefix])
     if weight.device.type == "cuda":
         torch.cuda.synchronize(weight.device)

@@ -14,10 +14,11 @@ large batches cost in proportion to their padded size (on the H100, measured wit
 16 rows of first chunks 129 ms, 9 and 12 rows in a 12-row bucket 104 and 108 ms). A graph per step
 cost 6-28 ms more per solve there (ten launches instead of one).
 
-With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks after a recorded
-voice prefix (:mod:`.flow_prefix`): before each segment the prefix's tensors of its steps are
-copied into static buffers of ``prefix_frames`` frames (the whole prefix once per solve), their
-unused frames masked.
+With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks after recorded voice
+prefixes (:mod:`.flow_prefix`), rows of up to ``prefix_voices`` voices in one solve: before each
+segment each voice's tensors of its steps are copied into its slot of static buffers of
+``prefix_frames`` frames (one copy per voice, not per row), their unused frames masked, and each row
+gathers its voice's from there.
 
 Between two segments a solve can hand the GPU to other batches (``between_segments``; the token2wav
 queue converts streams' first chunks there, so that one that arrives during the first segment of a
@@ -39,13 +40,19 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from tts_gateway.models.cosyvoice2.model.flow_decoder import CausalConditionalCFM
-from tts_gateway.models.cosyvoice2.model.flow_prefix import PrefixRecorder, PrefixReplay, VoicePrefix
+from tts_gateway.models.cosyvoice2.model.flow_prefix import (
+    PrefixRecorder,
+    PrefixReplay,
+    VoicePrefix,
+    prefix_visible,
+    replay_rows,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -88,6 +95,7 @@ class FlowSolverGraphs:
         device: torch.device,
         dtype: torch.dtype,
         prefix_frames: int = 0,
+        prefix_voices: int = 4,
     ) -> None:
         self._rows = row_buckets(max_rows)
         self._frames = list(range(frame_step, max_frames + 1, frame_step))
@@ -113,8 +121,13 @@ class FlowSolverGraphs:
             for i in range(0, n_timesteps, self.segment_steps)
         ]
         self.prefix_frames = prefix_frames
+        self.prefix_voices = prefix_voices if prefix_frames > 0 else 0
         self._prefix = self._prefix_segment_buffers(decoder, mel_bins, device, dtype)
-        self._prefix_visible = torch.zeros(prefix_frames, device=device, dtype=torch.bool)
+        # Each estimator row's entry in the buffers, and which of its prefix frames are real (in inference
+        # mode, as the eager solves' are: a compiled level takes the first).
+        with torch.inference_mode():
+            self._prefix_rows = torch.zeros(2 * rows, device=device, dtype=torch.long)
+            self._prefix_visible = torch.zeros(2 * rows, prefix_frames, device=device, dtype=torch.bool)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph | EagerReplay] = {}
         # The static buffers serve one solve at a time; one called between the segments of another
         # (same thread) keeps and restores that one's state.
@@ -144,37 +157,47 @@ class FlowSolverGraphs:
         speaker: Tensor,
         cond: Tensor,
         streaming: Tensor,
-        prefix: VoicePrefix | None = None,
+        prefixes: Sequence[VoicePrefix] | None = None,
         between_segments: Callable[[], None] | None = None,
     ) -> Tensor | None:
-        """The mel of the batch, or None when no bucket holds it (or the prefix was recorded over other
-        steps). ``between_segments`` is called once each segment but the last has run on the GPU: it
-        may solve other batches here."""
+        """The mel of the batch, or None when no bucket holds it (or its rows' prefixes are of more voices
+        than a solve holds, longer than the buffers or recorded over other steps). ``between_segments`` is
+        called once each segment but the last has run on the GPU: it may solve other batches here."""
         count, _, length = mu.shape
         rows = next((r for r in self._rows if r >= count), None)
         frames = next((f for f in self._frames if f >= length), None)
         if rows is None or frames is None:
             return None
-        if prefix is not None and (prefix.frames > self.prefix_frames or prefix.steps != self.n_timesteps):
+        if prefixes is not None and not self._holds(prefixes):
             return None
         with self._lock:
-            return self._solve(rows, frames, prefix, (mu, mask, speaker, cond, streaming), between_segments)
+            return self._solve(rows, frames, prefixes, (mu, mask, speaker, cond, streaming), between_segments)
+
+    def _holds(self, prefixes: Sequence[VoicePrefix]) -> bool:
+        voices = {id(prefix): prefix for prefix in prefixes}.values()
+        return len(voices) <= self.prefix_voices and all(
+            voice.frames <= self.prefix_frames and voice.steps == self.n_timesteps for voice in voices
+        )
 
     def _solve(
         self,
         rows: int,
         frames: int,
-        prefix: VoicePrefix | None,
+        prefixes: Sequence[VoicePrefix] | None,
         inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
         between_segments: Callable[[], None] | None,
     ) -> Tensor:
         count, _, length = inputs[0].shape
         self._load_inputs(rows, frames, *inputs)
-        # The pre-drawn noise of the frames solved (after the prefix's when there is one).
-        self._x[:rows, :, :frames] = self._decoder.noise(0 if prefix is None else prefix.frames, frames)
-        if prefix is not None:
-            self._show(prefix)
-        graph = self._graphs[rows, frames, prefix is not None]
+        # The pre-drawn noise of the frames solved (each row's after its prefix's when it has one).
+        if prefixes is None:
+            self._x[:rows, :, :frames] = self._decoder.noise(0, frames)
+        else:
+            self._x[:count, :, :frames] = torch.cat([self._decoder.noise(p.frames, frames) for p in prefixes])
+        voices = [] if prefixes is None else list({id(prefix): prefix for prefix in prefixes}.values())
+        if prefixes is not None:
+            self._show(voices, prefixes, rows)
+        graph = self._graphs[rows, frames, prefixes is not None]
         for index, (t, dt) in enumerate(self._segments):
             if index > 0 and between_segments is not None:
                 # Replays only queue the work: the batches that arrived while the last segment ran are
@@ -185,19 +208,25 @@ class FlowSolverGraphs:
                 between_segments()
                 self._load_inputs(rows, frames, *inputs)
                 self._x[:rows, :, :frames] = state
-                if prefix is not None:
-                    self._show(prefix)
+                if prefixes is not None:
+                    self._show(voices, prefixes, rows)
             self._t.copy_(t)
             self._dt.copy_(dt)
-            if prefix is not None:
-                self._load_segment(prefix, index)
+            for slot, voice in enumerate(voices):
+                self._load_segment(slot, voice, index)
             graph.replay()
         return self._x[:count, :, :length].to(torch.float32, copy=True)
 
-    def _show(self, prefix: VoicePrefix) -> None:
-        """Mark the prefix's frames of the static prefix buffers as the ones attended to (the rest is padding)."""
-        self._prefix_visible.zero_()
-        self._prefix_visible[: prefix.frames] = True
+    def _show(self, voices: list[VoicePrefix], prefixes: Sequence[VoicePrefix], rows: int) -> None:
+        """Point each of the bucket's estimator rows at its voice's slot of the static prefix buffers (the
+        voices in slots in the order of ``voices``) and mark which of its frames are real."""
+        slots = [next(slot for slot, voice in enumerate(voices) if voice is prefix) for prefix in prefixes]
+        device = self._prefix_rows.device
+        self._prefix_rows[: 2 * rows] = replay_rows(slots, rows).to(device)
+        visible = prefix_visible(
+            [p.frames for p in prefixes] + [0] * (rows - len(prefixes)), self.prefix_frames, device
+        )
+        self._prefix_visible[: 2 * rows] = torch.cat([visible, visible])
 
     def _finished(self) -> None:
         """Wait until the GPU has run what was queued so far (nothing to wait for on the CPU)."""
@@ -216,16 +245,19 @@ class FlowSolverGraphs:
         self._cond[:count, :, :length] = cond
         self._streaming[:count] = streaming
 
-    def _load_segment(self, prefix: VoicePrefix, segment: int) -> None:
-        """Copy the prefix's tensors of the segment's solver steps into the static buffers."""
+    def _load_segment(self, slot: int, voice: VoicePrefix, segment: int) -> None:
+        """Copy the voice's tensors of the segment's solver steps into its slot of the static buffers."""
         per_segment = len(self._prefix)
-        recorded = prefix.tensors[segment * per_segment : (segment + 1) * per_segment]
-        targets = [buffer[:, :, : prefix.frames] if buffer.dim() == 4 else buffer for buffer in self._prefix]
+        recorded = voice.tensors[segment * per_segment : (segment + 1) * per_segment]
+        pair = slice(2 * slot, 2 * slot + 2)
+        targets = [buffer[pair, :, : voice.frames] if buffer.dim() == 4 else buffer[pair] for buffer in self._prefix]
         torch._foreach_copy_(targets, list(recorded))
 
     def _segment(self, rows: int, frames: int, after_prefix: bool) -> None:
         """The segment's Euler steps over the bucket's rows and frames, in place on the static state."""
-        tape = PrefixReplay(self._prefix, self._prefix_visible) if after_prefix else None
+        tape = None
+        if after_prefix:
+            tape = PrefixReplay(self._prefix, self._prefix_rows[: 2 * rows], self._prefix_visible[: 2 * rows])
         guide = self._decoder.guidance(
             self._mu[:rows, :, :frames],
             self._mask[:rows, :, :frames],
@@ -241,13 +273,16 @@ class FlowSolverGraphs:
     def _prefix_segment_buffers(
         self, decoder: CausalConditionalCFM, mel_bins: int, device: torch.device, dtype: torch.dtype
     ) -> list[Tensor]:
-        """Static buffers shaped as a segment's solver steps of a prefix of ``prefix_frames`` frames
-        (found by recording a solve of that many steps over zeros)."""
+        """Static buffers shaped as a segment's solver steps of prefixes of ``prefix_frames`` frames for
+        ``prefix_voices`` voices (found by recording a solve of that many steps over zeros). Made in inference
+        mode, as the solves' own tensors are, and with their sizes marked static: a compiled level then
+        compiles once for them, and never ties one of their sizes to the rows' when the two happen to be
+        equal (which would compile it again, while a CUDA graph records, at the next row count)."""
         if self.prefix_frames <= 0:
             return []
         zeros = torch.zeros(1, mel_bins, self.prefix_frames, device=device, dtype=dtype)
         recorder = PrefixRecorder()
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             decoder(
                 zeros,
                 torch.ones(1, 1, self.prefix_frames, device=device, dtype=dtype),
@@ -257,7 +292,13 @@ class FlowSolverGraphs:
                 torch.ones(1, device=device, dtype=torch.bool),
                 tape=recorder,
             )
-        return [torch.zeros_like(tensor) for tensor in recorder.tensors]
+        with torch.inference_mode():
+            buffers = [
+                tensor.new_zeros(self.prefix_voices * tensor.size(0), *tensor.shape[1:]) for tensor in recorder.tensors
+            ]
+        for buffer in buffers:
+            torch._dynamo.mark_static(buffer)
+        return buffers
 
     @torch.inference_mode()
     def _capture(self, device: torch.device) -> None:

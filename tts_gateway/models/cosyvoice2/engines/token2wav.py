@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias, cast
 
 import numpy as np
 import torch
@@ -67,6 +67,11 @@ _GROUP_SPAN_TOKENS = 128
 EAGER_HIFT_ROW_FRAMES: Final = 3200
 # The rows of the eager call made at load to reserve that memory from the start.
 _RESERVED_HIFT_ROWS = 32
+# Voices whose streams' chunks one flow solve converts after their prefixes; a group of chunks of more voices is
+# solved in several. The recorded solves keep a slot per voice in static buffers, about 1.1 MiB a prefix frame in
+# fp16 (half the solver's steps: 220 MiB for a 4 s prompt); eager solves stack as many, so that a compiled
+# estimator meets one shape of them.
+PREFIX_VOICES: Final = 4
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
 
@@ -218,7 +223,7 @@ class Token2Wav:
         ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
         A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels
         (:mod:`.flow_compile`): where graphs are recorded, while recording the largest one, else at a
-        warm-up. It needs the voice prefix cache off and buckets of a multiple of 8 frames.
+        warm-up. It needs buckets of a multiple of 8 frames.
         """
         device = torch.device(device)
         started = time.monotonic()
@@ -229,11 +234,9 @@ class Token2Wav:
         solver = None
         records_graphs = graph_rows > 0 and device.type == "cuda"
         prefix_cache = VoicePrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
+        prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
+        flow.prefix_slots = (PREFIX_VOICES, prefix_frames)
         if compile_backend:
-            if prefix_cache is not None:
-                raise ValueError(
-                    "compiling the flow's U-Net levels needs the voice prefix cache off (prefix_cache_mb 0)"
-                )
             if graph_rows > 0 and graph_frame_step % ALIGNED_FRAMES:
                 raise ValueError(
                     f"compiling the flow's U-Net levels needs graph_frame_step a multiple of {ALIGNED_FRAMES}, "
@@ -243,7 +246,6 @@ class Token2Wav:
             seconds = compile_flow_levels(flow, compile_backend, n_timesteps=n_timesteps, warm_up=not records_graphs)
             if not records_graphs:
                 _log.info("flow U-Net levels compiled (%s) in %.1f s", compile_backend, seconds)
-        prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
         if records_graphs:
             try:
                 solver = FlowSolverGraphs(
@@ -256,6 +258,7 @@ class Token2Wav:
                     device=device,
                     dtype=dtype,
                     prefix_frames=prefix_frames,
+                    prefix_voices=PREFIX_VOICES,
                 )
             except TorchDynamoException as exc:
                 raise compile_failed(compile_backend, exc) from exc
@@ -432,17 +435,14 @@ class Token2Wav:
         items = [item for _, _, item, _ in group]
         prefixes = [self._prefix(call, item) for _, call, item, _ in group]
         mels: list[Tensor] = [torch.zeros(0)] * len(items)
-        # A batch shares one voice prefix (or none): its recorded tensors are broadcast over the rows.
-        by_prefix: dict[int, list[int]] = {}
-        for index, prefix in enumerate(prefixes):
-            by_prefix.setdefault(id(prefix), []).append(index)
         eager_flow: list[tuple[int, int]] = []
-        for members in by_prefix.values():
+        for members in self._solves(prefixes):
+            first = prefixes[members[0]]
             grouped = self.flow.inference_batch(
                 [items[i] for i in members],
                 n_timesteps=self.n_timesteps,
                 solver=self.solver,
-                prefix=prefixes[members[0]],
+                prefixes=None if first is None else [cast(VoicePrefix, prefixes[i]) for i in members],
                 between_segments=lend_the_gpu,
                 encoder=self.encoder_graphs,
                 eager_solves=eager_flow,
@@ -490,6 +490,20 @@ class Token2Wav:
                 _shapes(eager_hift),
             )
         return audio
+
+    def _solves(self, prefixes: list[VoicePrefix | None]) -> list[list[int]]:
+        """The group's calls in the flow solves they are converted in: those without a prefix together, and
+        those with one together, up to :data:`PREFIX_VOICES` voices a solve."""
+        plain = [index for index, prefix in enumerate(prefixes) if prefix is None]
+        solves = [plain] if plain else []
+        voices: dict[int, list[int]] = {}
+        for index, prefix in enumerate(prefixes):
+            if prefix is not None:
+                voices.setdefault(id(prefix), []).append(index)
+        members = list(voices.values())
+        for first in range(0, len(members), PREFIX_VOICES):
+            solves.append(sorted(index for voice in members[first : first + PREFIX_VOICES] for index in voice))
+        return solves
 
     def _prefix(self, call: Conversion, item: FlowItem) -> VoicePrefix | None:
         """The recorded prefix of a streaming chunk's voice, recorded now if it is not cached yet."""

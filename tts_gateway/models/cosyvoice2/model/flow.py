@@ -33,6 +33,9 @@ from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     VoicePrefix,
     chunk_alignment,
     prefix_frames,
+    prefix_visible,
+    replay_rows,
+    stack_prefixes,
 )
 
 
@@ -51,8 +54,9 @@ class TokenEncoder(Protocol):
 class MelSolver(Protocol):
     """A replacement for the eager solve (CUDA-graph replays): the mel, or None where it has no fitting shape.
 
-    ``between_segments``, where given, is called between parts of the solve; it may run other
-    solves through the same solver (the token2wav queue converts streams' first chunks there).
+    ``prefixes``, where given, are each row's voice prefix: the inputs are the frames after it, and the solve
+    starts from the noise after it. ``between_segments``, where given, is called between parts of the solve;
+    it may run other solves through the same solver (the token2wav queue converts streams' first chunks there).
     """
 
     def __call__(
@@ -62,7 +66,7 @@ class MelSolver(Protocol):
         speaker: Tensor,
         cond: Tensor,
         streaming: Tensor,
-        prefix: VoicePrefix | None,
+        prefixes: Sequence[VoicePrefix] | None,
         between_segments: Callable[[], None] | None = None,
     ) -> Tensor | None: ...
 
@@ -97,6 +101,9 @@ class CausalFlow(nn.Module):
         # An eager solve pads its frames to a multiple of this (masked, so the mel is the same);
         # compiling the estimator's levels sets it (flow_compile.ALIGNED_FRAMES).
         self.frame_multiple = 1
+        # An eager solve after voice prefixes stacks them as the CUDA graphs' buffers hold them, for at least
+        # this many voices of this many frames: a compiled estimator then meets one shape of them.
+        self.prefix_slots = (0, 0)
 
     @classmethod
     def from_checkpoint(cls, cfg: FlowConfig, path: Path, device: torch.device, dtype: torch.dtype) -> CausalFlow:
@@ -142,7 +149,9 @@ class CausalFlow(nn.Module):
         cond = prompt_feat[:frames].transpose(0, 1).unsqueeze(0).to(device, dtype)
         recorder = PrefixRecorder()
         mask = torch.ones(1, 1, frames, device=device, dtype=dtype)
-        self.decoder(mu, mask, speaker, cond, n_timesteps, yes, tape=recorder)
+        # Uncompiled: compiled levels would compile again, mid-request, for a tape that keeps what it is handed.
+        with torch.compiler.set_stance("force_eager"):
+            self.decoder(mu, mask, speaker, cond, n_timesteps, yes, tape=recorder)
         return VoicePrefix(frames, n_timesteps, tuple(recorder.tensors))
 
     def encode(self, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor:
@@ -218,7 +227,7 @@ class CausalFlow(nn.Module):
         *,
         n_timesteps: int = 10,
         solver: MelSolver | None = None,
-        prefix: VoicePrefix | None = None,
+        prefixes: Sequence[VoicePrefix] | None = None,
         between_segments: Callable[[], None] | None = None,
         encoder: TokenEncoder | None = None,
         eager_solves: list[tuple[int, int]] | None = None,
@@ -230,15 +239,19 @@ class CausalFlow(nn.Module):
         example CUDA-graph replays, :mod:`tts_gateway.models.cosyvoice2.engines.flow_graphs`) replaces the eager
         flow-matching solve where it has a shape that fits (and calls ``between_segments`` between the
         parts of its solve, see :class:`MelSolver`); ``encoder`` likewise replaces the eager encoder (for
-        example :mod:`tts_gateway.models.cosyvoice2.engines.encoder_graphs`). With ``prefix`` (recorded for the
-        items' voice, which all items must share, all streaming) the solve runs only after it. ``eager_solves``,
+        example :mod:`tts_gateway.models.cosyvoice2.engines.encoder_graphs`). With ``prefixes`` (one per item, recorded
+        for its voice; all items streaming) each row's solve runs only after its voice's prefix. ``eager_solves``,
         where given, gets the (rows, frames) of the solve when it runs eagerly (its memory grows with them).
         """
-        start = 0 if prefix is None else prefix.frames
-        if prefix is not None and not all(item.streaming and item.prompt_feat.size(0) >= start for item in items):
-            raise ValueError("a voice prefix serves streaming chunks of a prompt at least as long as the prefix")
-        if prefix is not None and prefix.steps != n_timesteps:
-            raise ValueError(f"the voice prefix was recorded over {prefix.steps} solver steps, not {n_timesteps}")
+        starts = [0] * len(items) if prefixes is None else [prefix.frames for prefix in prefixes]
+        if prefixes is not None:
+            if len(prefixes) != len(items):
+                raise ValueError(f"{len(prefixes)} voice prefixes for {len(items)} items")
+            if not all(item.streaming and item.prompt_feat.size(0) >= s for item, s in zip(items, starts, strict=True)):
+                raise ValueError("a voice prefix serves streaming chunks of a prompt at least as long as the prefix")
+            for prefix in prefixes:
+                if prefix.steps != n_timesteps:
+                    raise ValueError(f"a voice prefix was recorded over {prefix.steps} solver steps, not {n_timesteps}")
         weight = self.input_embedding.weight
         device, dtype = weight.device, weight.dtype
         lookahead = self.cfg.pre_lookahead_len
@@ -267,19 +280,43 @@ class CausalFlow(nn.Module):
             cond[row, :, : item.prompt_feat.size(0)] = item.prompt_feat.transpose(0, 1).to(device, dtype)
         steps = torch.arange(frames, device=device)
         mask = (steps.unsqueeze(0) < ratio * lengths.unsqueeze(1)).unsqueeze(1).to(dtype)
-        if prefix is not None:
-            mu, mask, cond = mu[:, :, start:], mask[:, :, start:], cond[:, :, start:]
-        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefix, between_segments)
+        if prefixes is not None:
+            mu, mask, cond = _after(starts, mu, mask, cond)
+        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefixes, between_segments)
         if mel is None:
             if eager_solves is not None:
                 eager_solves.append((mu.size(0), mu.size(2)))
-            tape = None
-            if prefix is not None:
-                tape = PrefixReplay(prefix.tensors, torch.ones(start, dtype=torch.bool, device=device))
-            padded = _padded(mu.size(2), self.frame_multiple, limit=NOISE_FRAMES - start)
+            padded = _padded(mu.size(2), self.frame_multiple, limit=NOISE_FRAMES - max(starts))
             if padded > mu.size(2):
                 mu, mask, cond = (F.pad(tensor, (0, padded - tensor.size(2))) for tensor in (mu, mask, cond))
-            noise = self.decoder.noise(start, padded)
+            noise = torch.cat([self.decoder.noise(start, padded) for start in starts])
+            tape = None if prefixes is None else self._replay(prefixes, device)
             mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming, noise=noise, tape=tape)
-        ends = [(item.prompt_feat.size(0) - start, ratio * voiced[row] - start) for row, item in enumerate(items)]
+        ends = [
+            (item.prompt_feat.size(0) - starts[row], ratio * voiced[row] - starts[row])
+            for row, item in enumerate(items)
+        ]
         return [mel[row, :, first:last] for row, (first, last) in enumerate(ends)]
+
+    def _replay(self, prefixes: Sequence[VoicePrefix], device: torch.device) -> PrefixReplay:
+        """A tape over the rows' prefixes for an eager solve (the CUDA graphs keep theirs in static buffers)."""
+        voices = list({id(prefix): prefix for prefix in prefixes}.values())
+        slots = [next(slot for slot, voice in enumerate(voices) if voice is prefix) for prefix in prefixes]
+        capacity = max(self.prefix_slots[1], *(voice.frames for voice in voices))
+        stacked = stack_prefixes(voices + [voices[0]] * (self.prefix_slots[0] - len(voices)), capacity)
+        for tensor in stacked:
+            torch._dynamo.mark_static(tensor)
+        visible = prefix_visible([prefix.frames for prefix in prefixes], capacity, device)
+        return PrefixReplay(stacked, replay_rows(slots, len(prefixes)).to(device), torch.cat([visible, visible]))
+
+
+def _after(starts: Sequence[int], mu: Tensor, mask: Tensor, cond: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``mu``, ``mask`` and ``cond`` (``[B, C, T]``), each row from its own start on, shifted to frame 0; the
+    frames a row then has past ``T`` are masked."""
+    frames = mu.size(2)
+    source = torch.tensor(starts, device=mu.device).view(-1, 1, 1) + torch.arange(
+        frames - min(starts), device=mu.device
+    ).view(1, 1, -1)
+    index = source.clamp(max=frames - 1)
+    mu, mask, cond = (t.gather(2, index.expand(-1, t.size(1), -1)) for t in (mu, mask, cond))
+    return mu, mask * (source < frames).to(mask.dtype), cond

@@ -39,7 +39,11 @@ class EstimatorTape(Protocol):
 
     @property
     def visible(self) -> Tensor | None:
-        """``[P]`` bool: which of the replayed prefix frames are real (None while recording)."""
+        """``[B, P]`` bool: which of each row's replayed prefix frames are real (None while recording)."""
+        ...
+
+    def level(self, count: int) -> EstimatorTape:
+        """The tape a U-Net level takes its ``count`` tensors from (see :attr:`UNetLevel.tape_tensors`)."""
         ...
 
     def context(self, x: Tensor, width: int) -> Tensor:
@@ -185,8 +189,14 @@ class UNetLevel(nn.ModuleList):
     def __init__(self, resnet: CausalResnetBlock1D, blocks: nn.ModuleList, resample: nn.Module | None) -> None:
         super().__init__([resnet, blocks] if resample is None else [resnet, blocks, resample])
 
+    @property
+    def tape_tensors(self) -> int:
+        """Tensors :meth:`forward` hands a tape: its resnet's two causal convolutions', each block's keys and values."""
+        return 2 + 2 * len(cast(nn.ModuleList, self[1]))
+
     def forward(self, x: Tensor, mask: Tensor, time: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
-        """Resnet then transformers; :meth:`resample` is separate because the skip is taken in between."""
+        """Resnet then transformers; :meth:`resample` is separate because the skip is taken in between.
+        ``tape``: the level's own (:meth:`EstimatorTape.level`)."""
         x = self[0](x, mask, time, tape).transpose(1, 2)
         for block in cast(nn.ModuleList, self[1]):
             x = block(x, bias, tape)
@@ -199,6 +209,10 @@ class UNetLevel(nn.ModuleList):
         if tape is not None:
             raise ValueError("a prefix tape needs a U-Net without down- or upsampling (one level)")
         return cast(Tensor, resample(x))
+
+
+def _share(tape: EstimatorTape | None, level: UNetLevel) -> EstimatorTape | None:
+    return None if tape is None else tape.level(level.tape_tensors)
 
 
 def _sinusoidal_time(t: Tensor, dim: int, scale: float = 1000.0) -> Tensor:
@@ -263,7 +277,7 @@ class CausalConditionalDecoder(nn.Module):
     ) -> Tensor:
         """``[B, T, T]`` additive bias from the padding mask ``[B, 1, T]``; chunked where ``streaming`` ``[B]``.
 
-        With ``prefix`` (``[P]`` bool, the replayed prefix frames that are real), ``[B, T, P + T]``:
+        With ``prefix`` (``[B, P]`` bool, each row's replayed prefix frames that are real), ``[B, T, P + T]``:
         every real prefix frame lies in an earlier chunk, so every query sees it.
         """
         length = mask.size(-1)
@@ -272,7 +286,7 @@ class CausalConditionalDecoder(nn.Module):
             chunks = chunk_mask(length, self.chunk_size, mask.device).unsqueeze(0)
             visible = visible & (chunks | ~streaming.view(-1, 1, 1))
         if prefix is not None:
-            visible = torch.cat([prefix.view(1, 1, -1).expand(visible.size(0), length, -1), visible], dim=2)
+            visible = torch.cat([prefix.unsqueeze(1).expand(-1, length, -1), visible], dim=2)
         return (1.0 - visible.to(dtype)) * _MASK_BIAS
 
     def forward(
@@ -287,7 +301,7 @@ class CausalConditionalDecoder(nn.Module):
         tape: EstimatorTape | None = None,
     ) -> Tensor:
         """x, mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; t ``[B]``; spks ``[B, 80]``; streaming ``[B]`` bool
-        -> velocity ``[B, 80, T]``. With a replaying ``tape`` the frames continue its prefix."""
+        -> velocity ``[B, 80, T]``. With a replaying ``tape`` the frames continue its prefixes."""
         time = self.time_mlp(_sinusoidal_time(t, self.in_channels).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
         prefix = None if tape is None else tape.visible
@@ -296,7 +310,9 @@ class CausalConditionalDecoder(nn.Module):
         masks = [mask]
         for level in cast(Iterable[UNetLevel], self.down_blocks):
             level_mask = masks[-1]
-            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), tape)
+            h = level(
+                h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), _share(tape, level)
+            )
             skips.append(h)
             h = level.resample(h * level_mask, tape)
             masks.append(level_mask[:, :, ::2])
@@ -304,12 +320,14 @@ class CausalConditionalDecoder(nn.Module):
         mid_mask = masks[-1]
         mid_bias = self._attention_bias(mid_mask, streaming, h.dtype, prefix)
         for level in cast(Iterable[UNetLevel], self.mid_blocks):
-            h = level(h, mid_mask, time, mid_bias, tape)
+            h = level(h, mid_mask, time, mid_bias, _share(tape, level))
         for level in cast(Iterable[UNetLevel], self.up_blocks):
             level_mask = masks.pop()
             skip = skips.pop()
             h = torch.cat([h[:, :, : skip.size(-1)], skip], dim=1)
-            h = level(h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), tape)
+            h = level(
+                h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), _share(tape, level)
+            )
             h = level.resample(h * level_mask, tape)
         h = self.final_block(h, mask, tape)
         return self.final_proj(h * mask) * mask

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from tts_gateway.models.cosyvoice2.model.flow_decoder import Attention, CausalConv1d
 
@@ -95,6 +96,10 @@ class PrefixRecorder:
     def __init__(self) -> None:
         self.tensors: list[Tensor] = []
 
+    def level(self, count: int) -> PrefixRecorder:
+        """The tape of a U-Net level that hands it ``count`` tensors: this one, which keeps them in order."""
+        return self
+
     def context(self, x: Tensor, width: int) -> Tensor:
         self.tensors.append(x[:, :, x.size(2) - width :].clone())
         return torch.nn.functional.pad(x, (width, 0))
@@ -105,34 +110,67 @@ class PrefixRecorder:
 
 
 class PrefixReplay:
-    """A tape that puts a recorded prefix in front of every row of a solve, from the first step on.
+    """A tape that puts recorded prefixes in front of every row of a solve, from the first step on; rows of
+    several voices share one solve.
 
-    ``tensors`` are laid out as :attr:`VoicePrefix.tensors`; ``visible`` (``[P]`` bool) says which
-    of the attention frames are real (the rest is padding of a fixed-size buffer, as the CUDA
-    graphs use).
+    ``tensors`` are laid out as :attr:`VoicePrefix.tensors`, each with the CFG pairs of up to S voices
+    stacked as ``[2S, ...]`` (voice s at 2s conditioned, 2s + 1 unconditioned; keys and values padded to
+    P frames). ``rows`` (``[B]`` long) picks each estimator row's entry, and ``visible`` (``[B, P]`` bool)
+    says which of its prefix frames are real. Each tensor is gathered for the rows and put in front of
+    theirs: inside a compiled level the two are one kernel.
     """
 
-    def __init__(self, tensors: Sequence[Tensor], visible: Tensor) -> None:
-        self.tensors = tensors
+    def __init__(self, tensors: Sequence[Tensor], rows: Tensor, visible: Tensor) -> None:
+        self.tensors = tuple(tensors)
+        self.rows = rows
         self.visible = visible
         self._next = 0
 
-    def _take(self, rows: int) -> Tensor:
-        """The next recorded tensor, its CFG pair repeated for ``rows`` rows: [cond x rows, uncond x rows]."""
+    def level(self, count: int) -> PrefixReplay:
+        """The next ``count`` tensors as a tape of their own, for a U-Net level to take in order. A compiled
+        level is handed a tape that starts at its first tensor, so that each of its calls looks alike."""
+        share = PrefixReplay(self.tensors[self._next : self._next + count], self.rows, self.visible)
+        self._next += count
+        return share
+
+    def _take(self) -> Tensor:
         recorded = self.tensors[self._next]
         self._next += 1
-        pair = recorded.unsqueeze(1).expand(2, rows // 2, *recorded.shape[1:])
-        return pair.reshape(rows, *recorded.shape[1:])
+        return recorded.index_select(0, self.rows)
 
     def context(self, x: Tensor, width: int) -> Tensor:
-        left = self._take(x.size(0))
+        left = self._take()
         if left.size(2) != width:
             raise ValueError(f"the prefix holds {left.size(2)} frames of left context, the convolution needs {width}")
         return torch.cat([left, x], dim=2)
 
     def keys_values(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        rows = keys.size(0)
-        return torch.cat([self._take(rows), keys], dim=2), torch.cat([self._take(rows), values], dim=2)
+        return torch.cat([self._take(), keys], dim=2), torch.cat([self._take(), values], dim=2)
+
+
+def replay_rows(slots: Sequence[int], rows: int) -> Tensor:
+    """``[2 * rows]`` long: each estimator row's entry in stacked prefixes, for solve rows whose voices sit in
+    ``slots`` (one per row; padding rows past them take entry 0). The estimator's rows are the CFG pair:
+    ``rows`` conditioned, then as many unconditioned."""
+    padded = [*slots, *[0] * (rows - len(slots))]
+    return torch.tensor([2 * slot for slot in padded] + [2 * slot + 1 for slot in padded], dtype=torch.long)
+
+
+def stack_prefixes(voices: Sequence[VoicePrefix], capacity: int) -> list[Tensor]:
+    """The voices' recorded tensors stacked as :class:`PrefixReplay` takes them, keys and values padded to
+    ``capacity`` frames (zeros, which the replay's ``visible`` hides)."""
+    stacked = []
+    for recorded in zip(*(voice.tensors for voice in voices), strict=True):
+        if recorded[0].dim() == 4:
+            recorded = tuple(F.pad(t, (0, 0, 0, capacity - t.size(2))) for t in recorded)
+        stacked.append(torch.cat(recorded))
+    return stacked
+
+
+def prefix_visible(frames: Sequence[int], capacity: int, device: torch.device) -> Tensor:
+    """``[len(frames), capacity]`` bool: the first ``frames[i]`` frames of row i's prefix are real."""
+    counts = torch.tensor(frames, device=device).unsqueeze(1)
+    return torch.arange(capacity, device=device).unsqueeze(0) < counts
 
 
 def voice_key(tokens: NDArray[np.integer], feats: NDArray[np.floating], embedding: NDArray[np.floating]) -> str:
