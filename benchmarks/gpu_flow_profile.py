@@ -3,7 +3,8 @@
 On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), token2wav with the solve
 recorded as CUDA graphs, its U-Net levels compiled as the GPU profiles compile them (``--compile-backend``),
 converts ``--rows`` streams' first chunks at once, as the Triton model does (``--tokens``: by default the
-``gpu-torch`` profile's first hop of 25 tokens and the 3-token look-ahead, after a 4 s voice prompt).
+``gpu-torch`` profile's first hop of 25 tokens and the 3-token look-ahead, after a 4 s voice prompt;
+with ``--prefix-frames``, after the voice prefix recorded for that prompt).
 Reported per row count: the flow's and HiFT's time (medians of 5, synchronised), the encoder's share
 where it runs as a module (beyond its CUDA graphs' buckets), and from one conversion under
 ``torch.profiler``: how many GPU kernels ran, their summed time against the wall time, and the kernels
@@ -11,6 +12,7 @@ that took the most. Many short kernels whose sum is close to the wall time mean 
 launch-sized work: fusing them (a compiler) helps, more batching less so.
 
     python -m benchmarks.gpu_flow_profile --rows 1,32 --out /tmp/flow   # GPU: about a minute after the checkpoint
+    python -m benchmarks.gpu_flow_profile --rows 1,32 --prefix-frames 200 --out /tmp/flow   # after a voice prefix
     python -m benchmarks.gpu_flow_profile --cpu --rows 1 --out /tmp/flow   # rehearsal, float32, uncompiled
 """
 
@@ -111,6 +113,9 @@ def main() -> int:
     parser.add_argument(
         "--compile-backend", default="inductor", help="the flow's U-Net levels compiled with this; empty: uncompiled"
     )
+    parser.add_argument(
+        "--prefix-frames", type=int, default=0, help="a voice prefix cache for prefixes up to this many frames; 0: none"
+    )
     parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU in float32, uncompiled")
     args = parser.parse_args()
     rows = [int(count) for count in args.rows.split(",")]
@@ -123,6 +128,8 @@ def main() -> int:
         graph_rows=max(rows) if cuda else 0,
         graph_frames=512,
         compile_backend=backend,
+        prefix_cache_mb=2048 if args.prefix_frames else 0,
+        prefix_frames=args.prefix_frames,
     )
     t2w.sync_timing = True
     rng = np.random.default_rng(0)
@@ -133,6 +140,7 @@ def main() -> int:
         "torch": torch.__version__,
         "compile_backend": backend,
         "tokens": args.tokens,
+        "prefix_frames": args.prefix_frames,
         "runs": [profile_rows(t2w, count, prompt, tokens, cuda) for count in rows],
     }
     args.out.mkdir(parents=True, exist_ok=True)
