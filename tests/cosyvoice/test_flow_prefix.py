@@ -168,6 +168,21 @@ def test_the_graph_solver_replays_after_each_voice_prefix_as_the_eager_solve(flo
     assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, [too_long]) is None
 
 
+def test_a_prefix_recorded_for_the_buffers_frames_fills_whole_slots_alike(flow: CausalFlow) -> None:
+    """What token2wav records where CUDA graphs replay: keys and values for the buffers' 200 frames, zeros after
+    the voice's 150, copied into a slot whole."""
+    graphs = cpu_graphs(flow)
+    voice = prompt(13)
+    prefix = flow.record_prefix(*voice, 150, capacity=200)
+    assert (prefix.frames, prefix.capacity) == (150, 200)
+    assert all(t.size(2) == 200 and not t[:, :, 150:].any() for t in prefix.tensors if t.dim() == 4)
+    items = [chunk(voice, 20, 1), chunk(voice, 45, 2)]
+    for want, got in zip(
+        flow.inference_batch(items), flow.inference_batch(items, solver=graphs, prefixes=[prefix] * 2), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_graph_solver_solves_rows_of_several_voices_in_one_replay_up_to_its_slots(flow: CausalFlow) -> None:
     graphs = cpu_graphs(flow, max_rows=4, prefix_voices=2)
     voices = [prompt(10), prompt(11, tokens=60), prompt(12)]

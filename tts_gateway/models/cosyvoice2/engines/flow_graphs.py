@@ -150,6 +150,7 @@ class FlowSolverGraphs:
         """(calls, frames, after a prefix) of every recorded graph."""
         return sorted(self._graphs)
 
+    @torch.inference_mode()
     def __call__(
         self,
         mu: Tensor,
@@ -176,7 +177,8 @@ class FlowSolverGraphs:
     def _holds(self, prefixes: Sequence[VoicePrefix]) -> bool:
         voices = {id(prefix): prefix for prefix in prefixes}.values()
         return len(voices) <= self.prefix_voices and all(
-            voice.frames <= self.prefix_frames and voice.steps == self.n_timesteps for voice in voices
+            max(voice.frames, voice.capacity) <= self.prefix_frames and voice.steps == self.n_timesteps
+            for voice in voices
         )
 
     def _solve(
@@ -246,11 +248,14 @@ class FlowSolverGraphs:
         self._streaming[:count] = streaming
 
     def _load_segment(self, slot: int, voice: VoicePrefix, segment: int) -> None:
-        """Copy the voice's tensors of the segment's solver steps into its slot of the static buffers."""
+        """Copy the voice's tensors of the segment's solver steps into its slot of the static buffers. A voice
+        recorded for the buffers' frames fills whole slots, which are contiguous: the copies then run as a few
+        kernels, where copies into slices of their frames launch one each (about 1,400 a solve)."""
         per_segment = len(self._prefix)
         recorded = voice.tensors[segment * per_segment : (segment + 1) * per_segment]
         pair = slice(2 * slot, 2 * slot + 2)
-        targets = [buffer[pair, :, : voice.frames] if buffer.dim() == 4 else buffer[pair] for buffer in self._prefix]
+        frames = voice.capacity
+        targets = [buffer[pair, :, :frames] if buffer.dim() == 4 else buffer[pair] for buffer in self._prefix]
         torch._foreach_copy_(targets, list(recorded))
 
     def _segment(self, rows: int, frames: int, after_prefix: bool) -> None:

@@ -517,11 +517,13 @@ class Token2Wav:
         prefix = self.prefix_cache.get(key)
         if prefix is not None and prefix.frames == frames:
             return prefix
-        # Recorded only when it can be kept: a prefix used for one chunk costs more than it saves.
-        if not self.prefix_cache.make_room(prefix_nbytes(self.flow.decoder.estimator, self.n_timesteps, frames)):
+        # Recorded only when it can be kept: a prefix used for one chunk costs more than it saves. Its keys and
+        # values are kept for as many frames as the CUDA graphs' buffers hold: one copy each fills a slot.
+        capacity = max(frames, self.solver.prefix_frames if isinstance(self.solver, FlowSolverGraphs) else 0)
+        if not self.prefix_cache.make_room(prefix_nbytes(self.flow.decoder.estimator, self.n_timesteps, capacity)):
             return None
         prefix = self.flow.record_prefix(
-            item.prompt_token, item.prompt_feat, item.embedding, frames, n_timesteps=self.n_timesteps
+            item.prompt_token, item.prompt_feat, item.embedding, frames, n_timesteps=self.n_timesteps, capacity=capacity
         )
         self.prefix_cache.put(key, prefix)
         return prefix

@@ -130,12 +130,21 @@ class CausalFlow(nn.Module):
 
     @torch.inference_mode()
     def record_prefix(
-        self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, frames: int, *, n_timesteps: int = 10
+        self,
+        prompt_token: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        frames: int,
+        *,
+        n_timesteps: int = 10,
+        capacity: int = 0,
     ) -> VoicePrefix:
         """What every streaming solve computes for the voice's first ``frames`` mel frames.
 
         prompt_token ``[Tp]``, prompt_feat ``[ratio*Tp, 80]``, embedding ``[192]``; ``frames`` from
-        :meth:`prefix_frames`. The prefix is solved alone: nothing in it depends on later frames.
+        :meth:`prefix_frames`. The prefix is solved alone: nothing in it depends on later frames. Keys and
+        values are kept for ``capacity`` frames where that is more (zeros after ``frames``), so that a
+        voice fills a slot of the CUDA graphs' buffers with one copy of each tensor whole.
         """
         if not 0 < frames <= self.prefix_frames(prompt_token.numel()):
             raise ValueError(f"{frames} frames are not a recordable prefix of {prompt_token.numel()} prompt tokens")
@@ -152,7 +161,9 @@ class CausalFlow(nn.Module):
         # Uncompiled: compiled levels would compile again, mid-request, for a tape that keeps what it is handed.
         with torch.compiler.set_stance("force_eager"):
             self.decoder(mu, mask, speaker, cond, n_timesteps, yes, tape=recorder)
-        return VoicePrefix(frames, n_timesteps, tuple(recorder.tensors))
+        padding = max(0, capacity - frames)
+        kept = (F.pad(t, (0, 0, 0, padding)) if t.dim() == 4 and padding else t for t in recorder.tensors)
+        return VoicePrefix(frames, n_timesteps, tuple(kept))
 
     def encode(self, tokens: Tensor, lengths: Tensor, has_context: Tensor, streaming: Tensor) -> Tensor:
         """``mu`` ``[B, 80, ratio * (W - lookahead)]`` of token rows ``[B, W]`` right-padded with zeros (see
@@ -302,7 +313,7 @@ class CausalFlow(nn.Module):
         """A tape over the rows' prefixes for an eager solve (the CUDA graphs keep theirs in static buffers)."""
         voices = list({id(prefix): prefix for prefix in prefixes}.values())
         slots = [next(slot for slot, voice in enumerate(voices) if voice is prefix) for prefix in prefixes]
-        capacity = max(self.prefix_slots[1], *(voice.frames for voice in voices))
+        capacity = max(self.prefix_slots[1], *(voice.capacity for voice in voices))
         stacked = stack_prefixes(voices + [voices[0]] * (self.prefix_slots[0] - len(voices)), capacity)
         for tensor in stacked:
             torch._dynamo.mark_static(tensor)

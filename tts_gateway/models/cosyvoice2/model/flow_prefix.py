@@ -76,12 +76,17 @@ class VoicePrefix:
 
     ``tensors`` are in the order the estimator hands them to a tape, over all solver steps:
     a causal convolution's left context ``[2, C, k-1]``, an attention's keys and values
-    ``[2, heads, frames, d]``.
+    ``[2, heads, capacity, d]`` (zeros after ``frames``).
     """
 
     frames: int
     steps: int
     tensors: tuple[Tensor, ...]
+
+    @property
+    def capacity(self) -> int:
+        """Frames its keys and values hold: ``frames``, or more where recorded for a larger buffer."""
+        return next((t.size(2) for t in self.tensors if t.dim() == 4), self.frames)
 
     @property
     def nbytes(self) -> int:
