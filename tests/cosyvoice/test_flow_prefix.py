@@ -15,6 +15,7 @@ from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wa
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     PrefixReplay,
+    StackedPrefixes,
     VoicePrefix,
     VoicePrefixCache,
     chunk_alignment,
@@ -92,6 +93,19 @@ def test_rows_of_several_voices_share_one_solve_each_after_its_own_prefix(flow: 
     mixed = flow.inference_batch(items, prefixes=[long_prefix, short_prefix, long_prefix, short_prefix])
     for item, after in zip(items, mixed, strict=True):
         torch.testing.assert_close(after, flow.inference_batch([item])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_eager_solve_stacks_voices_only_as_it_takes_their_tensors(flow: CausalFlow) -> None:
+    one, other = flow.record_prefix(*prompt(14), 150), flow.record_prefix(*prompt(15, tokens=60), 100)
+    alone = StackedPrefixes([one], 150)
+    assert len(alone) == len(one.tensors) and all(alone[i] is one.tensors[i] for i in range(len(one.tensors)))
+    both = StackedPrefixes([one, other], 150)
+    for index, recorded in enumerate(other.tensors):
+        stacked = both[index]
+        assert stacked.size(0) == 4
+        torch.testing.assert_close(stacked[2:, :, : recorded.size(2)], recorded)
+        if recorded.dim() == 4:
+            assert stacked.size(2) == 150 and not stacked[2:, :, 100:].any()
 
 
 def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: CausalFlow) -> None:

@@ -81,13 +81,13 @@ def _warm_up(flow: CausalFlow, n_timesteps: int) -> None:
         finalize=False,
     )
     flow.inference_batch([item], n_timesteps=n_timesteps)
-    if flow.prefix_slots[1] > 0:
+    capacity = flow.prefix_slots[1]
+    frames = flow.prefix_frames(_WARM_UP_PREFIX_TOKENS, capacity)
+    if capacity > 0 and frames > 0:
         # A chunk after a voice prefix: the levels take a tape then, which compiles them once more.
         prompt = torch.zeros(_WARM_UP_PREFIX_TOKENS, dtype=torch.long)
         feat = torch.zeros(cfg.token_mel_ratio * prompt.numel(), cfg.output_size, dtype=weight.dtype)
-        prefix = flow.record_prefix(
-            prompt, feat, item.embedding, flow.prefix_frames(prompt.numel()), n_timesteps=n_timesteps
-        )
+        prefix = flow.record_prefix(prompt, feat, item.embedding, frames, n_timesteps=n_timesteps, capacity=capacity)
         after = FlowItem(tokens, prompt, feat, item.embedding, streaming=True, finalize=False)
         flow.inference_batch([after], n_timesteps=n_timesteps, prefixes=[prefix])
     if weight.device.type == "cuda":

@@ -196,6 +196,7 @@ class FlowSolverGraphs:
             self._x[:rows, :, :frames] = self._decoder.noise(0, frames)
         else:
             self._x[:count, :, :frames] = torch.cat([self._decoder.noise(p.frames, frames) for p in prefixes])
+            self._x[count:rows, :, :frames] = 0.0  # padding rows: masked, and never mixed with the others
         voices = [] if prefixes is None else list({id(prefix): prefix for prefix in prefixes}.values())
         if prefixes is not None:
             self._show(voices, prefixes, rows)

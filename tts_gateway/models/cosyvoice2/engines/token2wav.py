@@ -68,9 +68,9 @@ EAGER_HIFT_ROW_FRAMES: Final = 3200
 # The rows of the eager call made at load to reserve that memory from the start.
 _RESERVED_HIFT_ROWS = 32
 # Voices whose streams' chunks one flow solve converts after their prefixes; a group of chunks of more voices is
-# solved in several. The recorded solves keep a slot per voice in static buffers, about 1.1 MiB a prefix frame in
-# fp16 (half the solver's steps: 220 MiB for a 4 s prompt); eager solves stack as many, so that a compiled
-# estimator meets one shape of them.
+# solved in several. The recorded solves keep a slot per voice in static buffers of prefix_frames frames, about
+# 1.1 MiB a frame in fp16 (half the solver's steps: 220 MiB a slot at 200 frames, 330 at 300); with a compiled
+# estimator eager solves stack as many, so that it meets one shape of them.
 PREFIX_VOICES: Final = 4
 
 SpeechTokens: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
@@ -218,7 +218,8 @@ class Token2Wav:
         buckets of ``graph_frame_step`` frames (:class:`FlowSolverGraphs`), and the flow's token encoder
         for the same frames and up to :data:`~.encoder_graphs.MAX_ROWS` rows (:class:`EncoderGraphs`).
         ``prefix_cache_mb`` > 0 keeps recorded voice prefixes of up to ``prefix_frames`` mel frames
-        (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice).
+        (:class:`VoicePrefixCache`; about 2.2 MiB a frame in fp16, 4.4 MiB in fp32, per voice; where CUDA graphs
+        are recorded every voice takes ``prefix_frames`` frames' worth, as the graphs' buffers hold them).
         ``hift_graph_rows`` > 0 on a CUDA device records HiFT as CUDA graphs for the streamed chunks of
         ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
         A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels
@@ -235,8 +236,8 @@ class Token2Wav:
         records_graphs = graph_rows > 0 and device.type == "cuda"
         prefix_cache = VoicePrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         prefix_frames = 0 if prefix_cache is None else _frames_within(prefix_cache, flow, n_timesteps, prefix_frames)
-        flow.prefix_slots = (PREFIX_VOICES, prefix_frames)
         if compile_backend:
+            flow.prefix_slots = (PREFIX_VOICES, prefix_frames)
             if graph_rows > 0 and graph_frame_step % ALIGNED_FRAMES:
                 raise ValueError(
                     f"compiling the flow's U-Net levels needs graph_frame_step a multiple of {ALIGNED_FRAMES}, "

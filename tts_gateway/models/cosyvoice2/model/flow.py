@@ -30,12 +30,12 @@ from tts_gateway.models.cosyvoice2.model.flow_encoder import UpsampleConformerEn
 from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     PrefixRecorder,
     PrefixReplay,
+    StackedPrefixes,
     VoicePrefix,
     chunk_alignment,
     prefix_frames,
     prefix_visible,
     replay_rows,
-    stack_prefixes,
 )
 
 
@@ -101,8 +101,9 @@ class CausalFlow(nn.Module):
         # An eager solve pads its frames to a multiple of this (masked, so the mel is the same);
         # compiling the estimator's levels sets it (flow_compile.ALIGNED_FRAMES).
         self.frame_multiple = 1
-        # An eager solve after voice prefixes stacks them as the CUDA graphs' buffers hold them, for at least
-        # this many voices of this many frames: a compiled estimator then meets one shape of them.
+        # With a compiled estimator, an eager solve after voice prefixes stacks them as the CUDA graphs' buffers
+        # hold them, this many voices of this many frames, so that the estimator meets one shape of them (set
+        # with the compile; (0, 0) stacks only the voices a solve has).
         self.prefix_slots = (0, 0)
 
     @classmethod
@@ -300,7 +301,7 @@ class CausalFlow(nn.Module):
             padded = _padded(mu.size(2), self.frame_multiple, limit=NOISE_FRAMES - max(starts))
             if padded > mu.size(2):
                 mu, mask, cond = (F.pad(tensor, (0, padded - tensor.size(2))) for tensor in (mu, mask, cond))
-            noise = torch.cat([self.decoder.noise(start, padded) for start in starts])
+            noise = torch.cat([self._noise_after(start, padded) for start in starts])
             tape = None if prefixes is None else self._replay(prefixes, device)
             mel = self.decoder(mu, mask, speaker, cond, n_timesteps, streaming, noise=noise, tape=tape)
         ends = [
@@ -309,16 +310,25 @@ class CausalFlow(nn.Module):
         ]
         return [mel[row, :, first:last] for row, (first, last) in enumerate(ends)]
 
+    def _noise_after(self, start: int, frames: int) -> Tensor:
+        """The pre-drawn noise of ``frames`` frames from ``start``, zeros past the last (frames a row with a later
+        start than others in its solve only pads, masked)."""
+        noise = self.decoder.noise(start, min(frames, NOISE_FRAMES - start))
+        return F.pad(noise, (0, frames - noise.size(2)))
+
     def _replay(self, prefixes: Sequence[VoicePrefix], device: torch.device) -> PrefixReplay:
         """A tape over the rows' prefixes for an eager solve (the CUDA graphs keep theirs in static buffers)."""
         voices = list({id(prefix): prefix for prefix in prefixes}.values())
         slots = [next(slot for slot, voice in enumerate(voices) if voice is prefix) for prefix in prefixes]
-        capacity = max(self.prefix_slots[1], *(voice.capacity for voice in voices))
-        stacked = stack_prefixes(voices + [voices[0]] * (self.prefix_slots[0] - len(voices)), capacity)
-        for tensor in stacked:
-            torch._dynamo.mark_static(tensor)
+        stacked_voices, frames = self.prefix_slots
+        capacity = max(frames, *(voice.capacity for voice in voices))
+        padded = voices + [voices[0]] * (stacked_voices - len(voices))
         visible = prefix_visible([prefix.frames for prefix in prefixes], capacity, device)
-        return PrefixReplay(stacked, replay_rows(slots, len(prefixes)).to(device), torch.cat([visible, visible]))
+        return PrefixReplay(
+            StackedPrefixes(padded, capacity, static=stacked_voices > 0),
+            replay_rows(slots, len(prefixes)).to(device),
+            torch.cat([visible, visible]),
+        )
 
 
 def _after(starts: Sequence[int], mu: Tensor, mask: Tensor, cond: Tensor) -> tuple[Tensor, Tensor, Tensor]:

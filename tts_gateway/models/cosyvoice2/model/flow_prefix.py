@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -125,8 +126,8 @@ class PrefixReplay:
     theirs: inside a compiled level the two are one kernel.
     """
 
-    def __init__(self, tensors: Sequence[Tensor], rows: Tensor, visible: Tensor) -> None:
-        self.tensors = tuple(tensors)
+    def __init__(self, tensors: TensorList, rows: Tensor, visible: Tensor) -> None:
+        self.tensors = tensors
         self.rows = rows
         self.visible = visible
         self._next = 0
@@ -134,9 +135,9 @@ class PrefixReplay:
     def level(self, count: int) -> PrefixReplay:
         """The next ``count`` tensors as a tape of their own, for a U-Net level to take in order. A compiled
         level is handed a tape that starts at its first tensor, so that each of its calls looks alike."""
-        share = PrefixReplay(self.tensors[self._next : self._next + count], self.rows, self.visible)
+        share = tuple(self.tensors[index] for index in range(self._next, self._next + count))
         self._next += count
-        return share
+        return PrefixReplay(share, self.rows, self.visible)
 
     def _take(self) -> Tensor:
         recorded = self.tensors[self._next]
@@ -161,15 +162,39 @@ def replay_rows(slots: Sequence[int], rows: int) -> Tensor:
     return torch.tensor([2 * slot for slot in padded] + [2 * slot + 1 for slot in padded], dtype=torch.long)
 
 
-def stack_prefixes(voices: Sequence[VoicePrefix], capacity: int) -> list[Tensor]:
+class TensorList(Protocol):
+    """Tensors by position: a tuple or list, or :class:`StackedPrefixes`."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Tensor: ...
+
+
+class StackedPrefixes:
     """The voices' recorded tensors stacked as :class:`PrefixReplay` takes them, keys and values padded to
-    ``capacity`` frames (zeros, which the replay's ``visible`` hides)."""
-    stacked = []
-    for recorded in zip(*(voice.tensors for voice in voices), strict=True):
+    ``capacity`` frames (zeros, which the replay's ``visible`` hides). Each is stacked when the replay takes
+    it, so an eager solve never holds a copy of every step's at once; one voice that needs no padding is
+    handed over as recorded. ``static`` marks their sizes static, as the CUDA graphs' buffers are, for a
+    compiled estimator."""
+
+    def __init__(self, voices: Sequence[VoicePrefix], capacity: int, *, static: bool = False) -> None:
+        self._voices = voices
+        self._capacity = capacity
+        self._static = static
+
+    def __len__(self) -> int:
+        return len(self._voices[0].tensors)
+
+    def __getitem__(self, index: int, /) -> Tensor:
+        recorded = [voice.tensors[index] for voice in self._voices]
         if recorded[0].dim() == 4:
-            recorded = tuple(F.pad(t, (0, 0, 0, capacity - t.size(2))) for t in recorded)
-        stacked.append(torch.cat(recorded))
-    return stacked
+            recorded = [
+                F.pad(t, (0, 0, 0, self._capacity - t.size(2))) if t.size(2) < self._capacity else t for t in recorded
+            ]
+        stacked = recorded[0] if len(recorded) == 1 else torch.cat(recorded)
+        if self._static:
+            torch._dynamo.mark_static(stacked)
+        return stacked
 
 
 def prefix_visible(frames: Sequence[int], capacity: int, device: torch.device) -> Tensor:
