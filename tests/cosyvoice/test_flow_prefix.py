@@ -125,8 +125,8 @@ def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: Causal
         buffer = torch.full(shape, 7.0)
         buffer[2:, :, : tensor.size(2)] = tensor
         padded.append(buffer)
-    visible = torch.zeros(2, capacity, dtype=torch.bool)
-    visible[:, : prefix.frames] = True
+    entries, visible = replay_rows([1], [prefix.frames], 1, capacity, torch.device("cpu"))
+    assert entries.tolist() == [2, 3] and visible.sum(dim=1).tolist() == [prefix.frames] * 2
 
     def padded_solver(mu, mask, speaker, cond, streaming, given, between_segments=None):  # type: ignore[no-untyped-def]
         assert list(given) == [prefix]
@@ -138,7 +138,7 @@ def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: Causal
             10,
             streaming,
             noise=flow.decoder.noise(prefix.frames, mu.size(2)),
-            tape=PrefixReplay(padded, replay_rows([1], 1), visible),
+            tape=PrefixReplay(padded, entries, visible),
         )
 
     got = flow.inference_batch([item], prefixes=[prefix], solver=padded_solver)[0]

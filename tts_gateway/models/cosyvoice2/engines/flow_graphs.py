@@ -50,8 +50,8 @@ from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     PrefixRecorder,
     PrefixReplay,
     VoicePrefix,
-    prefix_visible,
     replay_rows,
+    voice_slots,
 )
 
 _log = logging.getLogger(__name__)
@@ -169,13 +169,12 @@ class FlowSolverGraphs:
         frames = next((f for f in self._frames if f >= length), None)
         if rows is None or frames is None:
             return None
-        if prefixes is not None and not self._holds(prefixes):
+        if prefixes is not None and not self._holds(voice_slots(prefixes)[0]):
             return None
         with self._lock:
             return self._solve(rows, frames, prefixes, (mu, mask, speaker, cond, streaming), between_segments)
 
-    def _holds(self, prefixes: Sequence[VoicePrefix]) -> bool:
-        voices = {id(prefix): prefix for prefix in prefixes}.values()
+    def _holds(self, voices: list[VoicePrefix]) -> bool:
         return len(voices) <= self.prefix_voices and all(
             max(voice.frames, voice.capacity) <= self.prefix_frames and voice.steps == self.n_timesteps
             for voice in voices
@@ -197,9 +196,9 @@ class FlowSolverGraphs:
         else:
             self._x[:count, :, :frames] = torch.cat([self._decoder.noise(p.frames, frames) for p in prefixes])
             self._x[count:rows, :, :frames] = 0.0  # padding rows: masked, and never mixed with the others
-        voices = [] if prefixes is None else list({id(prefix): prefix for prefix in prefixes}.values())
+        voices, slots = ([], []) if prefixes is None else voice_slots(prefixes)
         if prefixes is not None:
-            self._show(voices, prefixes, rows)
+            self._show(slots, prefixes, rows)
         graph = self._graphs[rows, frames, prefixes is not None]
         for index, (t, dt) in enumerate(self._segments):
             if index > 0 and between_segments is not None:
@@ -212,7 +211,7 @@ class FlowSolverGraphs:
                 self._load_inputs(rows, frames, *inputs)
                 self._x[:rows, :, :frames] = state
                 if prefixes is not None:
-                    self._show(voices, prefixes, rows)
+                    self._show(slots, prefixes, rows)
             self._t.copy_(t)
             self._dt.copy_(dt)
             for slot, voice in enumerate(voices):
@@ -220,16 +219,14 @@ class FlowSolverGraphs:
             graph.replay()
         return self._x[:count, :, :length].to(torch.float32, copy=True)
 
-    def _show(self, voices: list[VoicePrefix], prefixes: Sequence[VoicePrefix], rows: int) -> None:
-        """Point each of the bucket's estimator rows at its voice's slot of the static prefix buffers (the
-        voices in slots in the order of ``voices``) and mark which of its frames are real."""
-        slots = [next(slot for slot, voice in enumerate(voices) if voice is prefix) for prefix in prefixes]
-        device = self._prefix_rows.device
-        self._prefix_rows[: 2 * rows] = replay_rows(slots, rows).to(device)
-        visible = prefix_visible(
-            [p.frames for p in prefixes] + [0] * (rows - len(prefixes)), self.prefix_frames, device
+    def _show(self, slots: list[int], prefixes: Sequence[VoicePrefix], rows: int) -> None:
+        """Point each of the bucket's estimator rows at its voice's slot of the static prefix buffers and mark
+        which of its frames are real."""
+        entries, visible = replay_rows(
+            slots, [p.frames for p in prefixes], rows, self.prefix_frames, self._prefix_rows.device
         )
-        self._prefix_visible[: 2 * rows] = torch.cat([visible, visible])
+        self._prefix_rows[: 2 * rows] = entries
+        self._prefix_visible[: 2 * rows] = visible
 
     def _finished(self) -> None:
         """Wait until the GPU has run what was queued so far (nothing to wait for on the CPU)."""

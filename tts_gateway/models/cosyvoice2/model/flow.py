@@ -34,8 +34,8 @@ from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     VoicePrefix,
     chunk_alignment,
     prefix_frames,
-    prefix_visible,
     replay_rows,
+    voice_slots,
 )
 
 
@@ -318,17 +318,12 @@ class CausalFlow(nn.Module):
 
     def _replay(self, prefixes: Sequence[VoicePrefix], device: torch.device) -> PrefixReplay:
         """A tape over the rows' prefixes for an eager solve (the CUDA graphs keep theirs in static buffers)."""
-        voices = list({id(prefix): prefix for prefix in prefixes}.values())
-        slots = [next(slot for slot, voice in enumerate(voices) if voice is prefix) for prefix in prefixes]
+        voices, slots = voice_slots(prefixes)
         stacked_voices, frames = self.prefix_slots
         capacity = max(frames, *(voice.capacity for voice in voices))
         padded = voices + [voices[0]] * (stacked_voices - len(voices))
-        visible = prefix_visible([prefix.frames for prefix in prefixes], capacity, device)
-        return PrefixReplay(
-            StackedPrefixes(padded, capacity, static=stacked_voices > 0),
-            replay_rows(slots, len(prefixes)).to(device),
-            torch.cat([visible, visible]),
-        )
+        entries, visible = replay_rows(slots, [prefix.frames for prefix in prefixes], len(prefixes), capacity, device)
+        return PrefixReplay(StackedPrefixes(padded, capacity, static=stacked_voices > 0), entries, visible)
 
 
 def _after(starts: Sequence[int], mu: Tensor, mask: Tensor, cond: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -154,12 +154,29 @@ class PrefixReplay:
         return torch.cat([self._take(), keys], dim=2), torch.cat([self._take(), values], dim=2)
 
 
-def replay_rows(slots: Sequence[int], rows: int) -> Tensor:
-    """``[2 * rows]`` long: each estimator row's entry in stacked prefixes, for solve rows whose voices sit in
-    ``slots`` (one per row; padding rows past them take entry 0). The estimator's rows are the CFG pair:
-    ``rows`` conditioned, then as many unconditioned."""
-    padded = [*slots, *[0] * (rows - len(slots))]
-    return torch.tensor([2 * slot for slot in padded] + [2 * slot + 1 for slot in padded], dtype=torch.long)
+def voice_slots(prefixes: Sequence[VoicePrefix]) -> tuple[list[VoicePrefix], list[int]]:
+    """The rows' distinct voices in the order they first come, and each row's slot among them."""
+    slots: dict[int, int] = {}
+    voices: list[VoicePrefix] = []
+    for prefix in prefixes:
+        if id(prefix) not in slots:
+            slots[id(prefix)] = len(voices)
+            voices.append(prefix)
+    return voices, [slots[id(prefix)] for prefix in prefixes]
+
+
+def replay_rows(
+    slots: Sequence[int], frames: Sequence[int], rows: int, capacity: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """For solve rows whose voices sit in ``slots`` with prefixes of ``frames`` frames (one each), padded to
+    ``rows``: each estimator row's entry in stacked prefixes (``[2 * rows]`` long) and which of its
+    ``capacity`` prefix frames are real (``[2 * rows, capacity]`` bool); padding rows take entry 0 and see
+    none. The estimator's rows are the CFG pair: ``rows`` conditioned, then as many unconditioned."""
+    padding = rows - len(slots)
+    entry = torch.tensor([*slots, *[0] * padding], device=device)
+    counts = torch.tensor([*frames, *[0] * padding], device=device).unsqueeze(1)
+    visible = torch.arange(capacity, device=device).unsqueeze(0) < counts
+    return torch.cat([2 * entry, 2 * entry + 1]), torch.cat([visible, visible])
 
 
 class TensorList(Protocol):
@@ -195,12 +212,6 @@ class StackedPrefixes:
         if self._static:
             torch._dynamo.mark_static(stacked)
         return stacked
-
-
-def prefix_visible(frames: Sequence[int], capacity: int, device: torch.device) -> Tensor:
-    """``[len(frames), capacity]`` bool: the first ``frames[i]`` frames of row i's prefix are real."""
-    counts = torch.tensor(frames, device=device).unsqueeze(1)
-    return torch.arange(capacity, device=device).unsqueeze(0) < counts
 
 
 def voice_key(tokens: NDArray[np.integer], feats: NDArray[np.floating], embedding: NDArray[np.floating]) -> str:
