@@ -767,3 +767,86 @@ def test_a_call_that_arrives_while_a_group_converts_is_not_held_back_afterwards(
 def test_a_gathering_time_that_is_negative_or_not_finite_is_refused(gather_s: float) -> None:
     with pytest.raises(ValueError, match="gather_s"):
         ConversionQueue(Recorder(), max_rows=4, gather_s=gather_s)
+
+
+class Releases:
+    """Counts the idle releases; ``fail`` makes the next one raise."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.fail = False
+        self.happened = threading.Event()
+
+    def __call__(self) -> None:
+        self.count += 1
+        self.happened.set()
+        if self.fail:
+            self.fail = False
+            raise OSError("no heap to trim")
+
+
+def _convert_one(queue: ConversionQueue, answers: Answers, name: str) -> None:
+    answers.expected += 1
+    answers.all_in = threading.Event()
+    queue.submit(call(name, 18, offset=0), answers(name))
+    assert answers.all_in.wait(10)
+
+
+def test_memory_goes_back_once_after_the_queue_falls_idle_and_again_after_more_work() -> None:
+    recorder, answers, releases = Recorder(), Answers(), Releases()
+    recorder.release.set()
+    queue = ConversionQueue(recorder, max_rows=4, idle_release=releases, idle_release_s=0.05)
+    try:
+        # Nothing converted yet: nothing to give back.
+        time.sleep(0.3)
+        assert releases.count == 0
+        _convert_one(queue, answers, "a")
+        assert releases.happened.wait(10)
+        # Once per idle spell, however long it lasts.
+        time.sleep(0.3)
+        assert releases.count == 1
+        releases.happened.clear()
+        _convert_one(queue, answers, "b")
+        assert releases.happened.wait(10)
+        time.sleep(0.2)
+        assert releases.count == 2
+    finally:
+        queue.close()
+    assert recorder.groups == [["a"], ["b"]]
+
+
+def test_no_memory_goes_back_while_calls_keep_the_queue_busy() -> None:
+    recorder, answers, releases = Recorder(), Answers(), Releases()
+    recorder.release.set()
+    queue = ConversionQueue(recorder, max_rows=4, idle_release=releases, idle_release_s=2.0)
+    try:
+        # Ten calls 50 ms apart: the queue never stands empty for 2 s.
+        for index in range(10):
+            _convert_one(queue, answers, f"call-{index}")
+            time.sleep(0.05)
+        assert releases.count == 0
+    finally:
+        queue.close()
+    assert len(recorder.groups) == 10
+
+
+def test_a_failing_idle_release_is_logged_and_the_queue_goes_on() -> None:
+    recorder, answers, releases = Recorder(), Answers(), Releases()
+    recorder.release.set()
+    releases.fail = True
+    errors: list[str] = []
+    queue = ConversionQueue(recorder, max_rows=4, log_error=errors.append, idle_release=releases, idle_release_s=0.05)
+    try:
+        _convert_one(queue, answers, "a")
+        assert releases.happened.wait(10)
+        _convert_one(queue, answers, "b")
+    finally:
+        queue.close()
+    assert [np.size(result) for result in answers.got["b"]] == [18]
+    assert len(errors) == 1 and "no heap to trim" in errors[0]
+
+
+@pytest.mark.parametrize("idle_release_s", [0.0, -1.0, math.inf, math.nan])
+def test_an_idle_release_time_that_is_not_a_positive_finite_number_is_refused(idle_release_s: float) -> None:
+    with pytest.raises(ValueError, match="idle_release_s"):
+        ConversionQueue(Recorder(), max_rows=4, idle_release=Releases(), idle_release_s=idle_release_s)

@@ -9,7 +9,8 @@ the session (its stream was cancelled).
 
 ``execute`` only queues the calls of each batch Triton hands it and returns; the queue's worker
 converts them a group at a time, streams' first chunks before everything else, and each call is
-answered through its response sender as soon as its group is converted (``token2wav_queue.py``).
+answered through its response sender as soon as its group is converted (``token2wav_queue.py``); once the
+queue stands idle, the process's free heap goes back to the kernel.
 Streaming state lives in this process, so every profile deploys exactly one instance: with two,
 Triton would send a session's chunks to either process.
 """
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from tts_gateway.allocator import release_free_memory
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns
 from tts_gateway.models.cosyvoice2.engines.playback_guard import PlaybackGuard
@@ -60,6 +62,7 @@ class Token2WavModel(TritonModel):
             playback_guard=PlaybackGuard.parse(params["playback_guard_ms"]),
             sample_rate=self._token2wav.sample_rate,
             gather_s=float(params["gather_ms"]) / 1000.0,
+            idle_release=release_free_memory,
         )
 
     def execute(self, requests: list[Any]) -> None:
