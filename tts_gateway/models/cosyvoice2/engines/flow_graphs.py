@@ -169,10 +169,11 @@ class FlowSolverGraphs:
         frames = next((f for f in self._frames if f >= length), None)
         if rows is None or frames is None:
             return None
-        if prefixes is not None and not self._holds(voice_slots(prefixes)[0]):
+        placed = None if prefixes is None else voice_slots(prefixes)
+        if placed is not None and not self._holds(placed[0]):
             return None
         with self._lock:
-            return self._solve(rows, frames, prefixes, (mu, mask, speaker, cond, streaming), between_segments)
+            return self._solve(rows, frames, prefixes, placed, (mu, mask, speaker, cond, streaming), between_segments)
 
     def _holds(self, voices: list[VoicePrefix]) -> bool:
         return len(voices) <= self.prefix_voices and all(
@@ -185,9 +186,11 @@ class FlowSolverGraphs:
         rows: int,
         frames: int,
         prefixes: Sequence[VoicePrefix] | None,
+        placed: tuple[list[VoicePrefix], list[int]] | None,
         inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
         between_segments: Callable[[], None] | None,
     ) -> Tensor:
+        """``placed``: the prefixes' distinct voices and each row's slot among them (:func:`voice_slots`)."""
         count, _, length = inputs[0].shape
         self._load_inputs(rows, frames, *inputs)
         # The pre-drawn noise of the frames solved (each row's after its prefix's when it has one).
@@ -196,7 +199,7 @@ class FlowSolverGraphs:
         else:
             self._x[:count, :, :frames] = torch.cat([self._decoder.noise(p.frames, frames) for p in prefixes])
             self._x[count:rows, :, :frames] = 0.0  # padding rows: masked, and never mixed with the others
-        voices, slots = ([], []) if prefixes is None else voice_slots(prefixes)
+        voices, slots = placed or ([], [])
         if prefixes is not None:
             self._show(slots, prefixes, rows)
         graph = self._graphs[rows, frames, prefixes is not None]
