@@ -116,6 +116,9 @@ def main() -> int:
     parser.add_argument(
         "--prefix-frames", type=int, default=0, help="a voice prefix cache for prefixes up to this many frames; 0: none"
     )
+    parser.add_argument(
+        "--unfused", action="store_true", help="compile the estimator as it is, without fewer kernels (A/B)"
+    )
     parser.add_argument("--cpu", action="store_true", help="rehearse on the CPU in float32, uncompiled")
     args = parser.parse_args()
     rows = [int(count) for count in args.rows.split(",")]
@@ -128,6 +131,7 @@ def main() -> int:
         graph_rows=max(rows) if cuda else 0,
         graph_frames=512,
         compile_backend=backend,
+        fuse_flow=not args.unfused,
         prefix_cache_mb=2048 if args.prefix_frames else 0,
         prefix_frames=args.prefix_frames,
     )
@@ -139,6 +143,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "compile_backend": backend,
+        "fused": backend != "" and not args.unfused,
         "tokens": args.tokens,
         "prefix_frames": args.prefix_frames,
         "runs": [profile_rows(t2w, count, prompt, tokens, cuda) for count in rows],

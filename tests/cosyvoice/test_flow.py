@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch import Tensor
 from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.model.config import FlowConfig
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
+from tts_gateway.models.cosyvoice2.model.flow_decoder import Attention, CausalConv1d
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -203,3 +205,32 @@ def test_a_frame_multiple_pads_an_eager_solve_without_changing_the_mel(flow: Cau
         hook.remove()
     assert padded.shape == plain.shape == (1, MEL, 26)
     torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)
+
+
+def test_fused_kernels_compute_the_same_mel_from_the_same_parameters(flow: CausalFlow) -> None:
+    """On the CPU the fused GELU is the exact one too, so only summation order differs."""
+    fused = copy.deepcopy(flow)
+    fused.decoder.estimator.fuse_kernels()
+    before, after = flow.state_dict(), fused.state_dict()
+    assert list(after) == list(before)
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0)
+    inputs = make_inputs(43)
+    for streaming, finalize in [(True, False), (True, True), (False, True)]:
+        want = run(flow, inputs, streaming=streaming, finalize=finalize)
+        torch.testing.assert_close(run(fused, inputs, streaming=streaming, finalize=finalize), want)
+
+
+def test_fused_kernels_hold_every_weight_once(flow: CausalFlow) -> None:
+    fused = copy.deepcopy(flow)
+    estimator = fused.decoder.estimator
+    estimator.fuse_kernels()
+    attention = estimator.mid_blocks[0][1][0].attn1
+    assert isinstance(attention, Attention) and attention.qkv_weight is not None
+    for index, linear in enumerate((attention.to_q, attention.to_k, attention.to_v)):
+        assert linear.weight.untyped_storage().data_ptr() == attention.qkv_weight.untyped_storage().data_ptr()
+        torch.testing.assert_close(attention.qkv_weight.chunk(3)[index], linear.weight, rtol=0, atol=0)
+    convolutions = [module for module in estimator.modules() if isinstance(module, CausalConv1d)]
+    assert convolutions and all(conv.as_matmul for conv in convolutions)
+    # Stored tap-major: the matrix a product reads is a view, not a copy made at every call.
+    assert all(conv.weight.permute(0, 2, 1).is_contiguous() for conv in convolutions)

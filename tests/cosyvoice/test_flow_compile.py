@@ -14,11 +14,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.cosyvoice.test_token2wav_batching import calls, tokens, voice
+from tts_gateway.models.cosyvoice2.checkpoints.config_writer import tiny_config
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import official_config
 from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_flow_levels
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
-from tts_gateway.models.cosyvoice2.model.flow_decoder import UNetLevel
+from tts_gateway.models.cosyvoice2.model.flow_decoder import Attention, UNetLevel
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -100,3 +101,31 @@ def test_without_a_warm_up_the_first_solve_compiles_the_levels() -> None:
     item = FlowItem(tokens, tokens, torch.zeros(40, 80), torch.ones(192), streaming=True, finalize=False)
     flow.inference_batch([item], n_timesteps=2)
     assert _compiled_graphs() - before == 3
+
+
+def test_a_frame_count_equal_to_a_fused_weights_size_does_not_tie_the_two() -> None:
+    """The tiny estimator's joined query/key/value weight has 96 rows: a first solve over 96 frames
+    must not compile levels that only take 96 frames (CUDA graphs record every other count after it)."""
+    torch.manual_seed(0)
+    flow = CausalFlow(tiny_config().flow).eval()
+    torch._dynamo.reset()
+    compile_flow_levels(flow, "aot_eager", n_timesteps=2, warm_up=False)
+    attention = next(m for m in flow.modules() if isinstance(m, Attention))
+    assert attention.qkv_weight is not None and attention.qkv_weight.size(0) == 96
+    decoder = flow.decoder
+
+    def step(frames: int) -> None:
+        mu, cond = torch.randn(2, 80, frames), torch.randn(2, 80, frames)
+        guide = decoder.guidance(
+            mu, torch.ones(2, 1, frames), torch.randn(2, 80), cond, torch.ones(2, dtype=torch.bool)
+        )
+        with torch.inference_mode():
+            decoder.step(torch.randn(2, 80, frames), guide, torch.zeros(1), torch.full((1,), 0.5))
+
+    before = _compiled_graphs()
+    step(96)
+    compiled = _compiled_graphs()
+    assert compiled - before == 3
+    for frames in (104, 160, 64):
+        step(frames)
+    assert _compiled_graphs() == compiled

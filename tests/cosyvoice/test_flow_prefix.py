@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -369,3 +370,13 @@ def test_a_prefix_recorded_over_other_steps_is_not_replayed(flow: CausalFlow) ->
     mu = torch.zeros(1, 80, 100)
     streaming = torch.ones(1, dtype=torch.bool)
     assert graphs(mu, torch.ones(1, 1, 100), torch.zeros(1, 80), mu, streaming, [twenty_steps]) is None
+
+
+def test_chunks_after_a_prefix_equal_chunks_solved_whole_with_fused_kernels(flow: CausalFlow) -> None:
+    fused = copy.deepcopy(flow)
+    fused.decoder.estimator.fuse_kernels()
+    voice = prompt(3)
+    prefix = fused.record_prefix(*voice, fused.prefix_frames(PROMPT_TOKENS))
+    items = [chunk(voice, 20, 1), chunk(voice, 57, 2)]
+    for item, after in zip(items, fused.inference_batch(items, prefixes=[prefix] * 2), strict=True):
+        torch.testing.assert_close(after, flow.inference_batch([item])[0], rtol=1e-5, atol=1e-5)

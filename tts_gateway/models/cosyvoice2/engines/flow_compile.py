@@ -34,8 +34,13 @@ the recorded solves' buckets must be, and eager solves padded alike run the same
 three compiles at load instead of six."""
 
 
-def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, warm_up: bool = True) -> float:
+def compile_flow_levels(
+    flow: CausalFlow, backend: str, *, n_timesteps: int, warm_up: bool = True, fuse: bool = True
+) -> float:
     """Compile the U-Net levels of ``flow``'s estimator in place with ``backend``; seconds taken.
+
+    With ``fuse`` the estimator first computes in fewer kernels
+    (:meth:`~tts_gateway.models.cosyvoice2.model.flow_decoder.CausalConditionalDecoder.fuse_kernels`).
 
     ``torch.compile`` only traces a level at its first call, so this then converts a streaming
     first chunk (and one after a voice prefix where ``flow.prefix_slots`` says prefixes are replayed):
@@ -49,6 +54,8 @@ def compile_flow_levels(flow: CausalFlow, backend: str, *, n_timesteps: int, war
     started = time.monotonic()
     read_text_as_utf8()
     flow.frame_multiple = ALIGNED_FRAMES
+    if fuse:
+        flow.decoder.estimator.fuse_kernels()
     try:
         for module in flow.decoder.estimator.modules():
             if isinstance(module, UNetLevel):

@@ -208,6 +208,7 @@ class Token2Wav:
         hift_graph_rows: int = 0,
         hift_graph_hops: Sequence[int] = (),
         compile_backend: str = "",
+        fuse_flow: bool = True,
     ) -> Token2Wav:
         """Load ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt`` from ``model_dir``.
 
@@ -224,7 +225,8 @@ class Token2Wav:
         ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
         A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels
         (:mod:`.flow_compile`): where graphs are recorded, while recording the largest one, else at a
-        warm-up. It needs buckets of a multiple of 8 frames.
+        warm-up. It needs buckets of a multiple of 8 frames. Compiled, the estimator computes in fewer
+        kernels unless ``fuse_flow`` is False (its GELU then stays the exact one on CUDA as well).
         """
         device = torch.device(device)
         started = time.monotonic()
@@ -244,7 +246,9 @@ class Token2Wav:
                     f"not {graph_frame_step}"
                 )
             # Recording the graphs compiles the levels at its largest bucket (see compile_flow_levels).
-            seconds = compile_flow_levels(flow, compile_backend, n_timesteps=n_timesteps, warm_up=not records_graphs)
+            seconds = compile_flow_levels(
+                flow, compile_backend, n_timesteps=n_timesteps, warm_up=not records_graphs, fuse=fuse_flow
+            )
             if not records_graphs:
                 _log.info("flow U-Net levels compiled (%s) in %.1f s", compile_backend, seconds)
         if records_graphs:

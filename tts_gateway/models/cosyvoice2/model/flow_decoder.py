@@ -61,10 +61,44 @@ class CausalConv1d(nn.Conv1d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int) -> None:
         super().__init__(in_channels, out_channels, kernel_size)
         self.left_pad = kernel_size - 1
+        self.as_matmul = False
 
     def forward(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
-        padded = F.pad(x, (self.left_pad, 0)) if tape is None else tape.context(x, self.left_pad)
-        return super().forward(padded)
+        if not self.as_matmul:
+            return super().forward(F.pad(x, (self.left_pad, 0)) if tape is None else tape.context(x, self.left_pad))
+        frames = x.size(-1)
+        if tape is None:
+            rows = F.pad(x.transpose(1, 2), (0, 0, self.left_pad, 0))
+        else:
+            rows = tape.context(x, self.left_pad).transpose(1, 2)
+        # [B, T, taps x C]: each frame's window, tap-major as the weight's matrix reads it, built frames-major
+        # (a frame's channels side by side) so that a compiler writes it in one coalesced pass.
+        windows = torch.cat([rows[:, tap : tap + frames] for tap in range(self.left_pad + 1)], dim=2)
+        weight = self.weight.permute(0, 2, 1).reshape(self.out_channels, -1)
+        return F.linear(windows, weight, self.bias).transpose(1, 2)
+
+    def to_matmul(self) -> None:
+        """Compute as one matrix product over each frame's window (see :meth:`CausalConditionalDecoder.fuse_kernels`).
+
+        The weight is stored tap-major in memory (its shape unchanged), so its matrix is a view."""
+        self.weight.data = self.weight.data.permute(0, 2, 1).contiguous().permute(0, 2, 1)
+        self.as_matmul = True
+
+
+class PointwiseConv1d(nn.Conv1d):
+    """A 1x1 convolution, which :meth:`to_matmul` turns into the matrix product it is over frames."""
+
+    def __init__(self, in_channels: int, out_channels: int) -> None:
+        super().__init__(in_channels, out_channels, 1)
+        self.as_matmul = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.as_matmul:
+            return super().forward(x)
+        return F.linear(x.transpose(1, 2), self.weight[:, :, 0], self.bias).transpose(1, 2)
+
+    def to_matmul(self) -> None:
+        self.as_matmul = True
 
 
 class _Transpose(nn.Module):
@@ -97,7 +131,7 @@ class CausalResnetBlock1D(nn.Module):
         self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, dim_out))
         self.block1 = CausalBlock1D(dim, dim_out)
         self.block2 = CausalBlock1D(dim_out, dim_out)
-        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+        self.res_conv = PointwiseConv1d(dim, dim_out)
 
     def forward(self, x: Tensor, mask: Tensor, time: Tensor, tape: EstimatorTape | None = None) -> Tensor:
         h = self.block1(x, mask, tape) + self.mlp(time).unsqueeze(-1)
@@ -115,6 +149,12 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        # The three projections' weights side by side (:meth:`join_projections`). A buffer, not a plain
+        # attribute: a compiler takes a module's buffers' sizes as fixed, where a plain tensor's could be
+        # tied to an input's that happened to be equal (1536 rows and frames), compiling again at every
+        # other frame count. Not persistent: flow.pt holds the three weights.
+        self.qkv_weight: Tensor | None
+        self.register_buffer("qkv_weight", None, persistent=False)
 
     def forward(self, x: Tensor, bias: Tensor, tape: EstimatorTape | None = None) -> Tensor:
         """x ``[B, T, dim]``; bias ``[B or 1, T, keys]``, 0 where visible and very negative elsewhere
@@ -124,20 +164,42 @@ class Attention(nn.Module):
         def heads(t: Tensor) -> Tensor:
             return t.view(batch, length, self.heads, -1).transpose(1, 2)
 
-        keys, values = heads(self.to_k(x)), heads(self.to_v(x))
+        if self.qkv_weight is None:
+            queries, keys, values = heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x))
+        else:
+            queries, keys, values = (heads(t) for t in F.linear(x, self.qkv_weight).chunk(3, dim=-1))
         if tape is not None:
             keys, values = tape.keys_values(keys, values)
-        out = F.scaled_dot_product_attention(heads(self.to_q(x)), keys, values, attn_mask=bias.unsqueeze(1))
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias.unsqueeze(1))
         return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+    def join_projections(self) -> None:
+        """Project queries, keys and values in one matrix product: two kernels fewer a call.
+
+        The three weights become views of the joined one, so it is held once; join after the module
+        is on its device and in its dtype (a later move would part them again)."""
+        linears = (self.to_q, self.to_k, self.to_v)
+        joined = torch.cat([linear.weight.detach() for linear in linears])
+        for index, linear in enumerate(linears):
+            rows = slice(index * linear.out_features, (index + 1) * linear.out_features)
+            linear.weight = nn.Parameter(joined[rows], requires_grad=False)
+        self.qkv_weight = joined
 
 
 class GELUProjection(nn.Module):
     def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
         self.proj = nn.Linear(dim, dim_out)
+        self.gelu_in_epilogue = False
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.proj(x))
+        if not self.gelu_in_epilogue:
+            return F.gelu(self.proj(x))
+        # cuBLASLt applies bias and GELU as the product's epilogue (in its tanh form on CUDA; the
+        # CPU computes the exact one), where a compiler leaves the product to cuBLAS and the GELU to a
+        # kernel of its own.
+        flat = torch._addmm_activation(self.proj.bias, x.reshape(-1, x.size(-1)), self.proj.weight.t(), use_gelu=True)
+        return flat.view(*x.shape[:-1], -1)
 
 
 class FeedForward(nn.Module):
@@ -188,6 +250,7 @@ class UNetLevel(nn.ModuleList):
 
     def __init__(self, resnet: CausalResnetBlock1D, blocks: nn.ModuleList, resample: nn.Module | None) -> None:
         super().__init__([resnet, blocks] if resample is None else [resnet, blocks, resample])
+        self.frames_major = False
 
     @property
     def tape_tensors(self) -> int:
@@ -200,7 +263,9 @@ class UNetLevel(nn.ModuleList):
         x = self[0](x, mask, time, tape).transpose(1, 2)
         for block in cast(nn.ModuleList, self[1]):
             x = block(x, bias, tape)
-        return x.transpose(1, 2).contiguous()
+        # Every level of an estimator takes its input in one layout (a level compiled for one would
+        # compile again for the other): channels-major, or frames-major where its kernels are fused.
+        return x.transpose(1, 2) if self.frames_major else x.transpose(1, 2).contiguous()
 
     def resample(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
         resample = self[2]
@@ -268,9 +333,39 @@ class CausalConditionalDecoder(nn.Module):
                 UNetLevel(CausalResnetBlock1D(2 * widths[i], dim, time_dim), transformers(dim), resample)
             )
         self.final_block = CausalBlock1D(widths[-1], widths[-1])
-        self.final_proj = nn.Conv1d(widths[-1], cfg.out_channels, 1)
+        self.final_proj = PointwiseConv1d(widths[-1], cfg.out_channels)
         # One level (CosyVoice2's): no down- or upsampling, so a prefix tape can serve it.
         self.keeps_time_resolution = len(cfg.channels) == 1
+        self.frames_major = False
+
+    def fuse_kernels(self) -> None:
+        """Compute the same estimator in fewer GPU kernels, once it is on its device and in its dtype.
+
+        Replayed from CUDA graphs, a solve is bound by how many kernels it launches more than by
+        arithmetic. Each attention projects queries, keys and values in one product; each feed-forward
+        applies its GELU in its first product's epilogue; the convolutions become matrix products over
+        frames, which spares cuDNN's layout copies around each (its kernels want channels last). The
+        same weights and parameter names; on CUDA the GELU is its tanh form (cuBLASLt's epilogue).
+        The U-Net then keeps its activations frames-major in memory (``[B, T, C]`` behind its
+        ``[B, C, T]`` views), the layout the products and the transformers read: built channels-major,
+        the convolutions' windows cost a transposing copy each, slower at 32 rows than cuDNN's copies.
+        """
+        self.frames_major = True
+        for module in self.modules():
+            if isinstance(module, UNetLevel):
+                module.frames_major = True
+            elif isinstance(module, Attention):
+                module.join_projections()
+            elif isinstance(module, GELUProjection):
+                module.gelu_in_epilogue = True
+            elif isinstance(module, CausalConv1d | PointwiseConv1d):
+                module.to_matmul()
+
+    def _cat_channels(self, tensors: list[Tensor]) -> Tensor:
+        """``[B, C, T]`` tensors side by side along channels, frames-major in memory where the kernels are fused."""
+        if not self.frames_major:
+            return torch.cat(tensors, dim=1)
+        return torch.cat([t.transpose(1, 2) for t in tensors], dim=2).transpose(1, 2)
 
     def _attention_bias(
         self, mask: Tensor, streaming: Tensor, dtype: torch.dtype, prefix: Tensor | None = None
@@ -303,31 +398,25 @@ class CausalConditionalDecoder(nn.Module):
         """x, mu, cond ``[B, 80, T]``; mask ``[B, 1, T]``; t ``[B]``; spks ``[B, 80]``; streaming ``[B]`` bool
         -> velocity ``[B, 80, T]``. With a replaying ``tape`` the frames continue its prefixes."""
         time = self.time_mlp(_sinusoidal_time(t, self.in_channels).to(t.dtype))
-        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
+        h = self._cat_channels([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond])
         prefix = None if tape is None else tape.visible
 
-        skips: list[Tensor] = []
+        # Each time resolution's padding mask and attention bias, worked out once for all its levels.
         masks = [mask]
-        for level in cast(Iterable[UNetLevel], self.down_blocks):
-            level_mask = masks[-1]
-            h = level(
-                h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), _share(tape, level)
-            )
+        for _ in range(len(self.down_blocks) - 1):
+            masks.append(masks[-1][:, :, ::2])
+        biases = [self._attention_bias(level_mask, streaming, h.dtype, prefix) for level_mask in masks]
+        skips: list[Tensor] = []
+        for level, level_mask, bias in zip(cast(Iterable[UNetLevel], self.down_blocks), masks, biases, strict=True):
+            h = level(h, level_mask, time, bias, _share(tape, level))
             skips.append(h)
             h = level.resample(h * level_mask, tape)
-            masks.append(level_mask[:, :, ::2])
-        masks.pop()
-        mid_mask = masks[-1]
-        mid_bias = self._attention_bias(mid_mask, streaming, h.dtype, prefix)
         for level in cast(Iterable[UNetLevel], self.mid_blocks):
-            h = level(h, mid_mask, time, mid_bias, _share(tape, level))
-        for level in cast(Iterable[UNetLevel], self.up_blocks):
-            level_mask = masks.pop()
-            skip = skips.pop()
-            h = torch.cat([h[:, :, : skip.size(-1)], skip], dim=1)
-            h = level(
-                h, level_mask, time, self._attention_bias(level_mask, streaming, h.dtype, prefix), _share(tape, level)
-            )
+            h = level(h, masks[-1], time, biases[-1], _share(tape, level))
+        up = zip(cast(Iterable[UNetLevel], self.up_blocks), masks[::-1], biases[::-1], skips[::-1], strict=True)
+        for level, level_mask, bias, skip in up:
+            h = self._cat_channels([h[:, :, : skip.size(-1)], skip])
+            h = level(h, level_mask, time, bias, _share(tape, level))
             h = level.resample(h * level_mask, tape)
         h = self.final_block(h, mask, tape)
         return self.final_proj(h * mask) * mask
