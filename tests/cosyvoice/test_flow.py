@@ -234,3 +234,28 @@ def test_fused_kernels_hold_every_weight_once(flow: CausalFlow) -> None:
     assert convolutions and all(conv.as_matmul for conv in convolutions)
     # Stored tap-major: the matrix a product reads is a view, not a copy made at every call.
     assert all(conv.weight.permute(0, 2, 1).is_contiguous() for conv in convolutions)
+
+
+def test_fused_kernels_compute_the_same_mel_in_a_two_level_u_net() -> None:
+    """Strided down- and upsampling between the levels: their masks, biases and skips pair up as unfused."""
+    tiny = tiny_config().flow
+    estimator = dataclasses.replace(tiny.decoder.estimator, channels=(32, 32))
+    two_levels = build(
+        dataclasses.replace(tiny, decoder=dataclasses.replace(tiny.decoder, estimator=estimator)), seed=4
+    )
+    fused = copy.deepcopy(two_levels)
+    fused.decoder.estimator.fuse_kernels()
+    for tokens, streaming, finalize in [(21, True, False), (30, False, True)]:
+        inputs = make_inputs(tokens, seed=tokens)
+        want = run(two_levels, inputs, streaming=streaming, finalize=finalize)
+        torch.testing.assert_close(run(fused, inputs, streaming=streaming, finalize=finalize), want)
+
+
+def test_fusing_again_changes_nothing(flow: CausalFlow) -> None:
+    fused = copy.deepcopy(flow)
+    estimator = fused.decoder.estimator
+    estimator.fuse_kernels()
+    joined = [m.qkv_weight for m in estimator.modules() if isinstance(m, Attention)]
+    estimator.fuse_kernels()
+    again = [m.qkv_weight for m in estimator.modules() if isinstance(m, Attention)]
+    assert len(again) == len(joined) > 0 and all(new is old for new, old in zip(again, joined, strict=True))

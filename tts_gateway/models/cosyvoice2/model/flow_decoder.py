@@ -98,6 +98,7 @@ class PointwiseConv1d(nn.Conv1d):
         return F.linear(x.transpose(1, 2), self.weight[:, :, 0], self.bias).transpose(1, 2)
 
     def to_matmul(self) -> None:
+        """Compute as the product over frames (see :meth:`CausalConditionalDecoder.fuse_kernels`)."""
         self.as_matmul = True
 
 
@@ -176,13 +177,14 @@ class Attention(nn.Module):
     def join_projections(self) -> None:
         """Project queries, keys and values in one matrix product: two kernels fewer a call.
 
-        The three weights become views of the joined one, so it is held once; join after the module
-        is on its device and in its dtype (a later move would part them again)."""
+        The three weights become views of the joined one, so it is held once and a ``load_state_dict``
+        that copies into them reaches it. Join once the module's weights are loaded and placed: a later
+        move (``.to()``) or an assigning load replaces the three and leaves the joined weight behind."""
         linears = (self.to_q, self.to_k, self.to_v)
         joined = torch.cat([linear.weight.detach() for linear in linears])
         for index, linear in enumerate(linears):
             rows = slice(index * linear.out_features, (index + 1) * linear.out_features)
-            linear.weight = nn.Parameter(joined[rows], requires_grad=False)
+            linear.weight = nn.Parameter(joined[rows], requires_grad=linear.weight.requires_grad)
         self.qkv_weight = joined
 
 
@@ -263,8 +265,9 @@ class UNetLevel(nn.ModuleList):
         x = self[0](x, mask, time, tape).transpose(1, 2)
         for block in cast(nn.ModuleList, self[1]):
             x = block(x, bias, tape)
-        # Every level of an estimator takes its input in one layout (a level compiled for one would
-        # compile again for the other): channels-major, or frames-major where its kernels are fused.
+        # Fused, a level hands its output on frames-major, the layout the next level's products read;
+        # otherwise channels-major, as a convolution's. Either way the levels alike (CosyVoice2's mid levels)
+        # take one layout, which one compiled graph serves (another layout would compile again).
         return x.transpose(1, 2) if self.frames_major else x.transpose(1, 2).contiguous()
 
     def resample(self, x: Tensor, tape: EstimatorTape | None = None) -> Tensor:
@@ -339,17 +342,21 @@ class CausalConditionalDecoder(nn.Module):
         self.frames_major = False
 
     def fuse_kernels(self) -> None:
-        """Compute the same estimator in fewer GPU kernels, once it is on its device and in its dtype.
+        """Compute the estimator in fewer GPU kernels, once its weights are loaded, placed and in their dtype.
 
         Replayed from CUDA graphs, a solve is bound by how many kernels it launches more than by
         arithmetic. Each attention projects queries, keys and values in one product; each feed-forward
-        applies its GELU in its first product's epilogue; the convolutions become matrix products over
-        frames, which spares cuDNN's layout copies around each (its kernels want channels last). The
-        same weights and parameter names; on CUDA the GELU is its tanh form (cuBLASLt's epilogue).
-        The U-Net then keeps its activations frames-major in memory (``[B, T, C]`` behind its
-        ``[B, C, T]`` views), the layout the products and the transformers read: built channels-major,
-        the convolutions' windows cost a transposing copy each, slower at 32 rows than cuDNN's copies.
+        applies its GELU in its first product's epilogue; the causal and 1x1 convolutions become matrix
+        products over frames, which spares cuDNN's layout copies around each (its kernels want channels
+        last; the down- and upsampling convolutions of a multi-level U-Net stay as they are). The same
+        weights and parameter names and the same output up to rounding, except that on CUDA the GELU is
+        its tanh form (cuBLASLt's epilogue). The levels then hand their activations on frames-major
+        (``[B, T, C]`` in memory behind ``[B, C, T]`` views), the layout the products and the
+        transformers read: built from channels-major input, the convolutions' windows cost a transposing
+        copy each, slower at 32 rows than cuDNN's copies. Calling it again changes nothing.
         """
+        if self.frames_major:
+            return
         self.frames_major = True
         for module in self.modules():
             if isinstance(module, UNetLevel):
