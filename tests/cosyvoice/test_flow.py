@@ -207,18 +207,24 @@ def test_a_frame_multiple_pads_an_eager_solve_without_changing_the_mel(flow: Cau
     torch.testing.assert_close(padded, plain, atol=1e-5, rtol=0)
 
 
-def test_fused_kernels_compute_the_same_mel_from_the_same_parameters(flow: CausalFlow) -> None:
-    """On the CPU the fused GELU is the exact one too, so only summation order differs."""
+def fused_copy_gives_the_same_mel(flow: CausalFlow, cases: list[tuple[Inputs, bool, bool]]) -> CausalFlow:
+    """A fused copy of ``flow``, checked against it on each (inputs, streaming, finalize) case. On the CPU the
+    fused GELU is the exact one too, so only summation order differs."""
     fused = copy.deepcopy(flow)
     fused.decoder.estimator.fuse_kernels()
+    for inputs, streaming, finalize in cases:
+        want = run(flow, inputs, streaming=streaming, finalize=finalize)
+        torch.testing.assert_close(run(fused, inputs, streaming=streaming, finalize=finalize), want)
+    return fused
+
+
+def test_fused_kernels_compute_the_same_mel_from_the_same_parameters(flow: CausalFlow) -> None:
+    inputs = make_inputs(43)
+    fused = fused_copy_gives_the_same_mel(flow, [(inputs, True, False), (inputs, True, True), (inputs, False, True)])
     before, after = flow.state_dict(), fused.state_dict()
     assert list(after) == list(before)
     for name, tensor in before.items():
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=0)
-    inputs = make_inputs(43)
-    for streaming, finalize in [(True, False), (True, True), (False, True)]:
-        want = run(flow, inputs, streaming=streaming, finalize=finalize)
-        torch.testing.assert_close(run(fused, inputs, streaming=streaming, finalize=finalize), want)
 
 
 def test_fused_kernels_hold_every_weight_once(flow: CausalFlow) -> None:
@@ -243,12 +249,7 @@ def test_fused_kernels_compute_the_same_mel_in_a_two_level_u_net() -> None:
     two_levels = build(
         dataclasses.replace(tiny, decoder=dataclasses.replace(tiny.decoder, estimator=estimator)), seed=4
     )
-    fused = copy.deepcopy(two_levels)
-    fused.decoder.estimator.fuse_kernels()
-    for tokens, streaming, finalize in [(21, True, False), (30, False, True)]:
-        inputs = make_inputs(tokens, seed=tokens)
-        want = run(two_levels, inputs, streaming=streaming, finalize=finalize)
-        torch.testing.assert_close(run(fused, inputs, streaming=streaming, finalize=finalize), want)
+    fused_copy_gives_the_same_mel(two_levels, [(make_inputs(21, seed=21), True, False), (make_inputs(30), False, True)])
 
 
 def test_fusing_again_changes_nothing(flow: CausalFlow) -> None:
