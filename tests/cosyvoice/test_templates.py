@@ -238,6 +238,18 @@ def test_token2wav_instances_cannot_be_overridden(tmp_path: Path) -> None:
         render_repository(SOURCE, "gpu-torch", tmp_path / "repo", {"token2wav": {"instance_count": "4"}})
 
 
+def test_gpu_profiles_compile_the_flow_in_fewer_kernels_unless_told_not_to(
+    rendered: dict[str, dict[str, mc.ModelConfig]], tmp_path: Path
+) -> None:
+    for profile in ("gpu-trtllm", "gpu-torch"):
+        params = _params(rendered[profile]["token2wav"])
+        assert (params["compile_backend"], contract.parse_bool(params["fuse_flow"])) == ("inductor", True)
+    render_repository(SOURCE, "gpu-torch", tmp_path / "repo", {"token2wav": {"fuse_flow": "false"}})
+    config = mc.ModelConfig()
+    text_format.Parse((tmp_path / "repo" / "token2wav" / "config.pbtxt").read_text(encoding="utf-8"), config)
+    assert not contract.parse_bool(_params(config)["fuse_flow"])
+
+
 def test_token2wav_records_hift_for_the_hops_the_orchestrators_make(
     rendered: dict[str, dict[str, mc.ModelConfig]],
 ) -> None:

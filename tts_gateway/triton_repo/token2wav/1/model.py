@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tts_gateway.models.contract import parse_bool
 from tts_gateway.models.cosyvoice2.engines.token2wav import Token2Wav
 from tts_gateway.models.cosyvoice2.stage_models.token2wav_model import Token2WavModel
 
@@ -30,4 +31,5 @@ class TritonPythonModel(Token2WavModel):
             hift_graph_rows=int(params["hift_graph_rows"]),
             hift_graph_hops=[int(hop) for hop in params["hift_graph_hops"].split(",") if hop.strip()],
             compile_backend=params["compile_backend"],
+            fuse_flow=parse_bool(params["fuse_flow"]),
         )
