@@ -16,8 +16,9 @@ from torch import nn
 from transformers import Qwen2ForCausalLM
 
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
-from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder, joined
+from tts_gateway.models.cosyvoice2.engines.llm_decoder import SlotDecoder
 from tts_gateway.models.cosyvoice2.engines.llm_engine import COLUMN_IDS
+from tts_gateway.models.cosyvoice2.model.joined_linear import joined
 
 pytestmark = [pytest.mark.cosyvoice, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 from tts_gateway.models.cosyvoice2.model.config import DecoderConfig, EstimatorConfig
 from tts_gateway.models.cosyvoice2.model.flow_encoder import chunk_mask
+from tts_gateway.models.cosyvoice2.model.joined_linear import joined
 
 NOISE_SEED = 0
 NOISE_FRAMES = 50 * 300
@@ -180,12 +181,7 @@ class Attention(nn.Module):
         The three weights become views of the joined one, so it is held once and a ``load_state_dict``
         that copies into them reaches it. Join once the module's weights are loaded and placed: a later
         move (``.to()``) or an assigning load replaces the three and leaves the joined weight behind."""
-        linears = (self.to_q, self.to_k, self.to_v)
-        joined = torch.cat([linear.weight.detach() for linear in linears])
-        for index, linear in enumerate(linears):
-            rows = slice(index * linear.out_features, (index + 1) * linear.out_features)
-            linear.weight = nn.Parameter(joined[rows], requires_grad=linear.weight.requires_grad)
-        self.qkv_weight = joined
+        self.qkv_weight = joined(self.to_q, self.to_k, self.to_v).weight.detach()
 
 
 class GELUProjection(nn.Module):
