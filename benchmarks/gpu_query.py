@@ -6,13 +6,27 @@ memory soak) does not import their model-side dependencies.
 
 from __future__ import annotations
 
+import os
 import subprocess
+
+from tts_gateway.gateway.embedded.gpu_devices import VISIBLE_DEVICES, visible_gpus
 
 
 def nvidia_smi(query: str, timeout_s: float | None = None) -> list[list[str]]:
-    """Rows of ``nvidia-smi --query-QUERY`` as CSV fields, without units."""
+    """Rows of ``nvidia-smi --query-QUERY`` as CSV fields, without units.
+
+    A query of the GPUs themselves (``gpu=...``) answers for the GPUs ``CUDA_VISIBLE_DEVICES`` gives
+    this process where it is set, as CUDA does: a benchmark on one GPU of a host reads that GPU's
+    name and memory, not those of whatever runs on the others. Indices are the host's, as
+    ``nvidia-smi`` numbers GPUs; a UUID names the same GPU to both."""
+    selection = []
+    if query.startswith("gpu=") and VISIBLE_DEVICES in os.environ:
+        gpus = visible_gpus()
+        if not gpus:
+            return []
+        selection = [f"--id={','.join(gpus)}"]
     answer = subprocess.run(
-        ["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
+        ["nvidia-smi", f"--query-{query}", *selection, "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
         check=True,
