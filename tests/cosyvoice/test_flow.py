@@ -238,8 +238,8 @@ def test_fused_kernels_hold_every_weight_once(flow: CausalFlow) -> None:
         torch.testing.assert_close(attention.qkv_weight.chunk(3)[index], linear.weight, rtol=0, atol=0)
     convolutions = [module for module in estimator.modules() if isinstance(module, CausalConv1d)]
     assert convolutions and all(conv.as_matmul for conv in convolutions)
-    # Stored tap-major: the matrix a product reads is a view, not a copy made at every call.
-    assert all(conv.weight.permute(0, 2, 1).is_contiguous() for conv in convolutions)
+    # Stored tap by tap: the taps' matrices a product reads are a view, not a copy made at every call.
+    assert all(conv.weight.permute(2, 0, 1).is_contiguous() for conv in convolutions)
 
 
 def test_fused_kernels_compute_the_same_mel_in_a_two_level_u_net() -> None:
