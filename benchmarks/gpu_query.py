@@ -41,9 +41,15 @@ def used_mib_by_gpu(timeout_s: float | None = None) -> list[int]:
 
 
 def cuda_mib_by_pid(timeout_s: float | None = None) -> dict[int, int]:
-    """Pid -> MiB of CUDA memory the process holds (rows without a figure are left out)."""
+    """Pid -> MiB of CUDA memory the process holds (rows without a figure are left out), on the GPUs
+    ``CUDA_VISIBLE_DEVICES`` gives this process where it is set: another benchmark's stack on another GPU
+    of the host is none of this one's."""
+    given = {row[0] for row in nvidia_smi("gpu=uuid", timeout_s)} if VISIBLE_DEVICES in os.environ else None
     held: dict[int, int] = {}
-    for pid, used in nvidia_smi("compute-apps=pid,used_memory", timeout_s):
+    for row in nvidia_smi("compute-apps=pid,used_memory,gpu_uuid", timeout_s):
+        if len(row) != 3 or (given is not None and row[2] not in given):
+            continue
+        pid, used = row[0], row[1]
         if pid.isdigit() and used.isdigit():
             held[int(pid)] = held.get(int(pid), 0) + int(used)
     return held
