@@ -235,10 +235,9 @@ def test_calls_of_different_lengths_are_vocoded_in_one_call_per_excitation_cache
 def test_a_mel_much_longer_than_the_rest_is_vocoded_apart() -> None:
     """Padding short chunks to one long final chunk would cost more than the call it saves."""
     from tts_gateway.models.cosyvoice2.engines.token2wav import _padding_batches
-    from tts_gateway.models.cosyvoice2.model.hift import ExcitationNoise
 
-    def part(index: int, rows: int, frames: int) -> tuple[list[int], torch.Tensor, ExcitationNoise, None]:
-        return [index], torch.zeros(rows, 80, frames), ExcitationNoise(torch.zeros(0), torch.zeros(0)), None
+    def part(index: int, rows: int, frames: int) -> tuple[list[int], torch.Tensor, list[torch.Generator], None]:
+        return [index], torch.zeros(rows, 80, frames), [torch.Generator() for _ in range(rows)], None
 
     spread = [part(i, 1, frames) for i, frames in enumerate((110, 40, 75, 58, 90))]
     assert [[p[0] for p in batch] for batch in _padding_batches(spread)] == [[[1], [3], [2], [4], [0]]]
@@ -249,34 +248,55 @@ def test_a_mel_much_longer_than_the_rest_is_vocoded_apart() -> None:
 def test_a_large_eager_vocoding_is_made_in_slices_of_rows_that_sound_as_one_call(
     t2w: Token2Wav, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows x frames beyond EAGER_HIFT_ROW_FRAMES go to HiFT a few rows at a time (its memory grows with
-    both); each row's audio and excitation are what one padded call gives."""
+    """Rows x frames beyond EAGER_HIFT_ROW_FRAMES go to HiFT a few rows at a time, each slice's noise drawn
+    for it alone (HiFT's memory, and the noise's, grow with both); each row's audio and excitation are what
+    one padded call with the whole batch's noise gives."""
     from tts_gateway.models.cosyvoice2.engines import token2wav
 
     hift = t2w.hift
     generator = torch.Generator().manual_seed(3)
-    mels = [torch.randn(rows, 80, frames, generator=generator) for rows, frames in ((2, 30), (1, 22), (2, 26))]
-    noises = [
-        hift.draw_noise(mel.shape[0], mel.shape[2], torch.Generator().manual_seed(i)) for i, mel in enumerate(mels)
-    ]
-    mel, noise, frames = hift.padded(mels, noises)
-    cache = torch.randn(mel.shape[0], 1, 2 * hift.samples_per_frame, generator=generator)
+    shapes = ((2, 30), (1, 22), (2, 26))
+    mels = [torch.randn(rows, 80, frames, generator=generator) for rows, frames in shapes]
+    caches = [torch.randn(rows, 1, 2 * hift.samples_per_frame, generator=generator) for rows, _ in shapes]
+
+    def seeded(part: int, rows: int) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(10 * part + row) for row in range(rows)]
+
     with torch.inference_mode():
-        whole = hift.vocode(mel, noise, cache, frames)
+        noises = [hift.draw_noise(mel.shape[0], mel.shape[2], seeded(i, mel.shape[0])) for i, mel in enumerate(mels)]
+        mel, noise, frames = hift.padded(mels, noises)
+        whole = hift.vocode(mel, noise, torch.cat(caches), frames)
         calls: list[int] = []
-        vocode = hift.vocode
+        drawn: list[int] = []
+        vocode, draw_noise = hift.vocode, hift.draw_noise
 
         def counting(mel: torch.Tensor, *args: Any) -> Any:
             calls.append(mel.shape[0])
             return vocode(mel, *args)
 
+        def counting_draws(rows: int, frames: int, *args: Any) -> Any:
+            drawn.append(rows * frames)
+            return draw_noise(rows, frames, *args)
+
         monkeypatch.setattr(hift, "vocode", counting)
+        monkeypatch.setattr(hift, "draw_noise", counting_draws)
         monkeypatch.setattr(token2wav, "EAGER_HIFT_ROW_FRAMES", 2 * 30)
-        sliced = token2wav._vocode_in_slices(hift, mel, noise, cache, frames)
+        members = [[0, 1], [2], [3, 4]]
+        parts = [
+            (indices, part_mel, seeded(i, part_mel.shape[0]), cache)
+            for i, (indices, part_mel, cache) in enumerate(zip(members, mels, caches, strict=True))
+        ]
+        sliced = sorted(token2wav._vocode_in_slices(hift, parts), key=lambda result: result[0])
     assert calls == [2, 2, 1]
-    for got, want in zip(sliced, whole, strict=True):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # Noise drawn row by row for the slice being vocoded, never for more rows at once.
+    assert drawn == [30, 30, 22, 26, 26]
+    assert [index for index, _, _ in sliced] == [0, 1, 2, 3, 4]
+    lengths = [frames for rows, frames in shapes for _ in range(rows)]
+    for (_, wav, source), row, length in zip(sliced, range(5), lengths, strict=True):
+        samples = length * hift.samples_per_frame
+        assert wav.shape == (samples,) and source.shape == (1, 1, samples)
+        torch.testing.assert_close(wav, whole[0][row, :samples], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(source, whole[1][row : row + 1, :, :samples], rtol=1e-4, atol=1e-5)
 
 
 def test_later_chunks_of_different_lengths_vocoded_together_sound_as_alone(t2w: Token2Wav) -> None:

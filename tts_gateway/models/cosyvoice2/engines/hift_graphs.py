@@ -84,6 +84,16 @@ class HiftGraphs:
         """(rows, mel frames, cached frames) of every recorded graph."""
         return sorted(self._graphs)
 
+    def covers(self, count: int, frames: int, cached: int) -> bool:
+        """Whether a graph vocodes ``count`` mels of ``frames`` frames after ``cached`` excitation samples."""
+        return self._rows_for(count, frames, cached) is not None
+
+    def _rows_for(self, count: int, frames: int, cached: int) -> int | None:
+        rows = next((r for r in self._rows if r >= count), None)
+        if rows is None or cached % self._per_frame or (frames, cached // self._per_frame) not in self._shapes:
+            return None
+        return rows
+
     @torch.inference_mode()
     def __call__(
         self, mel: Tensor, noise: ExcitationNoise, cache_source: Tensor | None
@@ -91,8 +101,8 @@ class HiftGraphs:
         """:meth:`HiFTGenerator.vocode` of ``mel`` [B, 80, frames], or None for a shape not recorded."""
         count, _, frames = mel.shape
         cached = 0 if cache_source is None else cache_source.shape[2]
-        rows = next((r for r in self._rows if r >= count), None)
-        if rows is None or cached % self._per_frame or (frames, cached // self._per_frame) not in self._shapes:
+        rows = self._rows_for(count, frames, cached)
+        if rows is None:
             return None
         samples = frames * self._per_frame
         with self._lock:

@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +59,7 @@ DEFAULT_STATE_TTL_S = 300.0
 # Calls whose prompt + tokens lie within this many of each other share one flow pass (one padded batch).
 _GROUP_SPAN_TOKENS = 128
 # Rows x mel frames of one eager HiFT call at most, unless a single row is longer (more rows are
-# vocoded in slices; rows never mix).
+# vocoded in slices, each slice's noise drawn for it alone; rows never mix).
 # Its CUDA memory grows with both (about 0.24 MiB a row and frame at CosyVoice2's size, float32), and
 # torch's allocator keeps the largest call's for good: unbounded, the moment many streams' final chunks
 # meet would set the memory a GPU needs, long after start. Its time is nearly flat up to this size (14 ms for
@@ -575,22 +575,20 @@ class Token2Wav:
             mel = torch.cat([calls[i][0] for i in members]).to(device=self._device, dtype=dtype)
             sources = [calls[i][1] for i in members]
             cache = None if cached == 0 else torch.cat([s for s in sources if s is not None])
-            # Drawn here, each call from its own generator, whether a graph or HiFT itself vocodes.
-            noise = self.hift.draw_noise(len(members), frames, [calls[i][2] for i in members])
-            graphed = None if self.hift_graphs is None else self.hift_graphs(mel, noise, cache)
-            if graphed is None:
-                eager.setdefault(cached, []).append((members, mel, noise, cache))
+            generators = [calls[i][2] for i in members]
+            if self.hift_graphs is None or not self.hift_graphs.covers(len(members), frames, cached):
+                eager.setdefault(cached, []).append((members, mel, generators, cache))
                 continue
+            # Each call's draws from its own generator, whether a graph or HiFT itself vocodes it.
+            graphed = self.hift_graphs(mel, self.hift.draw_noise(len(members), frames, generators), cache)
+            wav, source = cast(tuple[Tensor, Tensor], graphed)
             for row, index in enumerate(members):
-                out[index] = (graphed[0][row], graphed[1][row : row + 1])
+                out[index] = (wav[row], source[row : row + 1])
         eager_shapes = []
         for parts in (batch for same_cache in eager.values() for batch in _padding_batches(same_cache)):
-            members, mel, noise, cache, frames = _padded_batch(parts, self.hift)
-            eager_shapes.append((mel.shape[0], mel.shape[2]))
-            wav, source = _vocode_in_slices(self.hift, mel, noise, cache, frames)
-            lengths = [calls[i][0].shape[2] * self.hift.samples_per_frame for i in members]
-            for row, (index, length) in enumerate(zip(members, lengths, strict=True)):
-                out[index] = (wav[row, :length], source[row : row + 1, :, :length])
+            eager_shapes.append((sum(len(part[0]) for part in parts), max(part[1].shape[2] for part in parts)))
+            for index, wav, source in _vocode_in_slices(self.hift, parts):
+                out[index] = (wav, source)
         return out, eager_shapes
 
     @torch.inference_mode()
@@ -699,8 +697,8 @@ def _unwrap(result: NDArray[np.float32] | Exception) -> NDArray[np.float32]:
     return result
 
 
-# Calls of one mel length to vocode: their indices, mels, noise and excitation caches.
-_SameLength: TypeAlias = tuple[list[int], Tensor, ExcitationNoise, Tensor | None]
+# Calls of one mel length to vocode: their indices, mels, generators of their noise and excitation caches.
+_SameLength: TypeAlias = tuple[list[int], Tensor, list[torch.Generator], Tensor | None]
 # A padded HiFT batch computes at most this many times the frames its rows hold; beyond it, a longer
 # mel starts a batch of its own (one launch-bound call, about 15-20 ms on an H100, costs less than
 # padding a group of short chunks to one long final chunk).
@@ -729,37 +727,32 @@ def _padding_batches(
     return batches
 
 
-def _vocode_in_slices(
-    hift: HiFTGenerator, mel: Tensor, noise: ExcitationNoise, cache: Tensor | None, frames: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """:meth:`HiFTGenerator.vocode` in calls of at most :data:`EAGER_HIFT_ROW_FRAMES` rows x frames (at
-    least a row each)."""
-    step = max(1, EAGER_HIFT_ROW_FRAMES // mel.shape[2])
-    if mel.shape[0] <= step:
-        return hift.vocode(mel, noise, cache, frames)
-    waves, sources = [], []
-    for start in range(0, mel.shape[0], step):
-        rows = slice(start, start + step)
-        wav, source = hift.vocode(
-            mel[rows],
-            ExcitationNoise(noise.phase[rows], noise.gaussian[rows]),
-            None if cache is None else cache[rows],
-            None if frames is None else frames[rows],
-        )
-        waves.append(wav)
-        sources.append(source)
-    return torch.cat(waves), torch.cat(sources)
+def _vocode_in_slices(hift: HiFTGenerator, parts: list[_SameLength]) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """Each call's waveform and excitation from HiFT over ``parts`` (calls of one excitation cache length), as
+    one batch padded to its longest mel, in slices of at most :data:`EAGER_HIFT_ROW_FRAMES` rows x frames
+    (at least a row each).
 
-
-def _padded_batch(
-    parts: list[_SameLength], hift: HiFTGenerator
-) -> tuple[list[int], Tensor, ExcitationNoise, Tensor | None, Tensor | None]:
-    """Groups of calls with mels of different lengths (and one excitation cache length) as one batch: mels
-    and noise zero-padded to the longest, with each row's frames (None when there is only one length)."""
-    members = [index for part_members, _, _, _ in parts for index in part_members]
-    if len(parts) == 1:
-        _, mel, noise, cache = parts[0]
-        return members, mel, noise, cache, None
-    mel, noise, frames = hift.padded([part_mel for _, part_mel, _, _ in parts], [n for _, _, n, _ in parts])
-    caches = [part_cache for _, _, _, part_cache in parts if part_cache is not None]
-    return members, mel, noise, torch.cat(caches) if caches else None, frames
+    A slice's noise is drawn just before it is vocoded, each call's from its own generator as it would be
+    drawn alone. The noise is the largest tensor of a call (9 overtones at 24 kHz in float32, 0.016 MiB a
+    row and frame): drawn for the whole batch, padded part by part and joined, 32 rows of 400 frames held
+    three copies of 211 MiB at once, far beyond the slice's memory reserved at load."""
+    rows = [
+        (index, mel[row : row + 1], generators[row], None if cache is None else cache[row : row + 1])
+        for members, mel, generators, cache in parts
+        for row, index in enumerate(members)
+    ]
+    step = max(1, EAGER_HIFT_ROW_FRAMES // max(mel.shape[2] for _, mel, _, _ in rows))
+    for start in range(0, len(rows), step):
+        chunk = rows[start : start + step]
+        mels = [mel for _, mel, _, _ in chunk]
+        noises = [hift.draw_noise(1, mel.shape[2], [generator]) for _, mel, generator, _ in chunk]
+        caches = [cache for _, _, _, cache in chunk if cache is not None]
+        if len(parts) == 1:
+            mel, frames = torch.cat(mels), None
+            noise = ExcitationNoise(torch.cat([n.phase for n in noises]), torch.cat([n.gaussian for n in noises]))
+        else:
+            mel, noise, frames = hift.padded(mels, noises)
+        wav, source = hift.vocode(mel, noise, torch.cat(caches) if caches else None, frames)
+        for row, (index, row_mel, _, _) in enumerate(chunk):
+            length = row_mel.shape[2] * hift.samples_per_frame
+            yield index, wav[row, :length], source[row : row + 1, :, :length]
