@@ -61,6 +61,7 @@ def test_a_recorded_shape_is_vocoded_as_hift_vocodes_it(
     # A larger batch first leaves its data in the static buffers: none of it may leak into this one.
     graphs(*inputs(hift, 4, 58, 8, seed=50))
     mel, noise, cache = inputs(hift, rows, frames, cached, seed=rows + frames)
+    assert graphs.covers(rows, frames, cached * PER_FRAME)
     replayed = graphs(mel, noise, cache)
     assert replayed is not None
     with torch.inference_mode():
@@ -90,6 +91,7 @@ def test_the_results_are_copies_a_later_replay_leaves_alone(hift: HiFTGenerator,
 def test_a_shape_not_recorded_is_left_to_hift(
     hift: HiFTGenerator, graphs: HiftGraphs, rows: int, frames: int, cached: int
 ) -> None:
+    assert not graphs.covers(rows, frames, cached * PER_FRAME)
     assert graphs(*inputs(hift, rows, frames, cached, seed=3)) is None
 
 
