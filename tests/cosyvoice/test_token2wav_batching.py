@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,7 @@ def test_a_large_eager_vocoding_is_made_in_slices_of_rows_that_sound_as_one_call
     for it alone (HiFT's memory, and the noise's, grow with both); each row's audio and excitation are what
     one padded call with the whole batch's noise gives."""
     from tts_gateway.models.cosyvoice2.engines import token2wav
+    from tts_gateway.models.cosyvoice2.model.hift import ExcitationNoise
 
     hift = t2w.hift
     generator = torch.Generator().manual_seed(3)
@@ -266,13 +268,22 @@ def test_a_large_eager_vocoding_is_made_in_slices_of_rows_that_sound_as_one_call
         noises = [hift.draw_noise(mel.shape[0], mel.shape[2], seeded(i, mel.shape[0])) for i, mel in enumerate(mels)]
         mel, noise, frames = hift.padded(mels, noises)
         whole = hift.vocode(mel, noise, torch.cat(caches), frames)
+        del noises, noise
         calls: list[int] = []
         drawn: list[int] = []
+        held: list[tuple[int, int]] = []
         vocode, draw_noise = hift.vocode, hift.draw_noise
 
-        def counting(mel: torch.Tensor, *args: Any) -> Any:
+        def counting(mel: torch.Tensor, noise: ExcitationNoise, *args: Any) -> Any:
             calls.append(mel.shape[0])
-            return vocode(mel, *args)
+            # Every noise tensor alive while HiFT runs (storages, once each): the slice's own and no other.
+            alive = {
+                obj.untyped_storage().data_ptr(): obj.untyped_storage().nbytes()
+                for obj in gc.get_objects()
+                if type(obj) is torch.Tensor and obj.dim() == 3 and obj.shape[1] == noise.gaussian.shape[1] > 1
+            }
+            held.append((sum(alive.values()), noise.gaussian.untyped_storage().nbytes()))
+            return vocode(mel, noise, *args)
 
         def counting_draws(rows: int, frames: int, *args: Any) -> Any:
             drawn.append(rows * frames)
@@ -290,6 +301,7 @@ def test_a_large_eager_vocoding_is_made_in_slices_of_rows_that_sound_as_one_call
     assert calls == [2, 2, 1]
     # Noise drawn row by row for the slice being vocoded, never for more rows at once.
     assert drawn == [30, 30, 22, 26, 26]
+    assert all(alive == own for alive, own in held), held
     assert [index for index, _, _ in sliced] == [0, 1, 2, 3, 4]
     lengths = [frames for rows, frames in shapes for _ in range(rows)]
     for (_, wav, source), row, length in zip(sliced, range(5), lengths, strict=True):

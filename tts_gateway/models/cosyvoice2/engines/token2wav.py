@@ -50,7 +50,7 @@ from tts_gateway.models.cosyvoice2.model.flow_prefix import (
     prefix_nbytes,
     voice_key,
 )
-from tts_gateway.models.cosyvoice2.model.hift import ExcitationNoise, HiFTGenerator
+from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator
 from tts_gateway.models.cosyvoice2.model.hift_stream import DEFAULT_MEL_CACHE_FRAMES, HiftStreamState
 
 _log = logging.getLogger(__name__)
@@ -733,9 +733,11 @@ def _vocode_in_slices(hift: HiFTGenerator, parts: list[_SameLength]) -> Iterator
     (at least a row each).
 
     A slice's noise is drawn just before it is vocoded, each call's from its own generator as it would be
-    drawn alone. The noise is the largest tensor of a call (9 overtones at 24 kHz in float32, 0.016 MiB a
-    row and frame): drawn for the whole batch, padded part by part and joined, 32 rows of 400 frames held
-    three copies of 211 MiB at once, far beyond the slice's memory reserved at load."""
+    drawn alone, and let go before the next slice draws. The noise is the largest tensor of a call (9
+    overtones at 24 kHz in float32, 0.016 MiB a row and frame): drawn for the whole batch, padded part by
+    part and joined, 32 rows of 400 frames held three copies of 211 MiB at once, far beyond the slice's
+    memory reserved at load. The slices' audio is kept until the batch is delivered (47 MiB for 32 rows of
+    400 frames), which the reservation does not cover."""
     rows = [
         (index, mel[row : row + 1], generators[row], None if cache is None else cache[row : row + 1])
         for members, mel, generators, cache in parts
@@ -744,15 +746,24 @@ def _vocode_in_slices(hift: HiFTGenerator, parts: list[_SameLength]) -> Iterator
     step = max(1, EAGER_HIFT_ROW_FRAMES // max(mel.shape[2] for _, mel, _, _ in rows))
     for start in range(0, len(rows), step):
         chunk = rows[start : start + step]
-        mels = [mel for _, mel, _, _ in chunk]
-        noises = [hift.draw_noise(1, mel.shape[2], [generator]) for _, mel, generator, _ in chunk]
-        caches = [cache for _, _, _, cache in chunk if cache is not None]
-        if len(parts) == 1:
-            mel, frames = torch.cat(mels), None
-            noise = ExcitationNoise(torch.cat([n.phase for n in noises]), torch.cat([n.gaussian for n in noises]))
-        else:
-            mel, noise, frames = hift.padded(mels, noises)
-        wav, source = hift.vocode(mel, noise, torch.cat(caches) if caches else None, frames)
+        wav, source = _vocode_slice(hift, chunk, padded=len(parts) > 1)
         for row, (index, row_mel, _, _) in enumerate(chunk):
             length = row_mel.shape[2] * hift.samples_per_frame
             yield index, wav[row, :length], source[row : row + 1, :, :length]
+
+
+def _vocode_slice(
+    hift: HiFTGenerator, rows: list[tuple[int, Tensor, torch.Generator, Tensor | None]], *, padded: bool
+) -> tuple[Tensor, Tensor]:
+    """HiFT over ``rows`` (index, mel, generator, cache), their noise drawn here: a function of its own so
+    that nothing of a slice but its audio outlives it."""
+    caches = [cache for _, _, _, cache in rows if cache is not None]
+    cache = torch.cat(caches) if caches else None
+    if not padded:
+        mel = torch.cat([mel for _, mel, _, _ in rows])
+        noise = hift.draw_noise(mel.shape[0], mel.shape[2], [generator for _, _, generator, _ in rows])
+        return hift.vocode(mel, noise, cache)
+    mel, noise, frames = hift.padded(
+        [mel for _, mel, _, _ in rows], [hift.draw_noise(1, mel.shape[2], [generator]) for _, mel, generator, _ in rows]
+    )
+    return hift.vocode(mel, noise, cache, frames)

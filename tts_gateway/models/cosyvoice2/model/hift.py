@@ -457,11 +457,19 @@ class HiFTGenerator(nn.Module):
         """Mels [B_i, 80, T_i] and their draws as one batch zero-padded to the longest, with each row's frames:
         what :meth:`vocode` takes to vocode each row as it would alone."""
         longest = max(mel.shape[2] for mel in mels)
-        samples = longest * self.samples_per_frame
-        noise = ExcitationNoise(
-            torch.cat([part.phase for part in noises]),
-            torch.cat([F.pad(part.gaussian, (0, samples - part.gaussian.shape[2])) for part in noises]),
+        # The draws copied into one zeroed tensor: padding each part first would hold the noise, the
+        # batch's largest tensor, three times over.
+        gaussian = noises[0].gaussian.new_zeros(
+            sum(part.gaussian.shape[0] for part in noises),
+            noises[0].gaussian.shape[1],
+            longest * self.samples_per_frame,
         )
+        row = 0
+        for part in noises:
+            count, _, samples = part.gaussian.shape
+            gaussian[row : row + count, :, :samples] = part.gaussian
+            row += count
+        noise = ExcitationNoise(torch.cat([part.phase for part in noises]), gaussian)
         frames = [mel.shape[2] for mel in mels for _ in range(mel.shape[0])]
         batch = torch.cat([F.pad(mel, (0, longest - mel.shape[2])) for mel in mels])
         return batch, noise, torch.tensor(frames, device=batch.device)
