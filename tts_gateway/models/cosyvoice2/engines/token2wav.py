@@ -728,12 +728,12 @@ def _padding_batches(
 
 
 def _vocode_in_slices(hift: HiFTGenerator, parts: list[_SameLength]) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """Each call's waveform and excitation from HiFT over ``parts`` (calls of one excitation cache length), as
-    one batch padded to its longest mel, in slices of at most :data:`EAGER_HIFT_ROW_FRAMES` rows x frames
-    (at least a row each).
+    """Each call's waveform and excitation from HiFT over ``parts`` (calls of one excitation cache length), in
+    slices of at most :data:`EAGER_HIFT_ROW_FRAMES` rows x the longest mel's frames (at least a row each),
+    each slice's mels padded to its own longest where the parts differ in length.
 
     A slice's noise is drawn just before it is vocoded, each call's from its own generator as it would be
-    drawn alone, and let go before the next slice draws. The noise is the largest tensor of a call (9
+    drawn alone, and let go before the next slice draws. The noise is the largest of HiFT's inputs (9
     overtones at 24 kHz in float32, 0.016 MiB a row and frame): drawn for the whole batch, padded part by
     part and joined, 32 rows of 400 frames held three copies of 211 MiB at once, far beyond the slice's
     memory reserved at load. The slices' audio is kept until the batch is delivered (47 MiB for 32 rows of

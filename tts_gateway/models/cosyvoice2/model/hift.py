@@ -458,7 +458,7 @@ class HiFTGenerator(nn.Module):
         what :meth:`vocode` takes to vocode each row as it would alone."""
         longest = max(mel.shape[2] for mel in mels)
         # The draws copied into one zeroed tensor: padding each part first would hold the noise, the
-        # batch's largest tensor, three times over.
+        # batch's largest input, three times over.
         gaussian = noises[0].gaussian.new_zeros(
             sum(part.gaussian.shape[0] for part in noises),
             noises[0].gaussian.shape[1],
