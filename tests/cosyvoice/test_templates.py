@@ -290,3 +290,15 @@ def test_the_llm_yields_only_to_requests_past_their_own_first_chunk(
         assert int(_params(llm)["yield_after_tokens"]) == schedule.first_hop + schedule.pre_lookahead, profile
         checked += 1
     assert checked >= 2
+
+
+def test_token2wav_names_a_known_mps_priority(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
+    from tts_gateway.models.mps_priority import LEVELS
+
+    priorities = {
+        profile: _params(configs["token2wav"])["mps_client_priority"]
+        for profile, configs in rendered.items()
+        if "token2wav" in configs
+    }
+    assert set(COSYVOICE_PROFILES) <= set(priorities)
+    assert set(priorities.values()) <= set(LEVELS), priorities
