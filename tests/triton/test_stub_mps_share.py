@@ -1,4 +1,4 @@
-"""A model's ``mps_client_priority`` reaches its own stub process's environment before the model loads."""
+"""A model's ``mps_active_thread_percentage`` reaches its own stub process's environment before the model loads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tts_gateway.gateway.embedded.server import EmbeddedTriton
-from tts_gateway.models.mps_priority import VARIABLE
+from tts_gateway.models.mps_share import VARIABLE
 
 pytestmark = pytest.mark.triton
 
@@ -33,10 +33,10 @@ class TritonPythonModel(TritonModel):
 """
 
 
-def write_model(repository: Path, name: str, priority: str | None) -> None:
+def write_model(repository: Path, name: str, share: str | None) -> None:
     (repository / name / "1").mkdir(parents=True)
-    value = f'value: {{ string_value: "{priority}" }}'
-    parameter = "" if priority is None else f'parameters {{ key: "mps_client_priority", {value} }}\n'
+    value = f'value: {{ string_value: "{share}" }}'
+    parameter = "" if share is None else f'parameters {{ key: "mps_active_thread_percentage", {value} }}\n'
     (repository / name / "config.pbtxt").write_text(
         'backend: "python"\nmax_batch_size: 0\n'
         'input [ { name: "x", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
@@ -54,14 +54,14 @@ def seen(server: EmbeddedTriton, model: str) -> float:
     return float(y[0])
 
 
-def test_each_model_process_gets_its_own_priority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_model_process_gets_its_own_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(VARIABLE, raising=False)
     models = tmp_path / "models"
-    write_model(models, "below", "below_normal")
-    write_model(models, "normal", "normal")
+    write_model(models, "held", "80")
+    write_model(models, "whole", "100")
     write_model(models, "unset", None)
     with EmbeddedTriton(models, workdir=tmp_path / "work") as server:
-        assert (seen(server, "below"), seen(server, "normal"), seen(server, "unset")) == (1.0, 0.0, -1.0)
+        assert (seen(server, "held"), seen(server, "whole"), seen(server, "unset")) == (80.0, 100.0, -1.0)
         log = server.log_path.read_text(errors="replace")
-    assert "GPU work at CUDA MPS client priority below_normal" in log
+    assert "kernels held to 80 % of the GPU's multiprocessors under CUDA MPS" in log
     assert "comes too late" not in log
