@@ -290,14 +290,3 @@ def test_the_llm_yields_only_to_requests_past_their_own_first_chunk(
         assert int(_params(llm)["yield_after_tokens"]) == schedule.first_hop + schedule.pre_lookahead, profile
         checked += 1
     assert checked >= 2
-
-
-def test_token2wav_takes_a_share_of_the_gpu_it_can_parse(rendered: dict[str, dict[str, mc.ModelConfig]]) -> None:
-    from tts_gateway.models.mps_share import parse_percentage
-
-    shares = {
-        profile: parse_percentage(_params(configs["token2wav"])["mps_active_thread_percentage"])
-        for profile, configs in rendered.items()
-        if "token2wav" in configs
-    }
-    assert set(COSYVOICE_PROFILES) <= set(shares)

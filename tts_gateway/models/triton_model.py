@@ -4,16 +4,14 @@ Imported only inside Triton (it needs ``triton_python_backend_utils``). It keeps
 contract (``initialize``/``execute``/``finalize``) and does what every model does on loading: stack
 dumps on a signal and the allocator's heap settings (before the model's own setup, so that a model
 with thresholds of its own sets them last), the model's name and string parameters read from the
-config, its Python log records forwarded to Triton's log, and, where the config names one, its share
-of the GPU under CUDA MPS (``mps_active_thread_percentage``, before the model initialises CUDA). A model
-implements :meth:`setup` and :meth:`execute`; the speech contract's models extend
+config, and its Python log records forwarded to Triton's log. A model implements :meth:`setup` and
+:meth:`execute`; the speech contract's models extend
 :class:`~tts_gateway.models.triton_speech_model.SpeechContractModel` instead.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,10 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tts_gateway.allocator import keep_tensors_in_heap
-from tts_gateway.models.mps_share import limit_active_threads
 from tts_gateway.models.triton_logging import enable_stack_dumps, forward_to_triton
-
-logger = logging.getLogger(__name__)
 
 
 class TritonModel:
@@ -41,11 +36,6 @@ class TritonModel:
         self.decoupled = bool(pb_utils.using_decoupled_model_transaction_policy(self.config))
         self.input_names = [spec["name"] for spec in self.config["input"]]
         forward_to_triton(pb_utils.Logger, self.name)
-        if share := self.params.get("mps_active_thread_percentage"):
-            if limit_active_threads(share):
-                logger.info("kernels held to %s %% of the GPU's multiprocessors under CUDA MPS", share)
-            else:
-                logger.warning("mps_active_thread_percentage %s comes too late: CUDA is initialised already", share)
         self.setup(self.params)
 
     def setup(self, params: dict[str, str]) -> None:
