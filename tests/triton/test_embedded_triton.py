@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 import tts_gateway.gateway.embedded.server as embedded_triton
 from tests.e2e.gateway_process import crash, free_ports, model_processes
 from tests.unit.test_cuda_mps import calls, stand_in_first_on_path
+from tts_gateway.allocator import SERVER_MALLOC_ENV
 from tts_gateway.gateway.embedded.cuda_mps import PIPE_VARIABLE, CudaMps
 from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
@@ -347,6 +348,31 @@ def test_failed_start_reports_the_log_tail(tmp_path: Path) -> None:
         server.start()
     assert "voice file is corrupt" in str(excinfo.value)
     assert not server.is_running()
+
+
+def test_a_server_keeps_the_malloc_settings_it_was_made_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A gateway with several workers sets their MALLOC_ARENA_MAX in its environment after its servers are
+    # made (cli.py); a server started (or restarted) then still gets its own.
+    write_python_model(
+        tmp_path / "models",
+        "arenas",
+        "import os\n"
+        "import numpy as np\n"
+        "import triton_python_backend_utils as pb\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        seen = np.array([float(os.environ.get('MALLOC_ARENA_MAX', '-1'))], np.float32)\n"
+        "        return [pb.InferenceResponse([pb.Tensor('y', seen)]) for _ in requests]\n",
+    )
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    server = EmbeddedTriton(tmp_path / "models", workdir=tmp_path / "work")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    with server, grpcclient_sync.InferenceServerClient(server.grpc_url) as client:
+        x = grpcclient_sync.InferInput("x", [1], "FP32")
+        x.set_data_from_numpy(np.zeros(1, np.float32))
+        seen = client.infer("arenas", [x]).as_numpy("y")
+    assert seen is not None and int(seen[0]) == int(SERVER_MALLOC_ENV["MALLOC_ARENA_MAX"])
 
 
 def test_model_processes_reach_the_cuda_mps_daemon_started_for_the_server(

@@ -98,7 +98,9 @@ class EmbeddedTriton:
         self._fixed_ports = ports
         self._ports: tuple[int, int, int] | None = None  # grpc, http, metrics
         self._mps = cuda_mps
-        self._env = dict(env or {})
+        # glibc's settings for the server as this process's environment has them now: a gateway that
+        # then sets its workers' own MALLOC_ARENA_MAX (cli.py) leaves a restarted server's as they were.
+        self._env = {**server_malloc_env(os.environ), **(env or {})}
 
     @property
     def cuda_mps(self) -> CudaMps | None:
@@ -263,7 +265,6 @@ class EmbeddedTriton:
             f"--metrics-port={ports[2]}",
         ]
         env = {**os.environ, **self._env}
-        env.update(server_malloc_env(env))
         # Where a model reaches another model of this server over gRPC (see tts_gateway.models.contract).
         env[contract.OWN_GRPC_URL_ENV] = f"{_connect_host(self.host)}:{ports[0]}"
         env["LD_LIBRARY_PATH"] = _prepend_path(str(layout.libs), env.get("LD_LIBRARY_PATH"))
