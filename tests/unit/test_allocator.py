@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import pytest
 
 from tts_gateway.allocator import GATEWAY_ARENAS, MMAP_THRESHOLD, SERVER_MALLOC_ENV
+from tts_gateway.gateway import cli
+from tts_gateway.gateway.settings import Settings
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
@@ -132,7 +134,8 @@ def test_the_piper_stub_gives_freed_pages_back_from_every_thread() -> None:
 
 # In a fresh interpreter: twelve threads, alive at once, each allocate through the C library (glibc
 # gives each new thread a heap of its own while it may create more); prints the number of heaps
-# glibc's malloc_info then lists.
+# glibc's malloc_info then lists. ``late-gateway``: one thread has allocated before the heaps are
+# limited, as uvicorn's worker starts one before the app exists.
 _ARENA_PROBE = textwrap.dedent(
     """
     import ctypes
@@ -141,11 +144,21 @@ _ARENA_PROBE = textwrap.dedent(
     import threading
     from tts_gateway.allocator import limit_malloc_arenas
 
-    if sys.argv[1] == "gateway":
-        assert limit_malloc_arenas()
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = (ctypes.c_size_t,)
+    if sys.argv[1] == "late-gateway":
+        allocated = threading.Event()
+
+        def early():
+            libc.malloc(4096)
+            allocated.set()
+            threading.Event().wait()
+
+        threading.Thread(target=early, daemon=True).start()
+        allocated.wait()
+    if sys.argv[1] in ("gateway", "late-gateway"):
+        assert limit_malloc_arenas()
     libc.fopen.restype = ctypes.c_void_p
     libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
     libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
@@ -192,3 +205,22 @@ def test_the_gateways_threads_share_few_heaps() -> None:
 
 def test_the_servers_threads_share_two_heaps() -> None:
     assert _heaps("default", env=SERVER_MALLOC_ENV) <= int(SERVER_MALLOC_ENV["MALLOC_ARENA_MAX"])
+
+
+def test_a_gateway_workers_threads_share_one_heap_though_one_allocated_before_the_app(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _heaps("late-gateway") > GATEWAY_ARENAS, "a thread that allocates before the limit keeps a heap of its own"
+    # What _serve_workers puts in the environment stays in this copy of it.
+    monkeypatch.setattr(os, "environ", _glibc_defaults())
+    spawned: dict[str, str] = {}
+    monkeypatch.setattr(cli.uvicorn, "run", lambda *args, **kwargs: spawned.update(os.environ))
+    cli._serve_workers(Settings(triton_url="127.0.0.1:8001", workers=2), {})
+    worker_env = {name: value for name, value in spawned.items() if name.startswith("MALLOC_")}
+    assert _heaps("late-gateway", env=worker_env) <= GATEWAY_ARENAS
+
+
+def test_an_operators_own_arena_setting_reaches_the_workers_unchanged() -> None:
+    assert cli.worker_malloc_env({}) == {"MALLOC_ARENA_MAX": str(GATEWAY_ARENAS)}
+    assert cli.worker_malloc_env({"MALLOC_ARENA_MAX": "4"}) == {}
+    assert cli.worker_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}) == {}
