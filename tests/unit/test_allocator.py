@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from tts_gateway.allocator import GATEWAY_ARENAS, MMAP_THRESHOLD, SERVER_MALLOC_ENV
+from tts_gateway.allocator import GATEWAY_ARENAS, MMAP_THRESHOLD, SERVER_MALLOC_ENV, worker_malloc_env
 from tts_gateway.gateway import cli
 from tts_gateway.gateway.settings import Settings
 
@@ -221,6 +221,6 @@ def test_a_gateway_workers_threads_share_one_heap_though_one_allocated_before_th
 
 
 def test_an_operators_own_arena_setting_reaches_the_workers_unchanged() -> None:
-    assert cli.worker_malloc_env({}) == {"MALLOC_ARENA_MAX": str(GATEWAY_ARENAS)}
-    assert cli.worker_malloc_env({"MALLOC_ARENA_MAX": "4"}) == {}
-    assert cli.worker_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}) == {}
+    assert worker_malloc_env({}) == {"MALLOC_ARENA_MAX": str(GATEWAY_ARENAS)}
+    assert worker_malloc_env({"MALLOC_ARENA_MAX": "4"}) == {}
+    assert worker_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}) == {}

@@ -8,14 +8,14 @@ import logging.config
 import os
 import signal
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from types import FrameType
 from typing import Any, NoReturn
 
 import uvicorn
 
-from tts_gateway.allocator import GATEWAY_ARENAS
+from tts_gateway.allocator import worker_malloc_env
 from tts_gateway.gateway.api.websocket_protocol import GatewayWebSocketProtocol
 from tts_gateway.gateway.app_factory import create_app
 from tts_gateway.gateway.embedded.fleet import start_embedded_fleet
@@ -119,23 +119,6 @@ def _serve_workers(settings: Settings, overrides: dict[str, Any]) -> None:
             workers=settings.workers,
             **_uvicorn_options(settings),
         )
-
-
-def worker_malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """``MALLOC_ARENA_MAX`` for the spawned workers, unless ``environ`` tunes it already.
-
-    uvicorn starts a thread in each worker (its answer to the supervisor's pings) before the app
-    exists, so :func:`~tts_gateway.allocator.limit_malloc_arenas` in ``create_app`` came after that
-    thread had been given a heap of its own. The worker's later threads were then dealt to both heaps
-    (4-27 MiB of a worker's memory at rest was in the second), and ``malloc_trim`` cannot return the
-    free top of any heap but the main one, which keeps up to the 32 MiB trim threshold. On 2 cores,
-    4 workers at concurrency 64, a worker's anonymous memory at rest grew by 0.4-2.1 % over 3 min of
-    load with the second heap, by 0-0.7 % over 4.5 min with one. glibc reads its environment as the
-    process starts, before any thread exists.
-    """
-    if "MALLOC_ARENA_MAX" in environ or "glibc.malloc.arena_max" in environ.get("GLIBC_TUNABLES", ""):
-        return {}
-    return {"MALLOC_ARENA_MAX": str(GATEWAY_ARENAS)}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
