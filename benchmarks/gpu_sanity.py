@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "cosyvoice2"
 SAMPLE_RATE = 24_000
 SAMPLES_PER_TOKEN = 960  # 2 mel frames of 480 samples
-FIRST_CHUNK_SAMPLES = 15 * SAMPLES_PER_TOKEN - 8 * 480  # first hop minus the withheld cross-fade tail
+CROSS_FADE_SAMPLES = 8 * 480  # the first chunk's tail withheld for the cross-fade with the second
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank today."
 VOICES = ("harbor", "lumen")
 # One instance of everything: a sanity run needs no parallelism and loads faster.
@@ -168,7 +168,18 @@ def stream(url: str, voice: Voice, seed: int) -> Timed:
     return Timed(np.concatenate(chunks), first, total, [chunk.size for chunk in chunks])
 
 
-def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int]) -> None:
+def first_chunk_samples(url: str) -> int:
+    """A stream's first chunk as the served streaming model makes it: its first hop, less the cross-fade tail."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        config = client.get_model_config(contract.stream_model_name(MODEL), as_json=True)["config"]
+    finally:
+        client.close()
+    hop = int(config["parameters"]["first_hop_tokens"]["string_value"])
+    return hop * SAMPLES_PER_TOKEN - CROSS_FADE_SAMPLES
+
+
+def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int], first_chunk: int) -> None:
     audio = timed.audio
     if audio.dtype != np.float32 or audio.ndim != 1:
         raise SanityError(f"{label}: expected 1-D float32, got {audio.dtype} {audio.shape}")
@@ -181,8 +192,8 @@ def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int]) -> None
         raise SanityError(f"{label}: waveform holds NaN or inf")
     if float(np.std(audio)) == 0.0:
         raise SanityError(f"{label}: waveform is constant")
-    if len(timed.chunks) > 1 and timed.chunks[0] != FIRST_CHUNK_SAMPLES:
-        raise SanityError(f"{label}: first chunk has {timed.chunks[0]} samples, expected {FIRST_CHUNK_SAMPLES}")
+    if len(timed.chunks) > 1 and timed.chunks[0] != first_chunk:
+        raise SanityError(f"{label}: first chunk has {timed.chunks[0]} samples, expected {first_chunk}")
 
 
 def describe(label: str, timed: Timed) -> str:
@@ -328,6 +339,7 @@ def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup
             print(f"  {line.split('] ', 1)[-1]}")
         print("  (Triton calls llm a CPU instance: its torch device is the 'device' parameter above)")
         url = triton.grpc_url
+        first_chunk = first_chunk_samples(url)
         results: dict[tuple[str, str, int], Timed] = {}
         failures: list[str] = []
         # Each round runs both voices, one offline and one streamed; the warm round swaps them,
@@ -344,7 +356,7 @@ def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup
                 label = f"{round_name} {mode:7} {voice.name} seed {seed}"
                 try:
                     timed = call(url, voice, seed)
-                    check_audio(label, timed, bounds)
+                    check_audio(label, timed, bounds, first_chunk)
                 except (SanityError, InferenceServerException, queue.Empty) as exc:
                     failures.append(f"{label}: {type(exc).__name__}: {exc}")
                     print(f"{label}: FAILED: {exc}")
