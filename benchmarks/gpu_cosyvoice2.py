@@ -883,6 +883,8 @@ def run(args: argparse.Namespace) -> bool:
         # The streaming model's own workers: a profile or --set may give it more than the offline model.
         stream_workers = int(config_parameters(triton.grpc_url, stream_model)["stream_workers"])
         n_timesteps = int(token2wav.get("n_timesteps") or 10)
+        # The floors are of first chunks' groups, which a profile may solve in fewer steps.
+        first_chunk_timesteps = int(token2wav.get("first_chunk_timesteps") or 0) or n_timesteps
         jobs = make_jobs(texts, voices, tokenizer, params)
         audio = [job.expected_tokens / 25 for job in jobs]
         report: dict[str, Any] = {
@@ -919,6 +921,7 @@ def run(args: argparse.Namespace) -> bool:
                 "load_timeline": load_timeline(Path(triton.log_path).read_text(encoding="utf-8", errors="replace")),
                 "warmup_s": 0.0,
                 "n_timesteps": n_timesteps,
+                "first_chunk_timesteps": first_chunk_timesteps,
             },
             "passes": [],
         }
@@ -995,7 +998,8 @@ def run(args: argparse.Namespace) -> bool:
         try:
             size = full_size()
             estimator = size.model.flow.decoder.estimator
-            floors = gpu_floors.measure(torch.device("cuda"), estimator, size.llm, report["setup"]["n_timesteps"])
+            steps = report["setup"]["first_chunk_timesteps"]
+            floors = gpu_floors.measure(torch.device("cuda"), estimator, size.llm, steps)
             slots = report["setup"]["llm_slots"]
             report["setup"]["floors"] = floors.describe()
             add_floors(report, trace_dir, floors, slots if isinstance(slots, int) else None)

@@ -35,7 +35,7 @@ def item(seed: int, tokens: int, *, streaming: bool) -> FlowItem:
     )
 
 
-def cpu_graphs(flow: CausalFlow, *, max_rows: int) -> FlowSolverGraphs:
+def cpu_graphs(flow: CausalFlow, *, max_rows: int, other_timesteps: list[int] | None = None) -> FlowSolverGraphs:
     """Buckets up to ``max_rows`` rows and 256 frames in steps of 64, replayed eagerly on the CPU."""
     return FlowSolverGraphs(
         flow.decoder,
@@ -46,6 +46,7 @@ def cpu_graphs(flow: CausalFlow, *, max_rows: int) -> FlowSolverGraphs:
         frame_step=64,
         device=torch.device("cpu"),
         dtype=torch.float32,
+        other_timesteps=other_timesteps or [],
     )
 
 
@@ -72,8 +73,8 @@ def test_a_batch_padded_into_a_bucket_and_solved_in_segments_equals_the_eager_so
     ]
     solved_by_graphs = []
 
-    def solver(*args):  # type: ignore[no-untyped-def]
-        mel = graphs(*args)
+    def solver(*args, **kwargs):  # type: ignore[no-untyped-def]
+        mel = graphs(*args, **kwargs)
         solved_by_graphs.append(mel is not None)
         return mel
 
@@ -125,3 +126,35 @@ def test_solves_that_fit_no_graph_are_reported_as_eager(flow: CausalFlow) -> Non
     flow.inference_batch([item(63, 20, streaming=True)], eager_solves=eager)  # no solver: eager
     # A streaming chunk's last 3 tokens are look-ahead only: (40 + 20 - 3) tokens of 2 frames.
     assert eager == [(2, 320), (1, 114)]
+
+
+def test_a_solve_of_fewer_steps_replays_the_same_segments_with_its_own_times(flow: CausalFlow) -> None:
+    graphs = cpu_graphs(flow, max_rows=4, other_timesteps=[5])
+    batch = [item(70 + seed, 18 + 5 * seed, streaming=True) for seed in range(3)]
+    five = flow.inference_batch(batch, n_timesteps=5)
+    ten = flow.inference_batch(batch)
+    replayed: list[bool] = []
+
+    def solver(*args, **kwargs):  # type: ignore[no-untyped-def]
+        mel = graphs(*args, **kwargs)
+        replayed.append(mel is not None)
+        return mel
+
+    for expected, solved, full in zip(
+        five, flow.inference_batch(batch, n_timesteps=5, solver=solver), ten, strict=True
+    ):
+        torch.testing.assert_close(solved, expected, rtol=1e-5, atol=1e-5)
+        assert (solved - full).abs().max() > 1e-3  # five steps are not ten
+    # Counts the graphs were not made for run eagerly, and come out as such.
+    for expected, solved in zip(
+        flow.inference_batch(batch, n_timesteps=4),
+        flow.inference_batch(batch, n_timesteps=4, solver=solver),
+        strict=True,
+    ):
+        torch.testing.assert_close(solved, expected, rtol=1e-5, atol=1e-5)
+    assert replayed == [True, False]
+
+
+def test_step_counts_that_are_not_whole_segments_are_refused(flow: CausalFlow) -> None:
+    with pytest.raises(ValueError, match="a solve of 4 steps is no whole number of the graphs' segments of 5"):
+        cpu_graphs(flow, max_rows=1, other_timesteps=[4])

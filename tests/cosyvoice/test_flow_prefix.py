@@ -129,7 +129,7 @@ def test_a_prefix_padded_into_a_larger_buffer_gives_the_same_frames(flow: Causal
     entries, visible = replay_rows([1], [prefix.frames], 1, capacity, torch.device("cpu"))
     assert entries.tolist() == [2, 3] and visible.sum(dim=1).tolist() == [prefix.frames] * 2
 
-    def padded_solver(mu, mask, speaker, cond, streaming, given, between_segments=None):  # type: ignore[no-untyped-def]
+    def padded_solver(mu, mask, speaker, cond, streaming, given, between_segments=None, n_timesteps=None):  # type: ignore[no-untyped-def]
         assert list(given) == [prefix]
         return flow.decoder(
             mu,

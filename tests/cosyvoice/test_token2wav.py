@@ -14,7 +14,7 @@ import torch
 from numpy.typing import NDArray
 
 from tts_gateway.models.cosyvoice2.engines.cuda_memory import STEP_LOG_PREFIX, ReservedMemoryWatch
-from tts_gateway.models.cosyvoice2.engines.token2wav import StreamStateError, Token2Wav
+from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, StreamStateError, Token2Wav
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
 
 pytestmark = pytest.mark.cosyvoice
@@ -248,3 +248,37 @@ def test_the_reserving_call_runs_the_padded_path_and_leaves_the_global_generator
     t2w._reserve_eager_vocoding()
     assert torch.equal(torch.get_rng_state(), state)
     assert vocoded == [((32, 80, 100), True)]
+
+
+def test_a_first_chunk_can_be_solved_in_fewer_steps_than_the_rest(t2w: Token2Wav, prompt: VoicePrompt) -> None:
+    quick = Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=5)
+    five = Token2Wav(t2w.flow, t2w.hift, n_timesteps=5)
+    tokens = speech_tokens(70, seed=5)
+    quick_chunks = stream(quick, "quick", tokens, prompt, [15, 25])
+    # The first chunk is five steps' audio, the chunks after it the full solve's, joined as every stream is.
+    np.testing.assert_array_equal(quick_chunks[0], stream(five, "five", tokens, prompt, [15, 25])[0])
+    full_chunks = stream(t2w, "full", tokens, prompt, [15, 25])
+    assert float(np.abs(quick_chunks[0] - full_chunks[0]).max()) > 1e-4
+    assert [chunk.shape for chunk in quick_chunks] == [chunk.shape for chunk in full_chunks]
+    joined = np.concatenate(quick_chunks)
+    assert np.isfinite(joined).all() and float(joined.std()) > 1e-3
+    # A first chunk that is also the last, and offline calls, take every step.
+    short = speech_tokens(25, seed=6)
+    np.testing.assert_array_equal(quick.stream_chunk("once", short, prompt, 0, True), t2w.offline(short, prompt))
+    np.testing.assert_array_equal(quick.offline(short, prompt), t2w.offline(short, prompt))
+
+
+def test_first_chunks_of_both_kinds_in_one_group_each_get_their_own_steps(t2w: Token2Wav, prompt: VoicePrompt) -> None:
+    quick = Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=5)
+    opening, whole = speech_tokens(18, seed=7), speech_tokens(20, seed=8)
+    together = quick.convert([Conversion("a", opening, prompt, 0, False), Conversion("b", whole, prompt, 0, True)])
+    quick.release("a")
+    alone = quick.stream_chunk("a", opening, prompt, 0, False)
+    quick.release("a")
+    np.testing.assert_allclose(together[0], alone, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(together[1], t2w.offline(whole, prompt), rtol=1e-4, atol=1e-5)
+
+
+def test_step_counts_below_one_are_refused(t2w: Token2Wav) -> None:
+    with pytest.raises(ValueError, match="n_timesteps must be positive"):
+        Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=-1)

@@ -427,9 +427,9 @@ def test_a_first_chunk_converted_between_the_halves_of_a_later_solve_sounds_as_c
     asked_to_lend: list[bool] = []
     solver = t2w.solver
 
-    def spy(*args: Any) -> torch.Tensor | None:
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor | None:
         asked_to_lend.append(args[6] is not None)
-        return solver(*args)
+        return solver(*args, **kwargs)
 
     t2w.solver = spy
     later_a = t2w.convert([Conversion("a", a, VOICE, 15, False)], between_segments=first_chunk_of_b)

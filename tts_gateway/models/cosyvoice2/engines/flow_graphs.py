@@ -7,12 +7,13 @@ H100); replayed from a graph it costs 4-11 ms. Graphs need fixed shapes, so one 
 smallest bucket that holds it (padding rows and frames are masked, so they change nothing); a
 batch larger than every bucket returns None and runs eagerly.
 
-A graph holds a segment of the solve's Euler steps (5 of 10), recorded once per bucket and
-replayed once per segment with the segment's times copied in before. Recording a segment instead of
-the whole solve halves the Python work of recording each bucket, which pays for finer buckets:
-large batches cost in proportion to their padded size (on the H100, measured with a graph per step,
-16 rows of first chunks 129 ms, 9 and 12 rows in a 12-row bucket 104 and 108 ms). A graph per step
-cost 6-28 ms more per solve there (ten launches instead of one).
+A graph holds a segment of the solve's Euler steps (5 of 10), recorded once per bucket and replayed once
+per segment with the segment's times copied in before. A solve of fewer steps (a first chunk's, with
+``other_timesteps``) replays the same graphs with its own schedule's times, as long as its steps are
+whole segments. Recording a segment instead of the whole solve halves the Python work of recording each
+bucket, which pays for finer buckets: large batches cost in proportion to their padded size (on the
+H100, measured with a graph per step, 16 rows of first chunks 129 ms, 9 and 12 rows in a 12-row bucket
+104 and 108 ms). A graph per step cost 6-28 ms more per solve there (ten launches instead of one).
 
 With ``prefix_frames`` > 0 a second family of graphs solves streaming chunks after recorded voice
 prefixes (:mod:`.flow_prefix`), rows of up to ``prefix_voices`` voices in one solve: before each
@@ -96,7 +97,10 @@ class FlowSolverGraphs:
         dtype: torch.dtype,
         prefix_frames: int = 0,
         prefix_voices: int = 4,
+        other_timesteps: Sequence[int] = (),
     ) -> None:
+        """``other_timesteps``: step counts besides ``n_timesteps`` the graphs also solve in, each a multiple of
+        :func:`segment_steps` of ``n_timesteps`` (their segments are the same graphs with other times)."""
         self._rows = row_buckets(max_rows)
         self._frames = list(range(frame_step, max_frames + 1, frame_step))
         rows, frames = self._rows[-1], self._frames[-1]
@@ -112,14 +116,20 @@ class FlowSolverGraphs:
         self.segment_steps = segment_steps(n_timesteps)
         self._t = torch.zeros(self.segment_steps, 1, device=device, dtype=dtype)
         self._dt = torch.zeros(self.segment_steps, 1, device=device, dtype=dtype)
-        steps = decoder.solver_steps(n_timesteps, device, dtype)
-        self._segments = [
-            (
-                torch.stack([t for t, _ in steps[i : i + self.segment_steps]]),
-                torch.stack([dt for _, dt in steps[i : i + self.segment_steps]]),
-            )
-            for i in range(0, n_timesteps, self.segment_steps)
-        ]
+        self._schedules: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for count in (n_timesteps, *other_timesteps):
+            if count <= 0 or count % self.segment_steps:
+                raise ValueError(
+                    f"a solve of {count} steps is no whole number of the graphs' segments of {self.segment_steps}"
+                )
+            steps = decoder.solver_steps(count, device, dtype)
+            self._schedules[count] = [
+                (
+                    torch.stack([t for t, _ in steps[i : i + self.segment_steps]]),
+                    torch.stack([dt for _, dt in steps[i : i + self.segment_steps]]),
+                )
+                for i in range(0, count, self.segment_steps)
+            ]
         self.prefix_frames = prefix_frames
         self.prefix_voices = prefix_voices if prefix_frames > 0 else 0
         self._prefix = self._prefix_segment_buffers(decoder, mel_bins, device, dtype)
@@ -160,10 +170,15 @@ class FlowSolverGraphs:
         streaming: Tensor,
         prefixes: Sequence[VoicePrefix] | None = None,
         between_segments: Callable[[], None] | None = None,
+        n_timesteps: int | None = None,
     ) -> Tensor | None:
-        """The mel of the batch, or None when no bucket holds it (or its rows' prefixes are of more voices
-        than a solve holds, longer than the buffers or recorded over other steps). ``between_segments`` is
-        called once each segment but the last has run on the GPU: it may solve other batches here."""
+        """The mel of the batch in ``n_timesteps`` steps (default: the graphs' own), or None when no bucket holds
+        it, the graphs were not made for that many steps, or its rows' prefixes are of more voices than a solve
+        holds, longer than the buffers or recorded over other steps. ``between_segments`` is called once each
+        segment but the last has run on the GPU: it may solve other batches here."""
+        segments = self._schedules.get(self.n_timesteps if n_timesteps is None else n_timesteps)
+        if segments is None or (prefixes is not None and n_timesteps not in (None, self.n_timesteps)):
+            return None
         count, _, length = mu.shape
         rows = next((r for r in self._rows if r >= count), None)
         frames = next((f for f in self._frames if f >= length), None)
@@ -173,7 +188,8 @@ class FlowSolverGraphs:
         if placed is not None and not self._holds(placed[0]):
             return None
         with self._lock:
-            return self._solve(rows, frames, prefixes, placed, (mu, mask, speaker, cond, streaming), between_segments)
+            inputs = (mu, mask, speaker, cond, streaming)
+            return self._solve(rows, frames, segments, prefixes, placed, inputs, between_segments)
 
     def _holds(self, voices: list[VoicePrefix]) -> bool:
         return len(voices) <= self.prefix_voices and all(
@@ -185,6 +201,7 @@ class FlowSolverGraphs:
         self,
         rows: int,
         frames: int,
+        segments: list[tuple[Tensor, Tensor]],
         prefixes: Sequence[VoicePrefix] | None,
         placed: tuple[list[VoicePrefix], list[int]] | None,
         inputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
@@ -203,7 +220,7 @@ class FlowSolverGraphs:
         if prefixes is not None:
             self._show(slots, prefixes, rows)
         graph = self._graphs[rows, frames, prefixes is not None]
-        for index, (t, dt) in enumerate(self._segments):
+        for index, (t, dt) in enumerate(segments):
             if index > 0 and between_segments is not None:
                 # Replays only queue the work: the batches that arrived while the last segment ran are
                 # seen once it is done (a wait that lets go of the GIL, so they can arrive).

@@ -5,7 +5,9 @@ prompt and all target tokens so far (as upstream), keeps the mel of the tokens n
 and vocodes it with per-request HiFT state (:class:`HiftStreamState`) so that the chunks join
 without clicks. With a voice prefix cache (``prefix_cache_mb``), what the flow computes for a
 voice's prompt is recorded at the voice's first streaming chunk and later chunks solve only the
-frames after it (:mod:`.flow_prefix`).
+frames after it (:mod:`.flow_prefix`). With ``first_chunk_timesteps`` a stream's first chunk (unless it is
+also its last) is solved in fewer Euler steps than the rest: its audio comes sooner, and the next chunk,
+solved again over all frames in full, carries on from it through HiFT's cross-fade.
 
 The per-request state lives in a dict keyed by a caller-chosen request id. Upstream mixed audio
 between concurrent requests whose ids were empty or reused; here an id must be non-empty, a chunk
@@ -152,6 +154,7 @@ class Token2Wav:
         hift: HiFTGenerator,
         *,
         n_timesteps: int = 10,
+        first_chunk_timesteps: int = 0,
         mel_cache_frames: int = DEFAULT_MEL_CACHE_FRAMES,
         state_ttl_s: float = DEFAULT_STATE_TTL_S,
         vocoder_seed: int = 0,
@@ -164,9 +167,13 @@ class Token2Wav:
     ) -> None:
         if state_ttl_s <= 0:
             raise ValueError("state_ttl_s must be positive")
+        if n_timesteps <= 0 or first_chunk_timesteps < 0:
+            raise ValueError("n_timesteps must be positive and first_chunk_timesteps not negative")
         self.flow = flow
         self.hift = hift
         self.n_timesteps = n_timesteps
+        # 0: first chunks take the steps every other call does.
+        self.first_chunk_timesteps = first_chunk_timesteps or n_timesteps
         self.mel_cache_frames = mel_cache_frames
         self.state_ttl_s = state_ttl_s
         self.vocoder_seed = vocoder_seed
@@ -198,6 +205,7 @@ class Token2Wav:
         dtype: torch.dtype = torch.float32,
         hift_dtype: torch.dtype = torch.float32,
         n_timesteps: int = 10,
+        first_chunk_timesteps: int = 0,
         state_ttl_s: float = DEFAULT_STATE_TTL_S,
         vocoder_seed: int = 0,
         graph_rows: int = 0,
@@ -212,6 +220,8 @@ class Token2Wav:
     ) -> Token2Wav:
         """Load ``cosyvoice2.yaml``, ``flow.pt`` and ``hift.pt`` from ``model_dir``.
 
+        ``first_chunk_timesteps`` > 0 solves streams' first chunks (but final ones) in that many Euler steps
+        instead of ``n_timesteps`` (with CUDA graphs, a multiple of :func:`~.flow_graphs.segment_steps`).
         ``dtype`` applies to the flow; HiFT stays in ``hift_dtype`` (float32 by default, as upstream
         keeps it even when the flow runs in fp16: it is cheap and its exp/iSTFT head is sensitive).
         ``graph_rows`` > 0 on a CUDA device records the flow-matching solve, in segments of Euler
@@ -264,6 +274,7 @@ class Token2Wav:
                     dtype=dtype,
                     prefix_frames=prefix_frames,
                     prefix_voices=PREFIX_VOICES,
+                    other_timesteps=[first_chunk_timesteps] if first_chunk_timesteps else [],
                 )
             except TorchDynamoException as exc:
                 raise compile_failed(compile_backend, exc) from exc
@@ -291,6 +302,7 @@ class Token2Wav:
             flow,
             hift,
             n_timesteps=n_timesteps,
+            first_chunk_timesteps=first_chunk_timesteps,
             state_ttl_s=state_ttl_s,
             vocoder_seed=vocoder_seed,
             solver=solver,
@@ -438,14 +450,19 @@ class Token2Wav:
                 lent += time.monotonic() - began
 
         items = [item for _, _, item, _ in group]
-        prefixes = [self._prefix(call, item) for _, call, item, _ in group]
+        steps = [self._steps(call) for _, call, _, _ in group]
+        # A voice prefix holds what the estimator computed over n_timesteps steps: no use to a shorter solve.
+        prefixes = [
+            self._prefix(call, item) if count == self.n_timesteps else None
+            for (_, call, item, _), count in zip(group, steps, strict=True)
+        ]
         mels: list[Tensor] = [torch.zeros(0)] * len(items)
         eager_flow: list[tuple[int, int]] = []
-        for members in self._solves(prefixes):
+        for members in self._solves(prefixes, steps):
             first = prefixes[members[0]]
             grouped = self.flow.inference_batch(
                 [items[i] for i in members],
-                n_timesteps=self.n_timesteps,
+                n_timesteps=steps[members[0]],
                 solver=self.solver,
                 prefixes=None if first is None else [cast(VoicePrefix, prefixes[i]) for i in members],
                 between_segments=lend_the_gpu,
@@ -496,11 +513,18 @@ class Token2Wav:
             )
         return audio
 
-    def _solves(self, prefixes: list[VoicePrefix | None]) -> list[list[int]]:
-        """The group's calls in the flow solves they are converted in: those without a prefix together, and
-        those with one together, up to :data:`PREFIX_VOICES` voices a solve."""
-        plain = [index for index, prefix in enumerate(prefixes) if prefix is None]
-        solves = [plain] if plain else []
+    def _steps(self, call: Conversion) -> int:
+        """The Euler steps of the call's flow solve: fewer for a stream's first chunk that is not its last."""
+        return self.first_chunk_timesteps if call.token_offset == 0 and not call.finalize else self.n_timesteps
+
+    def _solves(self, prefixes: list[VoicePrefix | None], steps: list[int]) -> list[list[int]]:
+        """The group's calls in the flow solves they are converted in: those without a prefix together (per
+        count of steps), and those with one together, up to :data:`PREFIX_VOICES` voices a solve."""
+        plain: dict[int, list[int]] = {}
+        for index, prefix in enumerate(prefixes):
+            if prefix is None:
+                plain.setdefault(steps[index], []).append(index)
+        solves = list(plain.values())
         voices: dict[int, list[int]] = {}
         for index, prefix in enumerate(prefixes):
             if prefix is not None:

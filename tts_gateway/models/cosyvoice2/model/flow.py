@@ -57,6 +57,7 @@ class MelSolver(Protocol):
     ``prefixes``, where given, are each row's voice prefix: the inputs are the frames after it, and the solve
     starts from the noise after it. ``between_segments``, where given, is called between parts of the solve;
     it may run other solves through the same solver (the token2wav queue converts streams' first chunks there).
+    ``n_timesteps`` is the solve's Euler steps (None: the solver's own count).
     """
 
     def __call__(
@@ -68,6 +69,7 @@ class MelSolver(Protocol):
         streaming: Tensor,
         prefixes: Sequence[VoicePrefix] | None,
         between_segments: Callable[[], None] | None = None,
+        n_timesteps: int | None = None,
     ) -> Tensor | None: ...
 
 
@@ -294,7 +296,9 @@ class CausalFlow(nn.Module):
         mask = (steps.unsqueeze(0) < ratio * lengths.unsqueeze(1)).unsqueeze(1).to(dtype)
         if prefixes is not None:
             mu, mask, cond = _after(starts, mu, mask, cond)
-        mel = None if solver is None else solver(mu, mask, speaker, cond, streaming, prefixes, between_segments)
+        mel = None
+        if solver is not None:
+            mel = solver(mu, mask, speaker, cond, streaming, prefixes, between_segments, n_timesteps=n_timesteps)
         if mel is None:
             if eager_solves is not None:
                 eager_solves.append((mu.size(0), mu.size(2)))

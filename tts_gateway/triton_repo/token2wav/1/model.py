@@ -24,6 +24,7 @@ class TritonPythonModel(Token2WavModel):
             device=device,
             dtype=_DTYPES[params["dtype"]],
             n_timesteps=int(params["n_timesteps"]),
+            first_chunk_timesteps=int(params["first_chunk_timesteps"]),
             graph_rows=int(params["graph_rows"]),
             graph_frames=int(params["graph_frames"]),
             prefix_cache_mb=int(params["prefix_cache_mb"]),
