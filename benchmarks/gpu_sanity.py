@@ -41,6 +41,7 @@ from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi, used_mib_by_gpu
 from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import write_tiny_checkpoint
+from tts_gateway.models.cosyvoice2.orchestrator.first_hop import AdaptiveFirstHop
 from tts_gateway.models.triton_logging import STACK_DUMP_SIGNAL
 from tts_gateway.paths import REFERENCE_VOICES
 from tts_gateway.tools import model_prep
@@ -168,18 +169,21 @@ def stream(url: str, voice: Voice, seed: int) -> Timed:
     return Timed(np.concatenate(chunks), first, total, [chunk.size for chunk in chunks])
 
 
-def first_chunk_samples(url: str) -> int:
-    """A stream's first chunk as the served streaming model makes it: its first hop, less the cross-fade tail."""
+def first_chunk_samples(url: str) -> list[int]:
+    """The sizes a stream's first chunk can have on the served streaming model: each first hop it may take (it
+    grows under load up to ``max_first_hop_tokens``), less the cross-fade tail."""
     client = grpcclient.InferenceServerClient(url)
     try:
         config = client.get_model_config(contract.stream_model_name(MODEL), as_json=True)["config"]
     finally:
         client.close()
-    hop = int(config["parameters"]["first_hop_tokens"]["string_value"])
-    return hop * SAMPLES_PER_TOKEN - CROSS_FADE_SAMPLES
+    first, most = (
+        int(config["parameters"][key]["string_value"]) for key in ("first_hop_tokens", "max_first_hop_tokens")
+    )
+    return [hop * SAMPLES_PER_TOKEN - CROSS_FADE_SAMPLES for hop in AdaptiveFirstHop(first, max(first, most)).ladder]
 
 
-def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int], first_chunk: int) -> None:
+def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int], first_chunks: list[int]) -> None:
     audio = timed.audio
     if audio.dtype != np.float32 or audio.ndim != 1:
         raise SanityError(f"{label}: expected 1-D float32, got {audio.dtype} {audio.shape}")
@@ -192,8 +196,8 @@ def check_audio(label: str, timed: Timed, token_bounds: tuple[int, int], first_c
         raise SanityError(f"{label}: waveform holds NaN or inf")
     if float(np.std(audio)) == 0.0:
         raise SanityError(f"{label}: waveform is constant")
-    if len(timed.chunks) > 1 and timed.chunks[0] != first_chunk:
-        raise SanityError(f"{label}: first chunk has {timed.chunks[0]} samples, expected {first_chunk}")
+    if len(timed.chunks) > 1 and timed.chunks[0] not in first_chunks:
+        raise SanityError(f"{label}: first chunk has {timed.chunks[0]} samples, expected one of {first_chunks}")
 
 
 def describe(label: str, timed: Timed) -> str:
@@ -339,7 +343,7 @@ def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup
             print(f"  {line.split('] ', 1)[-1]}")
         print("  (Triton calls llm a CPU instance: its torch device is the 'device' parameter above)")
         url = triton.grpc_url
-        first_chunk = first_chunk_samples(url)
+        first_chunks = first_chunk_samples(url)
         results: dict[tuple[str, str, int], Timed] = {}
         failures: list[str] = []
         # Each round runs both voices, one offline and one streamed; the warm round swaps them,
@@ -356,7 +360,7 @@ def run(workdir: Path, profile: str, overrides: list[str], *, cpu: bool, startup
                 label = f"{round_name} {mode:7} {voice.name} seed {seed}"
                 try:
                     timed = call(url, voice, seed)
-                    check_audio(label, timed, bounds, first_chunk)
+                    check_audio(label, timed, bounds, first_chunks)
                 except (SanityError, InferenceServerException, queue.Empty) as exc:
                     failures.append(f"{label}: {type(exc).__name__}: {exc}")
                     print(f"{label}: FAILED: {exc}")
