@@ -215,6 +215,19 @@ def test_later_chunks_revocode_the_cached_frames_with_the_cached_source() -> Non
     torch.testing.assert_close(second_cache[0, 0], tone(22 * 480, 3840))
 
 
+def test_recomputed_cached_frames_are_revocoded_instead_of_the_kept_ones() -> None:
+    state, vocoder = HiftStreamState(), ToneVocoder()
+    state.step(frames(0, 30), vocoder, final=False)
+    with pytest.raises(ValueError, match="expected cached frames of shape"):
+        state.recompute_cached(frames(22, 7))
+    finer = frames(22, 8) + 0.5
+    state.recompute_cached(finer)
+    state.step(frames(30, 50), vocoder, final=True)
+    second_mel = vocoder.calls[1][0]
+    torch.testing.assert_close(second_mel[:, :, :8], finer)
+    torch.testing.assert_close(second_mel[:, :, 8:], frames(30, 50))
+
+
 def max_step(audio: Tensor, positions: list[int], radius: int) -> tuple[float, float]:
     """Largest |x[n+1] - x[n]| within ``radius`` samples of the joins, and everywhere else."""
     steps = (audio[1:] - audio[:-1]).abs()

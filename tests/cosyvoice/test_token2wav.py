@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 from tts_gateway.models.cosyvoice2.engines.cuda_memory import STEP_LOG_PREFIX, ReservedMemoryWatch
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, StreamStateError, Token2Wav
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
+from tts_gateway.models.cosyvoice2.model.hift_stream import HiftStreamState
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -250,33 +251,67 @@ def test_the_reserving_call_runs_the_padded_path_and_leaves_the_global_generator
     assert vocoded == [((32, 80, 100), True)]
 
 
-def test_a_first_chunk_can_be_solved_in_fewer_steps_than_the_rest(t2w: Token2Wav, prompt: VoicePrompt) -> None:
+def test_a_first_chunk_can_be_solved_in_fewer_steps_than_the_rest(
+    t2w: Token2Wav, prompt: VoicePrompt, monkeypatch: pytest.MonkeyPatch
+) -> None:
     quick = Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=5)
     five = Token2Wav(t2w.flow, t2w.hift, n_timesteps=5)
     tokens = speech_tokens(70, seed=5)
-    quick_chunks = stream(quick, "quick", tokens, prompt, [15, 25])
-    # The first chunk is five steps' audio, the chunks after it the full solve's, joined as every stream is.
-    np.testing.assert_array_equal(quick_chunks[0], stream(five, "five", tokens, prompt, [15, 25])[0])
     full_chunks = stream(t2w, "full", tokens, prompt, [15, 25])
+    five_first = stream(five, "five", tokens, prompt, [15, 25])[0]
+    steps: list[int] = []
+    mels: list[torch.Tensor] = []
+    solve = t2w.flow.inference_batch
+
+    def counted(items: Any, **kwargs: Any) -> Any:
+        steps.append(kwargs["n_timesteps"])
+        solved = solve(items, **kwargs)
+        mels.append(solved[0])
+        return solved
+
+    recomputed: list[torch.Tensor] = []
+    replace = HiftStreamState.recompute_cached
+
+    def kept(state: HiftStreamState, mel: torch.Tensor) -> None:
+        recomputed.append(mel.clone())
+        replace(state, mel)
+
+    monkeypatch.setattr(t2w.flow, "inference_batch", counted)
+    monkeypatch.setattr(HiftStreamState, "recompute_cached", kept)
+    quick_chunks = stream(quick, "quick", tokens, prompt, [15, 25])
+    assert steps == [5, 10, 10]
+    # The first chunk is five steps' audio. HiFT kept its last 8 of 30 frames; the second chunk re-vocodes
+    # them from its own ten-step solve, so that the change falls inside the cross-fade.
+    np.testing.assert_array_equal(quick_chunks[0], five_first)
     assert float(np.abs(quick_chunks[0] - full_chunks[0]).max()) > 1e-4
+    assert len(recomputed) == 1
+    torch.testing.assert_close(recomputed[0][0], mels[1][:, 22:30])
+    assert float((recomputed[0][0] - mels[0][:, 22:30]).abs().max()) > 1e-3
     assert [chunk.shape for chunk in quick_chunks] == [chunk.shape for chunk in full_chunks]
     joined = np.concatenate(quick_chunks)
     assert np.isfinite(joined).all() and float(joined.std()) > 1e-3
     # A first chunk that is also the last, and offline calls, take every step.
     short = speech_tokens(25, seed=6)
-    np.testing.assert_array_equal(quick.stream_chunk("once", short, prompt, 0, True), t2w.offline(short, prompt))
-    np.testing.assert_array_equal(quick.offline(short, prompt), t2w.offline(short, prompt))
+    del steps[:]
+    once, whole = quick.stream_chunk("once", short, prompt, 0, True), quick.offline(short, prompt)
+    assert steps == [10, 10]
+    np.testing.assert_array_equal(once, t2w.offline(short, prompt))
+    np.testing.assert_array_equal(whole, t2w.offline(short, prompt))
 
 
-def test_first_chunks_of_both_kinds_in_one_group_each_get_their_own_steps(t2w: Token2Wav, prompt: VoicePrompt) -> None:
+def test_first_chunks_solved_in_fewer_steps_are_answered_before_final_ones(t2w: Token2Wav, prompt: VoicePrompt) -> None:
     quick = Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=5)
     opening, whole = speech_tokens(18, seed=7), speech_tokens(20, seed=8)
-    together = quick.convert([Conversion("a", opening, prompt, 0, False), Conversion("b", whole, prompt, 0, True)])
+    answered: list[int] = []
+    calls = [Conversion("b", whole, prompt, 0, True), Conversion("a", opening, prompt, 0, False)]
+    together = quick.convert(calls, on_result=lambda index, _: answered.append(index))
+    # The five-step chunk waits for no ten-step solve: its own group, answered first.
+    assert answered == [1, 0]
     quick.release("a")
     alone = quick.stream_chunk("a", opening, prompt, 0, False)
     quick.release("a")
-    np.testing.assert_allclose(together[0], alone, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(together[1], t2w.offline(whole, prompt), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(together[1], alone, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(together[0], t2w.offline(whole, prompt), rtol=1e-4, atol=1e-5)
 
 
 def test_step_counts_below_one_are_refused(t2w: Token2Wav) -> None:

@@ -6,8 +6,10 @@ and vocodes it with per-request HiFT state (:class:`HiftStreamState`) so that th
 without clicks. With a voice prefix cache (``prefix_cache_mb``), what the flow computes for a
 voice's prompt is recorded at the voice's first streaming chunk and later chunks solve only the
 frames after it (:mod:`.flow_prefix`). With ``first_chunk_timesteps`` a stream's first chunk (unless it is
-also its last) is solved in fewer Euler steps than the rest: its audio comes sooner, and the next chunk,
-solved again over all frames in full, carries on from it through HiFT's cross-fade.
+also its last) is solved in fewer Euler steps than the rest: its audio comes sooner. The next chunk solves
+all frames again in full; the frames HiFT kept from the first chunk are replaced by their finer solve before
+vocoding, so the change falls inside the cross-fade with the first chunk's withheld tail. A voice's prefix
+is recorded at its first chunk solved in every step.
 
 The per-request state lives in a dict keyed by a caller-chosen request id. Upstream mixed audio
 between concurrent requests whose ids were empty or reused; here an id must be non-empty, a chunk
@@ -134,6 +136,9 @@ class _Stream:
     last_used: float
     consumed_tokens: int = 0
     busy: bool = False
+    # The frames its HiFT state keeps were solved in fewer steps (a first chunk's): the next chunk's solve
+    # recomputes them in full, and those replace them before vocoding.
+    coarse_cache: bool = False
 
 
 Audio: TypeAlias = NDArray[np.float32]
@@ -476,7 +481,7 @@ class Token2Wav:
         flowed = time.monotonic()
         # Per call: the mel to vocode, the excitation to continue from, and its generator.
         vocode: list[tuple[Tensor, Tensor | None, torch.Generator]] = []
-        for (_, call, _, stream), mel in zip(group, mels, strict=True):
+        for position, ((_, call, _, stream), mel) in enumerate(zip(group, mels, strict=True)):
             mel = mel.unsqueeze(0)
             if stream is None:
                 if call.speed != 1.0:
@@ -484,7 +489,11 @@ class Token2Wav:
                 generator = torch.Generator(device=self._device).manual_seed(self.vocoder_seed)
                 vocode.append((mel, None, generator))
             else:
-                full, cache_source = stream.hift.prepare(mel[:, :, call.token_offset * self._token_mel_ratio :])
+                start = call.token_offset * self._token_mel_ratio
+                if stream.coarse_cache:
+                    stream.hift.recompute_cached(mel[:, :, start - stream.hift.mel_cache_frames : start])
+                stream.coarse_cache = steps[position] < self.n_timesteps
+                full, cache_source = stream.hift.prepare(mel[:, :, start:])
                 vocode.append((full, cache_source, stream.generator))
         waves, eager_hift = self._vocode(vocode)
         audio = []
@@ -558,19 +567,20 @@ class Token2Wav:
         return prefix
 
     def _answer_groups(self, ready: list[_Ready]) -> list[list[_Ready]]:
-        """The calls in the groups they are converted and answered in: streams' first chunks first,
-        then by length (prompt and target tokens), shortest first, each group spanning at most
-        ``_GROUP_SPAN_TOKENS`` and answered in the order its calls came."""
+        """The calls in the groups they are converted and answered in: streams' first chunks first (those
+        solved in fewer steps before the rest, so that they wait for no longer solve), then by length (prompt
+        and target tokens), shortest first, each group spanning at most ``_GROUP_SPAN_TOKENS`` and answered in
+        the order its calls came."""
 
-        def key(entry: _Ready) -> tuple[bool, int]:
-            return entry[1].token_offset != 0, flow_tokens(entry[1])
+        def key(entry: _Ready) -> tuple[bool, int, int]:
+            return entry[1].token_offset != 0, self._steps(entry[1]), flow_tokens(entry[1])
 
         groups: list[list[_Ready]] = []
         for entry in sorted(ready, key=key):
-            later, tokens = key(entry)
+            later, steps, tokens = key(entry)
             if groups:
-                lead_later, lead_tokens = key(groups[-1][0])
-                if lead_later == later and tokens - lead_tokens <= _GROUP_SPAN_TOKENS:
+                lead_later, lead_steps, lead_tokens = key(groups[-1][0])
+                if (lead_later, lead_steps) == (later, steps) and tokens - lead_tokens <= _GROUP_SPAN_TOKENS:
                     groups[-1].append(entry)
                     continue
             groups.append([entry])

@@ -81,6 +81,14 @@ class HiftStreamState:
         speech, source = vocoder(full, cache_source)
         return self.finish(full, speech[0], source, final=final)
 
+    def recompute_cached(self, mel: Tensor) -> None:
+        """Replace the cached frames by ``mel`` ``[1, 80, cached frames]``: the same frames solved again,
+        finer than the chunk that kept them. The audio of the re-vocoded frames then carries the change,
+        and the cross-fade with the withheld tail spans it."""
+        if self._mel is None or mel.shape != self._mel.shape:
+            raise ValueError(f"expected cached frames of shape {None if self._mel is None else list(self._mel.shape)}")
+        self._mel = mel.clone()
+
     def prepare(self, mel: Tensor) -> tuple[Tensor, Tensor | None]:
         """The mel to vocode for new frames ``mel`` [1, 80, frames] (the cached frames first) and the
         excitation to continue from; vocode them, then pass the result to :meth:`finish`."""
