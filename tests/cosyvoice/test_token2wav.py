@@ -314,6 +314,15 @@ def test_first_chunks_solved_in_fewer_steps_are_answered_before_final_ones(t2w: 
     np.testing.assert_allclose(together[0], t2w.offline(whole, prompt), rtol=1e-4, atol=1e-5)
 
 
+def test_a_coarse_first_chunk_shorter_than_the_kept_frames_joins_the_next(t2w: Token2Wav, prompt: VoicePrompt) -> None:
+    quick = Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=5)
+    tokens = speech_tokens(30, seed=9)
+    # A first hop of 3 tokens: 6 mel frames, fewer than the 8 HiFT keeps from a chunk.
+    chunks = stream(quick, "short-first", tokens, prompt, [3, 12])
+    assert sum(chunk.shape[0] for chunk in chunks) == 30 * SAMPLES_PER_TOKEN
+    assert np.isfinite(np.concatenate(chunks)).all()
+
+
 def test_step_counts_below_one_are_refused(t2w: Token2Wav) -> None:
     with pytest.raises(ValueError, match="n_timesteps must be positive"):
         Token2Wav(t2w.flow, t2w.hift, n_timesteps=10, first_chunk_timesteps=-1)

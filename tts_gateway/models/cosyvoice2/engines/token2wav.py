@@ -491,7 +491,7 @@ class Token2Wav:
             else:
                 start = call.token_offset * self._token_mel_ratio
                 if stream.coarse_cache:
-                    stream.hift.recompute_cached(mel[:, :, start - stream.hift.mel_cache_frames : start])
+                    stream.hift.recompute_cached(mel[:, :, start - stream.hift.cached_frames : start])
                 stream.coarse_cache = steps[position] < self.n_timesteps
                 full, cache_source = stream.hift.prepare(mel[:, :, start:])
                 vocode.append((full, cache_source, stream.generator))

@@ -81,6 +81,11 @@ class HiftStreamState:
         speech, source = vocoder(full, cache_source)
         return self.finish(full, speech[0], source, final=final)
 
+    @property
+    def cached_frames(self) -> int:
+        """Mel frames kept from the last chunk to re-vocode at the start of the next (fewer after a short chunk)."""
+        return 0 if self._mel is None else self._mel.shape[2]
+
     def recompute_cached(self, mel: Tensor) -> None:
         """Replace the cached frames by ``mel`` ``[1, 80, cached frames]``: the same frames solved again,
         finer than the chunk that kept them. The audio of the re-vocoded frames then carries the change,
