@@ -62,7 +62,7 @@ from tritonclient.utils import InferenceServerException
 from benchmarks import cosyvoice2_triton, gpu_floors, gpu_sanity, gpu_stages
 from benchmarks.bench_stack import GatewayServer, children
 from benchmarks.gpu_query import nvidia_smi, used_mib_by_gpu
-from benchmarks.gpu_sanity import ROOT, Voice
+from benchmarks.gpu_sanity import ROOT, Voice, config_parameters
 from benchmarks.server_processes import CpuUse, cores_cell, cpu_seconds
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded.fleet import EmbeddedFleet, embedded_servers
@@ -1036,16 +1036,6 @@ def model_parameters(url: str) -> tuple[dict[str, str], dict[str, str]]:
     orchestrator = config_parameters(url, MODEL)
     # An LLM on its own server (llm_urls) has no model in Triton.
     return orchestrator, config_parameters(url, orchestrator["llm_model"]) if orchestrator["llm_model"] else {}
-
-
-def config_parameters(url: str, model: str) -> dict[str, str]:
-    """A served model's config parameters."""
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        config = client.get_model_config(model, as_json=True)["config"]
-        return {key: value.get("string_value", "") for key, value in config["parameters"].items()}
-    finally:
-        client.close()
 
 
 def add_floors(report: dict[str, Any], trace_dir: Path, floors: gpu_floors.Floors, llm_slots: int | None) -> None:

@@ -169,17 +169,21 @@ def stream(url: str, voice: Voice, seed: int) -> Timed:
     return Timed(np.concatenate(chunks), first, total, [chunk.size for chunk in chunks])
 
 
+def config_parameters(url: str, model: str) -> dict[str, str]:
+    """A served model's config parameters."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        config = client.get_model_config(model, as_json=True)["config"]
+        return {key: value.get("string_value", "") for key, value in config["parameters"].items()}
+    finally:
+        client.close()
+
+
 def first_chunk_samples(url: str) -> list[int]:
     """The sizes a stream's first chunk can have on the served streaming model: each first hop it may take (it
     grows under load up to ``max_first_hop_tokens``), less the cross-fade tail."""
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        config = client.get_model_config(contract.stream_model_name(MODEL), as_json=True)["config"]
-    finally:
-        client.close()
-    first, most = (
-        int(config["parameters"][key]["string_value"]) for key in ("first_hop_tokens", "max_first_hop_tokens")
-    )
+    params = config_parameters(url, contract.stream_model_name(MODEL))
+    first, most = int(params["first_hop_tokens"]), int(params["max_first_hop_tokens"])
     return [hop * SAMPLES_PER_TOKEN - CROSS_FADE_SAMPLES for hop in AdaptiveFirstHop(first, max(first, most)).ladder]
 
 

@@ -176,8 +176,10 @@ class FlowSolverGraphs:
         it, the graphs were not made for that many steps, or its rows' prefixes are of more voices than a solve
         holds, longer than the buffers or recorded over other steps. ``between_segments`` is called once each
         segment but the last has run on the GPU: it may solve other batches here."""
-        segments = self._schedules.get(self.n_timesteps if n_timesteps is None else n_timesteps)
-        if segments is None or (prefixes is not None and n_timesteps not in (None, self.n_timesteps)):
+        steps = self.n_timesteps if n_timesteps is None else n_timesteps
+        segments = self._schedules.get(steps)
+        # A prefix's recorded steps are the graphs' own (_holds): it serves no other count.
+        if segments is None or (prefixes is not None and steps != self.n_timesteps):
             return None
         count, _, length = mu.shape
         rows = next((r for r in self._rows if r >= count), None)

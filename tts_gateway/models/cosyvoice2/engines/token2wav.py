@@ -441,7 +441,8 @@ class Token2Wav:
         return target
 
     def _convert_group(self, group: list[_Ready], between_segments: Callable[[], None] | None) -> list[Audio]:
-        """The audio of a group of calls of about one length (see :meth:`_answer_groups`)."""
+        """The audio of a group of calls of about one length and one count of solver steps (see
+        :meth:`_answer_groups`)."""
         started = time.monotonic()
         lent = 0.0
         lend_the_gpu: Callable[[], None] | None = None
@@ -455,19 +456,18 @@ class Token2Wav:
                 lent += time.monotonic() - began
 
         items = [item for _, _, item, _ in group]
-        steps = [self._steps(call) for _, call, _, _ in group]
-        # A voice prefix holds what the estimator computed over n_timesteps steps: no use to a shorter solve.
-        prefixes = [
-            self._prefix(call, item) if count == self.n_timesteps else None
-            for (_, call, item, _), count in zip(group, steps, strict=True)
-        ]
+        # One count for the whole group (see _answer_groups). A voice prefix holds what the estimator computed
+        # over n_timesteps steps: no use to a shorter solve.
+        steps = self._steps(group[0][1])
+        own_steps = steps == self.n_timesteps
+        prefixes = [self._prefix(call, item) if own_steps else None for _, call, item, _ in group]
         mels: list[Tensor] = [torch.zeros(0)] * len(items)
         eager_flow: list[tuple[int, int]] = []
-        for members in self._solves(prefixes, steps):
+        for members in self._solves(prefixes):
             first = prefixes[members[0]]
             grouped = self.flow.inference_batch(
                 [items[i] for i in members],
-                n_timesteps=steps[members[0]],
+                n_timesteps=steps,
                 solver=self.solver,
                 prefixes=None if first is None else [cast(VoicePrefix, prefixes[i]) for i in members],
                 between_segments=lend_the_gpu,
@@ -481,7 +481,7 @@ class Token2Wav:
         flowed = time.monotonic()
         # Per call: the mel to vocode, the excitation to continue from, and its generator.
         vocode: list[tuple[Tensor, Tensor | None, torch.Generator]] = []
-        for position, ((_, call, _, stream), mel) in enumerate(zip(group, mels, strict=True)):
+        for (_, call, _, stream), mel in zip(group, mels, strict=True):
             mel = mel.unsqueeze(0)
             if stream is None:
                 if call.speed != 1.0:
@@ -492,7 +492,7 @@ class Token2Wav:
                 start = call.token_offset * self._token_mel_ratio
                 if stream.coarse_cache:
                     stream.hift.recompute_cached(mel[:, :, start - stream.hift.cached_frames : start])
-                stream.coarse_cache = steps[position] < self.n_timesteps
+                stream.coarse_cache = steps < self.n_timesteps
                 full, cache_source = stream.hift.prepare(mel[:, :, start:])
                 vocode.append((full, cache_source, stream.generator))
         waves, eager_hift = self._vocode(vocode)
@@ -526,14 +526,11 @@ class Token2Wav:
         """The Euler steps of the call's flow solve: fewer for a stream's first chunk that is not its last."""
         return self.first_chunk_timesteps if call.token_offset == 0 and not call.finalize else self.n_timesteps
 
-    def _solves(self, prefixes: list[VoicePrefix | None], steps: list[int]) -> list[list[int]]:
-        """The group's calls in the flow solves they are converted in: those without a prefix together (per
-        count of steps), and those with one together, up to :data:`PREFIX_VOICES` voices a solve."""
-        plain: dict[int, list[int]] = {}
-        for index, prefix in enumerate(prefixes):
-            if prefix is None:
-                plain.setdefault(steps[index], []).append(index)
-        solves = list(plain.values())
+    def _solves(self, prefixes: list[VoicePrefix | None]) -> list[list[int]]:
+        """The group's calls in the flow solves they are converted in: those without a prefix together, and
+        those with one together, up to :data:`PREFIX_VOICES` voices a solve."""
+        plain = [index for index, prefix in enumerate(prefixes) if prefix is None]
+        solves = [plain] if plain else []
         voices: dict[int, list[int]] = {}
         for index, prefix in enumerate(prefixes):
             if prefix is not None:
