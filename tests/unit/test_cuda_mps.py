@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -126,3 +129,65 @@ def test_a_daemon_pinned_to_a_gpu_is_started_seeing_that_gpu_alone(
     assert unpinned is not None
     unpinned.start()
     assert devices(bin_dir)[-1] == "0,1 -d"
+
+
+def test_a_second_server_on_the_same_directory_is_refused_and_leaves_the_first_daemon_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / "bin"
+    stand_in_first_on_path(bin_dir, monkeypatch)
+    first = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True, device="GPU-0")
+    second = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True, device="GPU-1")
+    assert first is not None and second is not None
+    first.start()
+    with pytest.raises(CudaMpsError, match="another running server"):
+        second.start()
+    second.stop()
+    # Only the first server's start reached the control program: nothing quit its daemon.
+    assert devices(bin_dir) == ["GPU-0 -d"]
+    assert first.running and not second.running
+    first.stop()
+    second.start()
+    assert devices(bin_dir)[1:] == ["GPU-0 ", "GPU-1 ", "GPU-1 -d"]
+
+
+def test_a_directory_held_by_another_process_is_refused_until_that_process_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner ``exec``s into another program, as ``tts-models launch`` does into tritonserver: the lock stays
+    with that program, and ends with it."""
+    bin_dir = tmp_path / "bin"
+    stand_in_first_on_path(bin_dir, monkeypatch)
+    owner = textwrap.dedent(
+        """
+        import os, sys
+        from pathlib import Path
+        from tts_gateway.gateway.embedded.cuda_mps import CudaMps
+        mps = CudaMps.for_mode("on", Path(sys.argv[1]), profile_asks=True)
+        mps.start()
+        mps.keep_across_exec()
+        after = "import sys; print('exec', flush=True); sys.stdin.read()"
+        os.execvp(sys.executable, [sys.executable, "-c", after])
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", owner, str(tmp_path / "mps")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "exec\n"
+        mine = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True)
+        assert mine is not None
+        with pytest.raises(CudaMpsError, match="another running server"):
+            mine.start()
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(timeout=30)
+    mine.start()
+    assert mine.running
+    # The ended owner's daemon was quit before this process started its own.
+    assert calls(bin_dir)[-2:] == [
+        f"args= pipe={tmp_path / 'mps' / 'pipe'} log={tmp_path / 'mps' / 'log'} input=quit",
+        f"args=-d pipe={tmp_path / 'mps' / 'pipe'} log={tmp_path / 'mps' / 'log'} input=",
+    ]

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from tts_gateway.allocator import server_malloc_env
-from tts_gateway.gateway.embedded.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded.cuda_mps import CudaMps, CudaMpsError
 from tts_gateway.gateway.embedded.server import SERVER_MEMORY_OPTIONS, EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract
 from tts_gateway.models.model_repository import (
@@ -192,9 +192,14 @@ def cmd_launch(args: argparse.Namespace) -> None:
         return
     if shutil.which(command[0]) is None:
         raise SystemExit(f"{command[0]} not found; pass --tritonserver PATH")
-    # The daemon forks and outlives this exec; the container's end takes it down with the server.
+    # The daemon forks and outlives this exec, and its directory's lock passes to the server; the container's
+    # end takes both down.
     if mps is not None:
-        mps.start()
+        try:
+            mps.start()
+        except CudaMpsError as exc:
+            raise SystemExit(f"error: {exc}") from exc
+        mps.keep_across_exec()
         os.environ.update(mps.env())
     os.execvp(command[0], command)
 

@@ -13,11 +13,15 @@ daemon's environment, as NVIDIA's MPS guide has it), and keeps naming that GPU b
 a client of such a daemon that named no device was seen to give its models the host's second GPU
 as device 1 while torch in them saw one device. A process already under MPS
 (``CUDA_MPS_PIPE_DIRECTORY`` set, as a Kubernetes device plugin that shares GPUs through MPS
-does) starts none.
+does) starts none. Two servers given the same directory would quit each other's daemon (a start
+first quits one a crashed owner left behind), so the directory is locked while a daemon of this
+process runs there, and a second server is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 CONTROL: Final = "nvidia-cuda-mps-control"
 PIPE_VARIABLE: Final = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VARIABLE: Final = "CUDA_MPS_LOG_DIRECTORY"
+LOCK_FILENAME: Final = "owner.lock"
 _TIMEOUT_S: Final = 30.0
 
 
@@ -52,6 +57,8 @@ class CudaMps:
         ``device``: the one GPU (a ``CUDA_VISIBLE_DEVICES`` entry) the daemon serves; ``None``: every GPU."""
         self.pipe_dir = directory / "pipe"
         self.log_dir = directory / "log"
+        self._lock_path = directory / LOCK_FILENAME
+        self._lock: int | None = None
         self.required = required
         self.device = device
         self.running = False
@@ -84,9 +91,11 @@ class CudaMps:
         """Start the daemon (it forks and returns at once); one left running in these directories is quit first.
 
         A daemon that does not start raises :class:`CudaMpsError` when ``required``, else the
-        server goes on without MPS (logged).
+        server goes on without MPS (logged). Directories another live process holds always raise it:
+        quitting that process's daemon would take its server's models off the GPU.
         """
         self.stop()
+        self._acquire()
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -94,6 +103,7 @@ class CudaMps:
             if done.returncode != 0:
                 raise CudaMpsError(f"{CONTROL} -d exited with status {done.returncode}: {done.stdout.strip()}")
         except CudaMpsError as exc:
+            self._release()
             if self.required:
                 raise
             logger.warning("running without CUDA MPS: %s", exc)
@@ -102,17 +112,57 @@ class CudaMps:
         logger.info("CUDA MPS daemon started (pipes in %s)", self.pipe_dir)
 
     def stop(self) -> None:
-        """Ask the daemon to quit; nothing happens when none runs in these directories."""
+        """Ask the daemon to quit; nothing happens when none runs in these directories or another process
+        holds them."""
         self.running = False
-        if not self.pipe_dir.exists():
+        if not self.pipe_dir.exists() or (self._lock is None and self._held_elsewhere()):
             return
         try:
             done = self._run(stdin="quit\n")
         except CudaMpsError as exc:
             logger.warning("stopping the CUDA MPS daemon: %s", exc)
-            return
-        if done.returncode == 0:
-            logger.info("CUDA MPS daemon stopped")
+        else:
+            if done.returncode == 0:
+                logger.info("CUDA MPS daemon stopped")
+        finally:
+            self._release()
+
+    def keep_across_exec(self) -> None:
+        """Let the directory's lock pass to a program this process ``exec``s into (it then owns the daemon)."""
+        if self._lock is not None:
+            os.set_inheritable(self._lock, True)
+
+    def _acquire(self) -> None:
+        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise CudaMpsError(
+                f"another running server's CUDA MPS daemon uses {self._lock_path.parent}; "
+                "give each server a directory of its own"
+            ) from None
+        self._lock = descriptor
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def _held_elsewhere(self) -> bool:
+        """Whether a live process holds these directories (flock's locks end with their holder)."""
+        if not self._lock_path.exists():
+            return False
+        with contextlib.suppress(OSError):
+            descriptor = os.open(self._lock_path, os.O_RDWR)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(descriptor)
+        return False
 
     def _daemon_env(self) -> dict[str, str]:
         env = {**os.environ, PIPE_VARIABLE: str(self.pipe_dir), LOG_VARIABLE: str(self.log_dir)}

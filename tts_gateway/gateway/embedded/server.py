@@ -37,7 +37,7 @@ from typing import IO, Final, Self
 import numpy
 
 from tts_gateway.allocator import server_malloc_env
-from tts_gateway.gateway.embedded.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded.cuda_mps import CudaMps, CudaMpsError
 from tts_gateway.models import contract
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,10 @@ class EmbeddedTriton:
     def _launch(self, layout: _WheelLayout, backends: Path) -> None:
         ports = self._fixed_ports or _free_ports(self.host)
         if self._mps is not None:
-            self._mps.start()
+            try:
+                self._mps.start()
+            except CudaMpsError as exc:
+                raise EmbeddedTritonError(str(exc)) from exc
         command = [
             str(layout.server),
             f"--model-repository={self.repository}",
