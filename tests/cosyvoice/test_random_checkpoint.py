@@ -7,6 +7,9 @@ checked on tiny shapes with the full size's head constants.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,34 @@ def test_a_complete_checkpoint_is_reused_and_any_other_replaced(tmp_path: Path) 
     (root / MARKER_FILENAME).unlink()  # a checkpoint without its marker (written in place) is not trusted
     _, written = ensure_checkpoint(root, tiny_size(), seed=1)
     assert written
+
+
+def test_processes_that_ask_for_one_checkpoint_at_once_get_it_written_once(tmp_path: Path) -> None:
+    """As two benchmarks on two GPUs of one host, started together over one work directory."""
+    root, go = tmp_path / "models", tmp_path / "go"
+    writer = textwrap.dedent(
+        """
+        import sys, time
+        from pathlib import Path
+        from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_checkpoint
+        from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import tiny_size
+        print("ready", flush=True)
+        while not Path(sys.argv[2]).exists():
+            time.sleep(0.005)
+        _, written = ensure_checkpoint(Path(sys.argv[1]), tiny_size(), seed=0)
+        print("written" if written else "reused", flush=True)
+        """
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", writer, str(root), str(go)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    for process in processes:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    go.touch()
+    outcomes = sorted(process.communicate(timeout=300)[0].strip() for process in processes)
+    assert [process.returncode for process in processes] == [0, 0, 0]
+    assert outcomes == ["reused", "reused", "written"]
+    checkpoint, written = ensure_checkpoint(root, tiny_size(), seed=0)
+    assert not written
+    assert (checkpoint.model_dir / FLOW_FILENAME).is_file() and (checkpoint.llm_dir / "model.safetensors").is_file()

@@ -37,8 +37,11 @@ first round runs long), as a request does. Its final stage stops at once: the la
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -138,23 +141,36 @@ def ensure_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> tup
 
     A complete one (its marker file names the same size, seed and head constants) is reused. Otherwise it is
     written into a sibling directory that replaces ``root`` only once complete, so an
-    interrupted write never leaves a half-written checkpoint that looks usable.
+    interrupted write never leaves a half-written checkpoint that looks usable. Callers in several processes
+    (benchmarks on two GPUs of one host) take turns on a lock beside ``root``: the first writes, the others
+    wait and reuse it, where they would otherwise remove each other's half-written files.
     """
     # The head's constants are part of it: a checkpoint written with other ones is replaced.
     marker = {"size": size.name, "seed": seed, "stop_logit": size.stop_logit, "fill_logit": size.fill_logit}
     existing = RandomCheckpoint(model_dir=root / COSYVOICE_DIRNAME, llm_dir=root / tiny_frontend.LLM_DIRNAME)
     if _read_marker(root) == marker:
         return existing, False
-    staging = root.with_name(root.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        write_checkpoint(staging, size, seed=seed)
-        (staging / MARKER_FILENAME).write_text(json.dumps(marker) + "\n", encoding="utf-8")
-        shutil.rmtree(root, ignore_errors=True)
-        staging.rename(root)
-    finally:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(root.with_name(root.name + ".lock")):
+        if _read_marker(root) == marker:
+            return existing, False
+        staging = root.with_name(root.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
+        try:
+            write_checkpoint(staging, size, seed=seed)
+            (staging / MARKER_FILENAME).write_text(json.dumps(marker) + "\n", encoding="utf-8")
+            shutil.rmtree(root, ignore_errors=True)
+            staging.rename(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return existing, True
+
+
+@contextlib.contextmanager
+def _writer_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _read_marker(root: Path) -> object:
