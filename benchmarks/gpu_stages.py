@@ -47,40 +47,72 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
     """
     events = read_traces(trace_dir)
     orchestrator = {e["request"]: e for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
-    llm = {e["key"]: e for e in events if e["stage"] == "llm"}
-    first_batches: dict[str, dict[str, Any]] = {}
-    for event in events:
-        if event["stage"] == "token2wav" and event["offset"] == 0 and event["key"] not in first_batches:
-            first_batches[str(event["key"])] = event
+    llm, first_batches = _llm_and_first_batches(events)
     samples: dict[str, list[float]] = {name: [] for name, _ in STAGES}
     for request_id, (client_sent, client_first) in sent.items():
         o = orchestrator.get(request_id)
         if o is None:
             continue
-        session = str(o["key"])
-        g, t = llm.get(session), first_batches.get(session)
-        if g is None or t is None or not o["first_chunk"]:
+        values = _server_stages(o, llm, first_batches)
+        if values is None:
             continue
-        values = {
-            "to_orchestrator": o["started"] - client_sent,
-            "prompt": o["prompt_ready"] - o["started"],
-            "llm_queue": g["admitted"] - g["submitted"],
-            "llm_prefill": g["first_token"] - g["admitted"],
-            "llm_to_hop": o["first_hop"] - g["first_token"],
-            "t2w_queue": t["started"] - o["first_hop"],
-            "flow": t["flow_s"],
-            "hift": t["hift_s"],
-            "t2w_other": o["first_chunk"] - t["started"] - t["flow_s"] - t["hift_s"],
-            "to_client": client_first - o["first_chunk"],
-        }
-        if g.get("steps"):
-            values["llm_step_gpu"] = float(g["step_s"]) / float(g["steps"])
-            values["llm_step_wait"] = float(g.get("wait_s", 0.0)) / float(g["steps"])
-        if int(g["tokens"]) > 1:
-            values["llm_token_wall"] = (float(g["last_token"]) - float(g["first_token"])) / (int(g["tokens"]) - 1)
+        values["to_orchestrator"] = o["started"] - client_sent
+        values["to_client"] = client_first - o["first_chunk"]
         for name, value in values.items():
             samples.setdefault(name, []).append(1000.0 * float(value))
     return {name: _percentiles(values) for name, values in samples.items() if values}
+
+
+def stages_between(trace_dir: Path, since: float, until: float) -> dict[str, dict[str, float]]:
+    """Per stage, p50 and p90 in ms over the streams the orchestrator started between ``since`` and ``until``
+    (``time.monotonic()`` of this machine), from the orchestrator on: for clients whose requests the traces cannot
+    name (a text stream's session over the gateway's WebSocket). A text stream's ``llm_prefill`` runs to its first
+    speech token and so includes waiting for the text that token needs."""
+    events: list[dict[str, Any]] = read_traces(trace_dir)
+    llm, first_batches = _llm_and_first_batches(events)
+    samples: dict[str, list[float]] = {}
+    for o in events:
+        if o["stage"] != "orchestrator" or not since <= float(o["started"]) < until:
+            continue
+        values = _server_stages(o, llm, first_batches)
+        for name, value in (values or {}).items():
+            samples.setdefault(name, []).append(1000.0 * float(value))
+    order = [name for name, _ in (*STAGES, *ENGINE_RATES)]
+    return {name: _percentiles(samples[name]) for name in order if samples.get(name)}
+
+
+def _llm_and_first_batches(events: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The LLM's event of each session, and token2wav's event of each session's first chunk."""
+    llm = {e["key"]: e for e in events if e["stage"] == "llm"}
+    first_batches: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event["stage"] == "token2wav" and event["offset"] == 0 and event["key"] not in first_batches:
+            first_batches[str(event["key"])] = event
+    return llm, first_batches
+
+
+def _server_stages(o: dict[str, Any], llm: dict[str, Any], first_batches: dict[str, Any]) -> dict[str, float] | None:
+    """Seconds of each stage of one stream's first chunk inside the server (None: a stage was not traced)."""
+    session = str(o["key"])
+    g, t = llm.get(session), first_batches.get(session)
+    if g is None or t is None or not o["first_chunk"]:
+        return None
+    values = {
+        "prompt": o["prompt_ready"] - o["started"],
+        "llm_queue": g["admitted"] - g["submitted"],
+        "llm_prefill": g["first_token"] - g["admitted"],
+        "llm_to_hop": o["first_hop"] - g["first_token"],
+        "t2w_queue": t["started"] - o["first_hop"],
+        "flow": t["flow_s"],
+        "hift": t["hift_s"],
+        "t2w_other": o["first_chunk"] - t["started"] - t["flow_s"] - t["hift_s"],
+    }
+    if g.get("steps"):
+        values["llm_step_gpu"] = float(g["step_s"]) / float(g["steps"])
+        values["llm_step_wait"] = float(g.get("wait_s", 0.0)) / float(g["steps"])
+    if int(g["tokens"]) > 1:
+        values["llm_token_wall"] = (float(g["last_token"]) - float(g["first_token"])) / (int(g["tokens"]) - 1)
+    return values
 
 
 def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, float]:

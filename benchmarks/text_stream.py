@@ -18,7 +18,9 @@ definition, a throughput figure, which the text's pace bounds from below at slow
 utterances (an error message, a closed socket, an HTTP error, ``--timeout-s`` passed) with the
 first error, and, where the benchmark knows the Triton server, the requests its text-streaming
 model (``cosyvoice2_bistream``) and its streaming models took meanwhile: the proof of which path
-served the sockets.
+served the sockets. A CosyVoice2 server started here (``--profile``) traces its streams'
+stages (``tts_gateway/models/stage_trace.py``), and the report adds where each path's first chunks
+went inside it (voice prompt, LLM, token2wav's queue, flow, HiFT), per level.
 
 Where the gateway runs:
 
@@ -66,6 +68,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -79,12 +82,14 @@ import tritonclient.grpc as grpcclient
 import websockets
 from tritonclient.utils import InferenceServerException
 
+from benchmarks import gpu_stages
 from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cosyvoice2_triton import cosyvoice2_triton
 from benchmarks.gpu_query import nvidia_smi
 from benchmarks.gpu_sanity import print_server_errors
 from benchmarks.server_processes import CpuUse, cores_cell
+from tts_gateway.models import stage_trace
 
 UTTERANCES = (
     "Thanks for calling. Your order shipped this morning and should arrive on Thursday. "
@@ -298,10 +303,12 @@ async def level(
     cpu_roots: dict[str, int],
     *,
     rounds: int,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:
     """``sockets`` WebSocket clients at once, ``rounds`` utterances each; then as many HTTP clients. The
     processes under ``cpu_roots`` (label -> pid: the Triton server and the gateway started here) have their
-    CPU measured over each path's run."""
+    CPU measured over each path's run; a CosyVoice2 server writing stage traces to ``trace_dir`` has its
+    streams' first chunks broken down by stage."""
 
     def text(index: int, round_: int) -> str:
         return UTTERANCES[(index + round_) % len(UTTERANCES)]
@@ -325,10 +332,12 @@ async def level(
             before = served.now()
             cpu = CpuUse(cpu_roots)
             cpu.start()
-            started = time.perf_counter()
+            started, since = time.perf_counter(), time.monotonic()
             await asyncio.gather(*(one_client(i) for i in range(sockets)))
             run.wall_s = time.perf_counter() - started
             row[path] = summary(run) | {"triton_requests": served.since(before), "cpu_cores": cpu.cores()}
+            if trace_dir is not None and (stages := gpu_stages.stages_between(trace_dir, since, time.monotonic())):
+                row[path]["stages"] = stages
     return row
 
 
@@ -397,6 +406,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {figures['failed']}/{figures['utterances']} | {served or '-'} |"
                 + (f" {cores_cell(figures.get('cpu_cores', {}))} |" if with_cpu else "")
             )
+    lines += stage_lines(report)
     errors = [
         f"- {row['pace_ms']} ms/word, {row['sockets']} sockets, {path}: {row[path]['first_error']}"
         for row in report["levels"]
@@ -406,6 +416,42 @@ def markdown(report: dict[str, Any]) -> str:
     if errors:
         lines += ["", "First error of each run with failures:", "", *errors]
     return "\n".join(lines) + "\n"
+
+
+# The stages of a first chunk inside the server (gpu_stages.py), as the report's columns.
+STAGE_COLUMNS: Final = (
+    ("prompt", "voice prompt"),
+    ("llm_queue", "LLM queue"),
+    ("llm_prefill", "LLM to first speech token"),
+    ("llm_to_hop", "LLM tokens to first hop"),
+    ("t2w_queue", "token2wav queue"),
+    ("flow", "flow"),
+    ("hift", "HiFT"),
+    ("t2w_other", "token2wav rest"),
+)
+
+
+def stage_lines(report: dict[str, Any]) -> list[str]:
+    """Where the streams' first chunks spent their time inside the server, per level and path (none without traces)."""
+    rows = [
+        (row, path) for row in report["levels"] for path in ("websocket", "http") if row.get(path, {}).get("stages")
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Where the first chunk of each stream the server started went (p50 / p90 ms, from the models' stage traces): "
+        "over the WebSocket a stream is a session, whose first speech token waits for the text it needs; over HTTP "
+        "a stream is a sentence.",
+        "",
+        "| pace ms/word | sockets | path | " + " | ".join(label for _, label in STAGE_COLUMNS) + " |",
+        "|---:|---:|---|" + "---|" * len(STAGE_COLUMNS),
+    ]
+    for row, path in rows:
+        stages = row[path]["stages"]
+        cells = " | ".join(_ms(stages.get(name, {"p50": None, "p90": None})) for name, _ in STAGE_COLUMNS)
+        lines.append(f"| {row['pace_ms']} | {row['sockets']} | {'ws' if path == 'websocket' else 'http'} | {cells} |")
+    return lines
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:
@@ -432,6 +478,7 @@ async def measure(
     served: ServedCounts,
     cpu_roots: dict[str, int],
     deadline: float,
+    trace_dir: Path | None = None,
 ) -> None:
     """Warm-up (``--warmup`` sockets, then HTTP clients, one utterance each; all must succeed), then every
     pace and level, the report written after each."""
@@ -450,7 +497,10 @@ async def measure(
                 report["levels"].append({"sockets": sockets, "pace_ms": round(pace * 1000), "skipped": reason})
             else:
                 started = time.perf_counter()
-                report["levels"].append(await level(args, url, sockets, pace, served, cpu_roots, rounds=args.rounds))
+                measured = await level(
+                    args, url, sockets, pace, served, cpu_roots, rounds=args.rounds, trace_dir=trace_dir
+                )
+                report["levels"].append(measured)
                 previous = time.perf_counter() - started
             print(json.dumps(report["levels"][-1]), flush=True)
             write_report(args.out, report)
@@ -507,8 +557,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     setup = report["setup"]
     cpu_roots: dict[str, int] = {}
+    trace_dir: Path | None = None
     with contextlib.ExitStack() as stack:
         triton_url = args.triton_url
+        if args.profile:
+            # The models of a server started here trace each stream's stages (tts_gateway/models/stage_trace.py).
+            trace_dir = args.workdir / "stage_trace"
+            shutil.rmtree(trace_dir, ignore_errors=True)
+            os.environ[stage_trace.ENV_VAR] = str(trace_dir)
         if args.gateway_url:
             url = args.gateway_url.rstrip("/")
             setup["gateway"] = url
@@ -537,7 +593,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if triton_url is None
                 else f"started here on Triton {triton_url} ({args.gateway_workers} workers)"
             )
-        asyncio.run(measure(args, url, report, ServedCounts(triton_url), cpu_roots, deadline))
+        asyncio.run(measure(args, url, report, ServedCounts(triton_url), cpu_roots, deadline, trace_dir))
     setup["total_s"] = round(time.perf_counter() - started, 1)
     write_report(args.out, report)
     return report

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from tts_gateway.models.cosyvoice2.orchestrator.pipeline import (
 )
 from tts_gateway.models.cosyvoice2.orchestrator.streaming import HopPolicy, HopSchedule
 from tts_gateway.models.request_parsing import ContractError, DependencyUnavailableError, SynthesisRequest
+from tts_gateway.models.stage_trace import StageTrace, read_traces
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -526,3 +528,24 @@ def test_settings_from_parameters() -> None:
         PipelineSettings.from_parameters({**params, "hop_policy": "sometimes"})
     with pytest.raises(ValueError, match="not a boolean"):
         PipelineSettings.from_parameters({**params, "hop_catch_up": "often"})
+
+
+@pytest.mark.parametrize("text_stream", [False, True])
+def test_a_traced_stream_records_when_it_reached_each_stage(tmp_path: Path, text_stream: bool) -> None:
+    """The benchmarks break first chunks down by stage from these records (benchmarks/gpu_stages.py)."""
+    stages = ScriptedStages([*speech_ids(60), vocab.EOS1_ID])
+    traced = CosyVoice2Pipeline(stages, CodePointTokenizer(), settings(), StageTrace("orchestrator", tmp_path))
+    synthesis = request(request_id="triton-7")
+    if text_stream:
+        chunks = list(traced.synthesize_text_stream(synthesis, "stream-1"))
+    else:
+        chunks = list(traced.synthesize(synthesis, streaming=True))
+    assert len(chunks) > 1
+    (event,) = read_traces(tmp_path)
+    assert event["key"] == stages.llm_requests[0].request_id == stages.token2wav_calls[0].session_id
+    assert event["request"] == "triton-7"
+    names = ("started", "prompt_ready", "first_token", "first_hop", "first_chunk")
+    times = [float(str(event[name])) for name in names]
+    assert times == sorted(times) and times[0] > 0
+    assert event["first_hop_tokens"] == 15
+    assert (event.get("text_stream") == 1) is text_stream

@@ -342,12 +342,17 @@ class CosyVoice2Pipeline:
         chunks = self._stream(request, prompt, llm_request, _ThrottledCheck(cancelled), times, stall_s=None)
         ended = False
         try:
-            yield from chunks
+            for chunk in chunks:
+                if not times.first_chunk:
+                    times.first_chunk = time.monotonic()
+                yield chunk
             ended = True
         finally:
             if not ended:
                 cancel_llm()
             chunks.close()
+        if self._trace.enabled:
+            self._trace.record(stream_id, request=request.request_id, text_stream=1, **vars(times))
 
     def send_text(self, stream_id: str, text: str, *, end: bool = False, cancel: bool = False) -> None:
         """Tokenize a piece of a text stream's text and pass it on (``end``: the text is complete)."""
