@@ -37,6 +37,8 @@ from tts_gateway.gateway.embedded.gpu_devices import VISIBLE_DEVICES, cuda_ids, 
 ROOT: Final = Path(__file__).resolve().parent.parent
 # Where a first chunk's time went, in the order of the pipeline (gpu_cosyvoice2's stage names).
 STAGES: Final = ("llm_to_hop", "t2w_queue", "flow", "hift")
+# gpu_cosyvoice2's options that the driver sets for every pass; given after ``--`` they would undo the A/B's layout.
+DRIVER_FLAGS: Final = ("--targets", "--modes", "--levels", "--out", "--name", "--workdir", "--cpu", "--gpus")
 
 
 @dataclass(frozen=True)
@@ -108,38 +110,45 @@ def run_chain(
         env = dict(os.environ)
         if run.gpu is not None:
             env[VISIBLE_DEVICES] = run.gpu
+        # A report left by an earlier run of the same name must not pass for this one's.
+        for suffix in (".json", ".md"):
+            (out / "passes" / f"{run.name}{suffix}").unlink(missing_ok=True)
         started = time.monotonic()
         print(f"[{run.name}] start", flush=True)
-        with (out / "logs" / f"{run.name}.log").open("w") as log:
-            code = subprocess.run(
-                commands[run.name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-            ).returncode
-        outcomes[run.name] = "ok" if code == 0 else f"exit {code}"
+        try:
+            with (out / "logs" / f"{run.name}.log").open("w") as log:
+                done = subprocess.run(commands[run.name], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            outcomes[run.name] = "ok" if done.returncode == 0 else f"exit {done.returncode}"
+        except OSError as exc:
+            outcomes[run.name] = f"not started: {exc}"
         print(f"[{run.name}] {outcomes[run.name]} after {time.monotonic() - started:.0f} s", flush=True)
 
 
 def summarize(arms: Sequence[Arm], chains: Sequence[Sequence[Pass]], reports: dict[str, Any]) -> dict[str, Any]:
     """Per arm and level: every pass's first audio p50 (ms) and stalled streams, their median, and the median
-    over passes of each stage's p50. ``reports``: the passes' JSON reports by pass name (missing: not run)."""
+    over passes of each stage's p50. ``reports``: the JSON reports of the passes that ran to the end, by name."""
     arms_out: dict[str, Any] = {}
     for arm in arms:
         levels: dict[int, dict[str, Any]] = {}
         for run in (run for chain in chains for run in chain if run.arm == arm):
             for result in (reports.get(run.name) or {}).get("passes", []):
-                if result.get("target") != "gateway" or result.get("mode") != "stream":
+                # A level the pass's budget skipped, or one whose every request failed, has no first audio.
+                first = result.get("first_chunk_ms") or {}
+                if result.get("target") != "gateway" or result.get("mode") != "stream" or first.get("p50") is None:
                     continue
+                stages = result.get("stages") or {}
                 level = levels.setdefault(int(result["concurrency"]), {"passes": []})
                 level["passes"].append(
                     {
                         "pass": run.name,
-                        "first_audio_p50_ms": result["first_chunk_ms"]["p50"],
+                        "gpu": "cpu" if run.gpu is None else f"gpu{run.chain}",
+                        "round": run.round,
+                        "first_audio_p50_ms": first["p50"],
                         "stalled": result["stalled"],
                         "requests": result["requests"],
                         "behind_real_time": result["behind_real_time"],
                         "failed": result["failed"],
-                        "stages_p50_ms": {
-                            stage: result["stages"][stage]["p50"] for stage in STAGES if stage in result["stages"]
-                        },
+                        "stages_p50_ms": {stage: stages[stage]["p50"] for stage in STAGES if stage in stages},
                     }
                 )
         for level in levels.values():
@@ -166,14 +175,17 @@ def markdown(summary: dict[str, Any], setup: dict[str, Any]) -> str:
     stage_heads = " | ".join(STAGES)
     for level in levels:
         lines += [f"## {level} stream{'' if int(level) == 1 else 's'}", ""]
-        lines += [f"| arm | first audio, median p50 ms | each pass: p50 ms (stalled / requests) | {stage_heads} |"]
+        lines += [
+            f"| arm | first audio, median p50 ms | each pass: p50 ms (stalled / requests, GPU, round) | {stage_heads} |"
+        ]
         lines += ["|---|---:|---|" + "---:|" * len(STAGES)]
         for name, arm in summary["arms"].items():
             result = arm["levels"].get(level)
             if result is None:
                 continue
             each = ", ".join(
-                f"{p['first_audio_p50_ms']:.0f} ({p['stalled']}/{p['requests']})" for p in result["passes"]
+                f"{p['first_audio_p50_ms']:.0f} ({p['stalled']}/{p['requests']}, {p['gpu']} r{p['round']})"
+                for p in result["passes"]
             )
             stages = " | ".join(_ms(result["stages_median_ms"][stage]) for stage in STAGES)
             lines.append(f"| {name} | {_ms(result['median_p50_ms'])} | {each} | {stages} |")
@@ -205,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=ROOT / "var" / "gpu_ab" / "work", help="one folder per GPU")
     parser.add_argument("--name", default="summary", help="file stem of the summary")
     args = parser.parse_args(own)
+    if taken := sorted({word.partition("=")[0] for word in extra} & set(DRIVER_FLAGS)):
+        parser.error(f"{', '.join(taken)} after -- would override what the driver sets for each pass")
     try:
         arms = [Arm.parse(words) for words in args.arm]
     except ValueError as exc:
@@ -214,9 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cpu:
         gpus: list[str | None] = [None]
     else:
-        named = args.gpus.split(",") if args.gpus else visible_gpus()
-        if not named:
-            parser.error("no GPU found (nvidia-smi lists none); --cpu rehearses without one")
+        named = [device.strip() for device in args.gpus.split(",")] if args.gpus else visible_gpus()
+        if not named or len(set(named)) != len(named) or not all(named):
+            parser.error("no GPU found, or one named twice or empty; --cpu rehearses without one")
         # By UUID: an index may mean another GPU to a process under an MPS daemon (cuda_mps.py).
         ids = cuda_ids(named)
         gpus = [ids[device] for device in named]
@@ -237,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports = {}
     for name in commands:
         path = out / "passes" / f"{name}.json"
-        if path.is_file():
+        if outcomes.get(name) == "ok" and path.is_file():
             reports[name] = json.loads(path.read_text(encoding="utf-8"))
     setup = {
         "name": args.name,
@@ -251,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = markdown(summary, setup)
     (out / f"{args.name}.md").write_text(text, encoding="utf-8")
     print(text, flush=True)
-    return 0 if outcomes and all(outcome == "ok" for outcome in outcomes.values()) else 1
+    return 0 if all(outcomes.get(name) == "ok" for name in commands) else 1
 
 
 if __name__ == "__main__":

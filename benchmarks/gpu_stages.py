@@ -45,7 +45,7 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
 
     ``sent`` maps a Triton request id to (client send time, client first-audio time).
     """
-    events = read_traces(trace_dir)
+    events: list[dict[str, Any]] = read_traces(trace_dir)
     orchestrator = {e["request"]: e for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
     llm, first_batches = _llm_and_first_batches(events)
     samples: dict[str, list[float]] = {name: [] for name, _ in STAGES}
@@ -66,8 +66,9 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
 def stages_between(trace_dir: Path, since: float, until: float) -> dict[str, dict[str, float]]:
     """Per stage, p50 and p90 in ms over the streams the orchestrator started between ``since`` and ``until``
     (``time.monotonic()`` of this machine), from the orchestrator on: for clients whose requests the traces cannot
-    name (a text stream's session over the gateway's WebSocket). A text stream's ``llm_prefill`` runs to its first
-    speech token and so includes waiting for the text that token needs."""
+    name (a text stream's session over the gateway's WebSocket). A text stream enters the LLM with its first piece
+    of text, so its ``llm_queue`` is mostly waiting for that text, and its ``llm_prefill`` runs to its first speech
+    token, through as many rounds of text as that takes."""
     events: list[dict[str, Any]] = read_traces(trace_dir)
     llm, first_batches = _llm_and_first_batches(events)
     samples: dict[str, list[float]] = {}
@@ -120,7 +121,7 @@ def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) 
     calls of the streamed requests in ``sent`` (the warm-up's and other passes' excluded); and how many
     calls (chunks) each of those Triton streams took, the same count for direct streams and the
     gateway's (whose HTTP reads split and join chunks)."""
-    events = read_traces(trace_dir)
+    events: list[dict[str, Any]] = read_traces(trace_dir)
     sessions = {str(e["key"]) for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
     rows = [float(e["rows"]) for e in events if e["stage"] == "token2wav" and str(e["key"]) in sessions]
     if not rows:
@@ -135,9 +136,10 @@ def token2wav_batches(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) 
 def first_hops(trace_dir: Path, sent: Mapping[str, tuple[float, float]]) -> dict[str, float]:
     """The tokens of the first chunk of the streamed requests in ``sent`` (the orchestrator's first hop,
     which grows under load where ``max_first_hop_tokens`` lets it): mean, min and max."""
+    events: list[dict[str, Any]] = read_traces(trace_dir)
     hops = [
         int(e["first_hop_tokens"])
-        for e in read_traces(trace_dir)
+        for e in events
         if e["stage"] == "orchestrator" and e.get("request") in sent and e.get("first_hop_tokens")
     ]
     if not hops:

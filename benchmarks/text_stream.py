@@ -421,7 +421,7 @@ def markdown(report: dict[str, Any]) -> str:
 # The stages of a first chunk inside the server (gpu_stages.py), as the report's columns.
 STAGE_COLUMNS: Final = (
     ("prompt", "voice prompt"),
-    ("llm_queue", "LLM queue"),
+    ("llm_queue", "LLM queue (ws: until its first text)"),
     ("llm_prefill", "LLM to first speech token"),
     ("llm_to_hop", "LLM tokens to first hop"),
     ("t2w_queue", "token2wav queue"),
@@ -441,8 +441,8 @@ def stage_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "Where the first chunk of each stream the server started went (p50 / p90 ms, from the models' stage traces): "
-        "over the WebSocket a stream is a session, whose first speech token waits for the text it needs; over HTTP "
-        "a stream is a sentence.",
+        "over the WebSocket a stream is a session, which enters the LLM with its first piece of text and whose "
+        "first speech token waits for as much text as it needs; over HTTP a stream is a sentence.",
         "",
         "| pace ms/word | sockets | path | " + " | ".join(label for _, label in STAGE_COLUMNS) + " |",
         "|---:|---:|---|" + "---|" * len(STAGE_COLUMNS),

@@ -7,10 +7,11 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from benchmarks.gpu_ab import Arm, Pass, markdown, pass_command, plan, run_chain, summarize
+from benchmarks.gpu_ab import Arm, Pass, main, markdown, pass_command, plan, run_chain, summarize
 from benchmarks.gpu_cosyvoice2 import PassResult, RequestResult
 
 BASE = Arm("base")
@@ -51,7 +52,7 @@ def test_a_pass_runs_the_gateway_stream_benchmark_in_its_gpus_work_directory(tmp
     assert command[-1] == "--x" and "--cpu" not in command
 
 
-def report(first_ms: list[float], concurrency: int, flow_ms: float, stall_ms: float = 0.0) -> dict[str, object]:
+def report(first_ms: list[float], concurrency: int, flow_ms: float, stall_ms: float = 0.0) -> dict[str, Any]:
     """A pass's report as gpu_cosyvoice2 writes it: one gateway streaming pass at ``concurrency``."""
     requests = [
         RequestResult(prompt=i, voice="v", audio_s=3.0, first_chunk_ms=ms, total_ms=900.0, chunks=3, stall_ms=stall_ms)
@@ -75,8 +76,12 @@ def test_run_chain_runs_each_pass_on_its_gpu_in_turn_and_skips_what_the_deadline
         """
     )
     commands = {chain[0].name: [sys.executable, "-c", script, "0"], chain[1].name: [sys.executable, "-c", script, "3"]}
+    stale = tmp_path / "passes" / f"{chain[0].name}.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")  # an earlier run's report of the same name
     outcomes: dict[str, str] = {}
     run_chain(chain, commands, tmp_path, time.monotonic() + 60, outcomes)
+    assert not stale.exists()
     assert outcomes == {"fc5-gpu1-r0": "ok", "base-gpu1-r0": "exit 3"}
     seen = [(tmp_path / "logs" / f"{run.name}.log").read_text().split() for run in chain]
     assert [gpu for gpu, _ in seen] == ["GPU-c", "GPU-c"]
@@ -105,5 +110,25 @@ def test_the_summary_gives_each_arms_passes_and_their_median_per_level() -> None
     assert summary["arms"]["fc5"]["overrides"] == ["token2wav.first_chunk_timesteps=5"]
     setup = {"name": "t", "command": "python -m benchmarks.gpu_ab", "gpus": ["GPU-a"], "rounds": 1, "outcomes": {}}
     text = markdown(json.loads(json.dumps(summary)), setup)
-    assert "| base | 235 | 220 (0/3), 250 (3/3) | - | 10 | 75 | - |" in text
-    assert "| fc5 | 180 | 180 (0/3) |" in text
+    assert "| base | 235 | 220 (0/3, gpu0 r0), 250 (3/3, gpu1 r0) | - | 10 | 75 | - |" in text
+    assert "| fc5 | 180 | 180 (0/3, gpu0 r0) |" in text
+
+
+def test_levels_without_first_audio_are_left_out_of_the_summary() -> None:
+    """A level the pass's budget skipped (as gpu_cosyvoice2 reports it) and one whose every request failed."""
+    chains = plan([BASE], ["GPU-a"], rounds=1)
+    measured = report([200.0], 1, flow_ms=30.0)
+    skipped = {"target": "gateway", "mode": "stream", "gpus": 1, "concurrency": 64, "skipped": "budget"}
+    failed = PassResult("gateway", "stream", 16, 2.0, None, [RequestResult(0, "v", 0.0, 0.0, 0.0, 0, "boom")]).summary()
+    reports = {"base-gpu0-r0": {"passes": [*measured["passes"], skipped, failed]}}
+
+    levels = summarize([BASE], chains, reports)["arms"]["base"]["levels"]
+
+    assert list(levels) == [1]
+
+
+def test_options_the_driver_sets_cannot_be_overridden_after_the_separator() -> None:
+    with pytest.raises(SystemExit):
+        main(["--arm", "base", "--cpu", "--", "--workdir", "shared"])
+    with pytest.raises(SystemExit):
+        main(["--arm", "base", "--cpu", "--", "--levels=128"])

@@ -183,7 +183,7 @@ def test_a_complete_checkpoint_is_reused_and_any_other_replaced(tmp_path: Path) 
 
 
 def test_processes_that_ask_for_one_checkpoint_at_once_get_it_written_once(tmp_path: Path) -> None:
-    """As two benchmarks on two GPUs of one host, started together over one work directory."""
+    """As benchmarks started together over one work directory."""
     root, go = tmp_path / "models", tmp_path / "go"
     writer = textwrap.dedent(
         """

@@ -8,6 +8,7 @@ processes of a real tritonserver reach the daemon's pipes is tested in tests/tri
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -191,3 +192,22 @@ def test_a_directory_held_by_another_process_is_refused_until_that_process_ends(
         f"args= pipe={tmp_path / 'mps' / 'pipe'} log={tmp_path / 'mps' / 'log'} input=quit",
         f"args=-d pipe={tmp_path / 'mps' / 'pipe'} log={tmp_path / 'mps' / 'log'} input=",
     ]
+
+
+def test_a_server_whose_pipe_directory_vanished_can_stop_and_start_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A temp-file cleaner may remove the pipes under a running server: its restart must not find itself in the way."""
+    bin_dir = tmp_path / "bin"
+    stand_in_first_on_path(bin_dir, monkeypatch)
+    mps = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True)
+    assert mps is not None
+    mps.start()
+    shutil.rmtree(tmp_path / "mps" / "pipe")
+    mps.stop()
+    mps.start()
+    assert mps.running
+    other = CudaMps.for_mode("on", tmp_path / "mps", profile_asks=True)
+    assert other is not None
+    with pytest.raises(CudaMpsError, match="another running server"):
+        other.start()

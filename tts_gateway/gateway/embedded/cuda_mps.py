@@ -20,7 +20,6 @@ process runs there, and a second server is refused.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -94,45 +93,56 @@ class CudaMps:
         server goes on without MPS (logged). Directories another live process holds always raise it:
         quitting that process's daemon would take its server's models off the GPU.
         """
-        self.stop()
+        self.running = False
         self._acquire()
-        self.pipe_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            # Held, the directories' daemon (if any) is one a crashed owner left: quit it before starting ours.
+            self._quit()
+            self.pipe_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
             done = self._run("-d")
             if done.returncode != 0:
                 raise CudaMpsError(f"{CONTROL} -d exited with status {done.returncode}: {done.stdout.strip()}")
-        except CudaMpsError as exc:
+        except (CudaMpsError, OSError) as exc:
             self._release()
             if self.required:
-                raise
+                raise CudaMpsError(str(exc)) from exc
             logger.warning("running without CUDA MPS: %s", exc)
             return
         self.running = True
         logger.info("CUDA MPS daemon started (pipes in %s)", self.pipe_dir)
 
     def stop(self) -> None:
-        """Ask the daemon to quit; nothing happens when none runs in these directories or another process
-        holds them."""
+        """Ask this process's daemon to quit and let go of its directories; nothing happens without one."""
         self.running = False
-        if not self.pipe_dir.exists() or (self._lock is None and self._held_elsewhere()):
+        try:
+            if self._lock is not None:
+                self._quit()
+        finally:
+            self._release()
+
+    def keep_across_exec(self) -> None:
+        """Let the directory's lock pass to a program this process ``exec``s into (it then owns the daemon).
+
+        The program's own children inherit it too (tritonserver's Python-backend stubs): the directories
+        stay held until the last of them ends, and none of them outlives the daemon's use."""
+        if self._lock is not None:
+            os.set_inheritable(self._lock, True)
+
+    def _quit(self) -> None:
+        if not self.pipe_dir.exists():
             return
         try:
             done = self._run(stdin="quit\n")
         except CudaMpsError as exc:
             logger.warning("stopping the CUDA MPS daemon: %s", exc)
-        else:
-            if done.returncode == 0:
-                logger.info("CUDA MPS daemon stopped")
-        finally:
-            self._release()
-
-    def keep_across_exec(self) -> None:
-        """Let the directory's lock pass to a program this process ``exec``s into (it then owns the daemon)."""
-        if self._lock is not None:
-            os.set_inheritable(self._lock, True)
+            return
+        if done.returncode == 0:
+            logger.info("CUDA MPS daemon stopped")
 
     def _acquire(self) -> None:
+        if self._lock is not None:
+            return
         self._lock_path.parent.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -149,20 +159,6 @@ class CudaMps:
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
-
-    def _held_elsewhere(self) -> bool:
-        """Whether a live process holds these directories (flock's locks end with their holder)."""
-        if not self._lock_path.exists():
-            return False
-        with contextlib.suppress(OSError):
-            descriptor = os.open(self._lock_path, os.O_RDWR)
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            finally:
-                os.close(descriptor)
-        return False
 
     def _daemon_env(self) -> dict[str, str]:
         env = {**os.environ, PIPE_VARIABLE: str(self.pipe_dir), LOG_VARIABLE: str(self.log_dir)}

@@ -142,8 +142,8 @@ def ensure_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> tup
     A complete one (its marker file names the same size, seed and head constants) is reused. Otherwise it is
     written into a sibling directory that replaces ``root`` only once complete, so an
     interrupted write never leaves a half-written checkpoint that looks usable. Callers in several processes
-    (benchmarks on two GPUs of one host) take turns on a lock beside ``root``: the first writes, the others
-    wait and reuse it, where they would otherwise remove each other's half-written files.
+    (benchmarks started together over one work directory) take turns on a lock beside ``root``: the first
+    writes, the others wait and reuse it, where they would otherwise remove each other's half-written files.
     """
     # The head's constants are part of it: a checkpoint written with other ones is replaced.
     marker = {"size": size.name, "seed": seed, "stop_logit": size.stop_logit, "fill_logit": size.fill_logit}
