@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from tts_gateway.gateway.embedded.gpu_devices import VISIBLE_DEVICES, cuda_ids, visible_gpus
+from tts_gateway.models.model_repository import parse_overrides
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 # Where a first chunk's time went, in the order of the pipeline (gpu_cosyvoice2's stage names).
@@ -53,10 +54,7 @@ class Arm:
         name, *overrides = words
         if not name or "=" in name or "/" in name:
             raise ValueError(f"an arm starts with its name, then its overrides: {' '.join(words)!r}")
-        for override in overrides:
-            model_key, _, _ = override.partition("=")
-            if "=" not in override or "." not in model_key:
-                raise ValueError(f"{override!r} is no MODEL.KEY=VALUE override")
+        parse_overrides(overrides)  # the form gpu_cosyvoice2's --set takes; its TemplateError is a ValueError
         return cls(name, tuple(overrides))
 
 
