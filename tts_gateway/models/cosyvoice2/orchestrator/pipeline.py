@@ -248,10 +248,7 @@ class CosyVoice2Pipeline:
             )
         else:
             chunks = self._offline(request, prompt, llm_request, _ThrottledCheck(is_cancelled), times)
-        for chunk in chunks:
-            if not times.first_chunk:
-                times.first_chunk = time.monotonic()
-            yield chunk
+        yield from times.stamping_first(chunks)
         if self._trace.enabled:
             self._trace.record(llm_request.request_id, request=request.request_id, **vars(times))
 
@@ -342,10 +339,7 @@ class CosyVoice2Pipeline:
         chunks = self._stream(request, prompt, llm_request, _ThrottledCheck(cancelled), times, stall_s=None)
         ended = False
         try:
-            for chunk in chunks:
-                if not times.first_chunk:
-                    times.first_chunk = time.monotonic()
-                yield chunk
+            yield from times.stamping_first(chunks)
             ended = True
         finally:
             if not ended:
@@ -528,6 +522,13 @@ class _Times:
     first_chunk: float = 0.0
     # Tokens of a stream's first chunk (0 offline, or when the first chunk was the last).
     first_hop_tokens: int = 0
+
+    def stamping_first(self, chunks: Iterator[NDArray[np.float32]]) -> Iterator[NDArray[np.float32]]:
+        """``chunks``, noting when the first of them was ready."""
+        for chunk in chunks:
+            if not self.first_chunk:
+                self.first_chunk = time.monotonic()
+            yield chunk
 
 
 class _ThrottledCheck:
