@@ -31,7 +31,6 @@ or at the next start.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import logging
 import os
@@ -46,6 +45,7 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, Field
 
+from tts_gateway import file_lock
 from tts_gateway.gateway.errors import ConflictError, ForbiddenError, InvalidRequestError, NotFoundError
 from tts_gateway.gateway.speech.reference_audio import ReferenceAudio, ReferenceAudioError, load_reference_audio
 from tts_gateway.gateway.speech.request import clean_text
@@ -246,18 +246,11 @@ class VoiceRegistry:
 
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
-        """Hold the voices directory's lock: one change at a time in all processes that share it.
-
-        An ``flock`` belongs to the open file, so threads of one process exclude each other
-        too, and a process that dies releases it. Blocks: never call it on the event loop.
-        """
+        """Hold the voices directory's lock: one change at a time in all processes and threads that share it.
+        Blocks: never call it on the event loop."""
         self._voices_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._voices_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with file_lock.exclusive(self._voices_dir / LOCK_FILE):
             yield
-        finally:
-            os.close(fd)
 
     def _new_generation(self) -> bytes:
         """Tell every process sharing the directory that it changed; under the lock only.

@@ -37,11 +37,8 @@ first round runs long), as a request does. Its final stage stops at once: the la
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -49,6 +46,7 @@ from typing import Final
 import torch
 from transformers import Qwen2Config
 
+from tts_gateway import file_lock
 from tts_gateway.models.cosyvoice2.checkpoints import config_writer, tiny_frontend
 from tts_gateway.models.cosyvoice2.model import config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow
@@ -151,7 +149,7 @@ def ensure_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> tup
     if _read_marker(root) == marker:
         return existing, False
     root.parent.mkdir(parents=True, exist_ok=True)
-    with _writer_lock(root.with_name(root.name + ".lock")):
+    with file_lock.exclusive(root.with_name(root.name + ".lock")):
         if _read_marker(root) == marker:
             return existing, False
         staging = root.with_name(root.name + ".partial")
@@ -164,13 +162,6 @@ def ensure_checkpoint(root: Path, size: CheckpointSize, *, seed: int = 0) -> tup
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return existing, True
-
-
-@contextlib.contextmanager
-def _writer_lock(path: Path) -> Iterator[None]:
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 def _read_marker(root: Path) -> object:
