@@ -48,7 +48,7 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
     events: list[dict[str, Any]] = read_traces(trace_dir)
     orchestrator = {e["request"]: e for e in events if e["stage"] == "orchestrator" and e.get("request") in sent}
     llm, first_batches = _llm_and_first_batches(events)
-    samples: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+    samples: dict[str, list[float]] = {}
     for request_id, (client_sent, client_first) in sent.items():
         o = orchestrator.get(request_id)
         if o is None:
@@ -60,7 +60,7 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
         values["to_client"] = client_first - o["first_chunk"]
         for name, value in values.items():
             samples.setdefault(name, []).append(1000.0 * float(value))
-    return {name: _percentiles(values) for name, values in samples.items() if values}
+    return _stage_percentiles(samples)
 
 
 def stages_between(trace_dir: Path, since: float, until: float) -> dict[str, dict[str, float]]:
@@ -78,6 +78,11 @@ def stages_between(trace_dir: Path, since: float, until: float) -> dict[str, dic
         values = _server_stages(o, llm, first_batches)
         for name, value in (values or {}).items():
             samples.setdefault(name, []).append(1000.0 * float(value))
+    return _stage_percentiles(samples)
+
+
+def _stage_percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each sampled stage's p50 and p90 (ms), in the pipeline's order, then the engine's rates."""
     order = [name for name, _ in (*STAGES, *ENGINE_RATES)]
     return {name: _percentiles(samples[name]) for name in order if samples.get(name)}
 
