@@ -265,8 +265,3 @@ class SlotDecoder:
         """Copy one slot's cache (its first ``length`` positions, default all) over another's."""
         end = self.max_len if length is None else length
         self.cache[:, :, target, :, :end] = self.cache[:, :, source, :, :end]
-
-    def move_slots(self, sources: Tensor, targets: Tensor) -> None:
-        """Copy the caches of slots ``sources`` over those of ``targets`` (index tensors on the cache's device,
-        no slot in both)."""
-        self.cache[:, :, targets] = self.cache[:, :, sources]

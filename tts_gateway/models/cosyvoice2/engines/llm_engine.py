@@ -4,7 +4,7 @@ One scheduler thread owns the model. Callers :meth:`BatchingEngine.submit` a req
 :class:`TokenSink`; between two steps the thread admits waiting requests (one padded, batched
 prefill), then runs one decode step for all live requests together and hands each its new token.
 Requests join and leave between steps: a finished or cancelled one frees its cache slot at once,
-and live slots past the new end move into the holes so that live requests always fill slots ``0..n-1``.
+and the last live slot moves into the hole so that live requests always fill slots ``0..n-1``.
 
 On CUDA every decode step (forward pass, sampling and the bookkeeping that prepares the next
 step) is replayed from a CUDA graph, one per batch-size bucket and attention span (the cache
@@ -240,21 +240,6 @@ class _Launched:
     decode: bool = True
 
 
-@dataclass(frozen=True)
-class _RowStart:
-    """What a row's sampler starts from: the request's parameters, its random stream (``key``, ``steps``
-    drawn so far), the ids it may draw besides speech tokens, its stop ids (drawable only after
-    ``min_new`` steps) and the columns its repetition penalty applies to."""
-
-    request: Generation
-    key: int
-    steps: int
-    drawable: Iterable[int]
-    stop_ids: Iterable[int]
-    seen: Iterable[int]
-    min_new: int = 0
-
-
 class BatchingEngine:
     """Continuous-batching speech-token generation over a :class:`SlotDecoder`."""
 
@@ -298,7 +283,7 @@ class BatchingEngine:
         # An extend pass's inputs, one row each: ids, start, length, slot (a free row names the staging slot).
         self._extend_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._extend_inputs = torch.zeros(self.slots, EXTEND_WIDTH + 3, dtype=torch.int64, device=self._device)
-        self._extend_inputs[:] = torch.tensor(self._extend_row([], 0, decoder.staging_slot, EXTEND_WIDTH))
+        self._extend_inputs[:] = self._extend_row([], 0, decoder.staging_slot, EXTEND_WIDTH).to(self._device)
         self._extend_logits = torch.zeros(self.slots, len(COLUMN_IDS), device=self._device)
         # Two host buffers for the drawn ids: step k+1 is copied out while step k's ids are read.
         self._cuda = self._device.type == "cuda"
@@ -489,7 +474,7 @@ class BatchingEngine:
                 if handle.saved is not None:
                     self._decoder.restore_slot(row, handle.saved)
                     handle.saved = None
-            self._write_rows(first, [self._stream_row(handle) for handle in group])
+                self._load_stream_row(row, handle)
             logits = pass_logits(first, group)
             for handle in group:
                 handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
@@ -511,13 +496,13 @@ class BatchingEngine:
         span = self._decoder.span_for(max(h.cached + len(h.feed) for h in handles))
         inputs = [self._extend_row(h.feed, h.cached, row, width) for row, h in enumerate(handles, start=first)]
         if width > EXTEND_WIDTH:
-            return self._extend_batch(self._to_device(torch.tensor(inputs)), span)
+            return self._extend_batch(self._to_device(torch.stack(inputs)), span)
         bucket = next(b for b in self._buckets if b >= rows)
         graph = self._extend_graphs.get((bucket, span))
         if graph is None:
             bucket = rows
         padding = self._extend_row([], 0, self._decoder.staging_slot, width)
-        self._extend_inputs[:bucket].copy_(self._to_device(torch.tensor(inputs + [padding] * (bucket - rows))))
+        self._extend_inputs[:bucket].copy_(self._to_device(torch.stack(inputs + [padding] * (bucket - rows))))
         if graph is not None:
             graph.replay()
         else:
@@ -527,9 +512,12 @@ class BatchingEngine:
         return self._extend_logits[:rows].clone()
 
     @staticmethod
-    def _extend_row(ids: Sequence[int], start: int, slot: int, width: int) -> list[int]:
+    def _extend_row(ids: Sequence[int], start: int, slot: int, width: int) -> Tensor:
         """One row of an extend pass's inputs: ``width`` ids (zero-padded), start, length, slot."""
-        return [*ids, *[0] * (width - len(ids)), start, max(len(ids), 1), slot]
+        row = torch.zeros(width + 3, dtype=torch.int64)
+        row[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        row[width:] = torch.tensor([start, max(len(ids), 1), slot])
+        return row
 
     def _extend_pass(self, rows: int, span: int) -> None:
         """The extend pass over the first ``rows`` rows of the recorded inputs, into the recorded logits."""
@@ -570,16 +558,16 @@ class BatchingEngine:
             decode=False,
         )
 
-    @staticmethod
-    def _stream_row(handle: TextStreamHandle) -> _RowStart:
+    def _load_stream_row(self, row: int, handle: TextStreamHandle) -> None:
         """A stream's sampling row: a round may draw speech or the fill token, the final stage speech or a stop."""
         request = handle.request
         final = handle.layout.stage is Stage.FINAL
         # The fill token is <|eos3|>: a stop elsewhere, never one in a text stream.
         stops = sorted(request.stop_ids - {FILL_ID}) if final else []
-        return _RowStart(
+        self._write_row(
+            row,
             request,
-            key=int(handle.key),
+            key=handle.key,
             steps=handle.drawn,
             drawable=stops if final else [FILL_ID],
             stop_ids=stops,
@@ -599,9 +587,9 @@ class BatchingEngine:
     def _prefill(self, handles: list[GenerationHandle]) -> _Launched:
         first = len(self._live)
         now = time.monotonic()
-        for handle in handles:
+        for row, handle in enumerate(handles):
             handle.admitted = now
-        self._write_rows(first, [self._request_row(handle.request) for handle in handles])
+            self._load_row(first + row, handle.request)
         logits = self._prefill_rows(first, [h.request.input_ids for h in handles])
         return self._start_rows(handles, first, logits)
 
@@ -630,11 +618,11 @@ class BatchingEngine:
         self._decoder.move_slot(self._decoder.staging_slot, row, length)
         return self._prefill_logits.clone()
 
-    @staticmethod
-    def _request_row(request: Generation) -> _RowStart:
-        return _RowStart(
+    def _load_row(self, row: int, request: Generation) -> None:
+        self._write_row(
+            row,
             request,
-            key=int(_stream_key(request.seed)),
+            key=_stream_key(request.seed),
             steps=0,
             drawable=request.stop_ids,
             stop_ids=request.stop_ids,
@@ -642,33 +630,39 @@ class BatchingEngine:
             min_new=request.min_new_tokens,
         )
 
-    def _write_rows(self, first: int, starts: Sequence[_RowStart]) -> None:
-        """Load the sampling rows ``first..`` from ``starts``: speech tokens and the drawable ids may be drawn.
+    def _write_row(
+        self,
+        row: int,
+        request: Generation,
+        *,
+        key: Tensor,
+        steps: int,
+        drawable: Iterable[int],
+        stop_ids: Iterable[int],
+        seen: Iterable[int],
+        min_new: int = 0,
+    ) -> None:
+        """Load a sampling row: speech tokens and ``drawable`` ids may be drawn, ``stop_ids`` only after
+        ``min_new`` steps; ``seen`` are the columns the repetition penalty applies to.
 
-        All the rows' values go to the device in one pinned copy per dtype, then into the row tensors in one
-        copy per tensor. Written row by row, the streams whose rounds start between two steps cost a dozen
-        small copies each, launched from Python on the engine's thread: at 64 text streams on an H200 that
-        thread spent 4-11 ms a step starting the rounds of the 4-6 streams that came back, against 3.5 ms
-        of GPU time for the decode step. (A Python number written into a CUDA tensor would be a pageable
-        copy, which waits for the whole stream, the step in flight.)
+        Values go to the device in one pinned copy per dtype: a Python number written into a CUDA
+        tensor is a pageable copy, which waits for the whole stream (the step in flight) each time.
         """
-        if not starts:
-            return
-        stop = first + len(starts)
-        floats = torch.tensor([[r.request.temperature, r.request.top_p, r.request.repetition_penalty] for r in starts])
-        counts = torch.tensor([[r.request.top_k, r.key, r.steps, r.min_new] for r in starts], dtype=torch.int64)
-        masks = torch.zeros(3, len(starts), len(COLUMN_IDS), dtype=torch.bool)
-        allowed, stops, seen = masks
-        allowed[:, :_SPEECH_COLUMNS] = True
-        for row, start in enumerate(starts):
-            allowed[row, [_COLUMN_OF[i] for i in start.drawable]] = True
-            stops[row, [_COLUMN_OF[i] for i in start.stop_ids]] = True
-            seen[row, list(start.seen)] = True
         s = self._rows.sampling
-        floats, counts, masks = (self._to_device(values) for values in (floats, counts, masks))
-        s.temperature[first:stop], s.top_p[first:stop], s.penalty[first:stop] = floats.T
-        s.top_k[first:stop], s.keys[first:stop], s.steps[first:stop], s.min_new[first:stop] = counts.T
-        s.allowed[first:stop], s.stops[first:stop], s.seen[first:stop] = masks
+        floats = self._to_device(torch.tensor([request.temperature, request.top_p, request.repetition_penalty]))
+        s.temperature[row], s.top_p[row], s.penalty[row] = floats
+        counts = self._to_device(torch.tensor([request.top_k, int(key), steps, min_new]))
+        s.top_k[row], s.keys[row], s.steps[row], s.min_new[row] = counts
+        masks = torch.zeros(3, len(COLUMN_IDS), dtype=torch.bool)
+        allowed, stops, seen_row = masks
+        allowed[:_SPEECH_COLUMNS] = True
+        allowed[[_COLUMN_OF[i] for i in drawable]] = True
+        stops[[_COLUMN_OF[i] for i in stop_ids]] = True
+        seen_row[list(seen)] = True
+        allowed, stops, seen_row = self._to_device(masks)
+        s.allowed[row] = allowed
+        s.stops[row] = stops
+        s.seen[row] = seen_row
 
     def _advance(self, logits: Tensor, start: int, stop: int) -> None:
         """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
@@ -765,55 +759,47 @@ class BatchingEngine:
                 parked.append(handle)
             elif handle.produced >= request.max_new_tokens or self._out_of_positions(handle):
                 ended.append(handle)
-        for stream in parked:
-            self._save_stream(stream)
-        self._remove_rows([*ended, *parked])
         for handle in ended:
-            self._end(handle)
-        if parked:
-            with self._wake:
-                self._streams.extend(parked)
-                self._streams_changed = True
+            self._release(handle)
+        for stream in parked:
+            self._park(stream)
 
     def _out_of_positions(self, handle: GenerationHandle) -> bool:
         """Whether a text stream's next step would write past the cache (a plain request's length is
         checked when it is submitted)."""
         return isinstance(handle, TextStreamHandle) and handle.origin + handle.since_input >= self._decoder.max_len
 
-    def _remove_rows(self, handles: Sequence[GenerationHandle]) -> None:
-        """Free the rows of ``handles``: the live rows past the new end move into the holes below it, so that
-        live requests keep filling rows ``0..n-1`` (queued after any launched step). One gathered copy per
-        row tensor moves them all, and one the cache's slots."""
-        if not handles:
-            return
-        gone = {self._live.index(handle) for handle in handles}
-        end = len(self._live) - len(gone)
-        holes = sorted(row for row in gone if row < end)
-        movers = [row for row in range(end, len(self._live)) if row not in gone]
-        if movers:
-            source, target = (self._to_device(torch.tensor(rows)) for rows in (movers, holes))
-            self._decoder.move_slots(source, target)
+    def _remove_row(self, handle: GenerationHandle) -> None:
+        """Free the request's row: the last live row moves into it (queued after any launched step)."""
+        row = self._live.index(handle)
+        last = len(self._live) - 1
+        if row != last:
+            self._decoder.move_slot(last, row)
             for tensor in self._rows.all():
-                tensor[target] = tensor[source]
-            for hole, mover in zip(holes, movers, strict=True):
-                self._live[hole] = self._live[mover]
-        del self._live[end:]
-        for handle in handles:
-            handle.segment += 1
+                tensor[row] = tensor[last]
+            self._live[row] = self._live[last]
+        self._live.pop()
+        handle.segment += 1
 
-    def _end(self, handle: GenerationHandle) -> None:
-        """Tell a request whose row was freed that it ended."""
+    def _release(self, handle: GenerationHandle) -> None:
+        self._remove_row(handle)
         if isinstance(handle, TextStreamHandle):
             self._close_stream(handle, None)
         else:
             handle.ended = True
             _finish(handle, None)
 
-    def _save_stream(self, handle: TextStreamHandle) -> None:
-        """Copy aside the cache of a stream whose round ended, before it leaves its row until its next
-        input is there. Of the ids drawn since its last input, all but the last were fed by decode steps."""
+    def _park(self, handle: TextStreamHandle) -> None:
+        """Take a stream whose round ended out of its row until its next input is there.
+
+        Of the ids drawn since its last input, all but the last were fed by decode steps.
+        """
         handle.cached = handle.origin + handle.since_input - 1
         handle.saved = self._decoder.save_slot(self._live.index(handle), handle.cached)
+        self._remove_row(handle)
+        with self._wake:
+            self._streams.append(handle)
+            self._streams_changed = True
 
     @torch.inference_mode()
     def _compile(self, backend: str) -> None:
