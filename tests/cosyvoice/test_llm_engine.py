@@ -87,6 +87,25 @@ def test_a_request_joining_mid_stream_does_not_disturb_the_others(llm: TorchSpee
     assert [first.tokens, second.tokens] == expected
 
 
+def test_requests_ending_on_one_step_leave_the_others_their_tokens(tmp_path: Path) -> None:
+    """Four of six requests end on the same step, from rows 0, 1, 3 and 5: the two left move into freed
+    rows and go on drawing what they draw alone."""
+    lengths = [12, 12, 30, 12, 30, 12]
+    directory = tiny_frontend.write_tiny_llm(tmp_path / "cosyvoice2_llm")
+    model = TorchSpeechLLM(directory, max_slots=6, max_seq_len=128)
+    try:
+        expected = [alone(model, index, SAMPLED, tokens=length) for index, length in enumerate(lengths)]
+        with model.engine._wake:  # all six admitted by one prefill, so that they step together
+            runs = [submit(model, index, SAMPLED, tokens=length) for index, length in enumerate(lengths)]
+        for recorder, _ in runs:
+            assert recorder.done.wait(60) and recorder.error is None
+        assert [recorder.tokens for recorder, _ in runs] == expected
+        assert [len(tokens) for tokens in expected] == lengths
+        assert len({handle.admitted for _, handle in runs}) == 1
+    finally:
+        model.close()
+
+
 def test_a_request_may_fill_its_slot_and_counts_its_decode_steps(llm: TorchSpeechLLM) -> None:
     # Steps are pipelined: the engine runs one step past a request's last token, also when prompt and
     # tokens fill the whole slot (that step feeds the last position; positions past it would be clamped).
