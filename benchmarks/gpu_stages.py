@@ -37,6 +37,11 @@ ENGINE_RATES = (
     ("llm_step_gpu", "LLM engine: GPU time of one decode step (mean over the request's steps)"),
     ("llm_token_wall", "LLM engine: time between two of the request's tokens (first to last)"),
     ("llm_step_wait", "LLM engine: host waiting for a launched step (mean; ~0 when the host is the bottleneck)"),
+    (
+        "llm_step_period",
+        "LLM engine: launch to launch of the request's decode steps (mean; less the GPU time, about the host's work "
+        "between steps; steps before a yield to token2wav are left out)",
+    ),
 )
 
 
@@ -116,6 +121,8 @@ def _server_stages(o: dict[str, Any], llm: dict[str, Any], first_batches: dict[s
     if g.get("steps"):
         values["llm_step_gpu"] = float(g["step_s"]) / float(g["steps"])
         values["llm_step_wait"] = float(g.get("wait_s", 0.0)) / float(g["steps"])
+    if g.get("periods"):
+        values["llm_step_period"] = float(g["period_s"]) / float(g["periods"])
     if int(g["tokens"]) > 1:
         values["llm_token_wall"] = (float(g["last_token"]) - float(g["first_token"])) / (int(g["tokens"]) - 1)
     return values

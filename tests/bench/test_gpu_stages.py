@@ -49,6 +49,8 @@ def trace_stream(directory: Path, session: str, started: float, *, request: str 
         steps=100,
         step_s=0.2,
         wait_s=0.1,
+        periods=99,
+        period_s=0.396,
     )
     token2wav = StageTrace("token2wav", directory)
     token2wav.record(session, offset=0, started=started + 0.105, rows=2, flow_s=0.050, hift_s=0.008)
@@ -76,6 +78,7 @@ def test_the_stages_of_the_streams_started_in_a_window(tmp_path: Path) -> None:
         "llm_step_gpu": 2.0,
         "llm_token_wall": 4.0,
         "llm_step_wait": 1.0,
+        "llm_step_period": 4.0,
     }
     assert stages_between(tmp_path, 300.0, 400.0) == {}
 

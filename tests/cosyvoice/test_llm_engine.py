@@ -120,6 +120,8 @@ def test_a_request_may_fill_its_slot_and_counts_its_decode_steps(llm: TorchSpeec
     # The prefill draws the first token, one decode step each of the others; the extra step is not counted.
     assert handle.steps == room - 1
     assert handle.step_s > 0
+    # Each step was followed by the next one's launch (the last by the step whose id is dropped).
+    assert handle.periods == handle.steps and handle.period_s >= handle.step_s
     assert handle.first_token <= handle.last_token
 
 

@@ -126,6 +126,11 @@ class GenerationHandle:
     steps: int = 0
     step_s: float = 0.0
     wait_s: float = 0.0
+    # Of those steps, the ones still in flight when the engine launched the next, and the time from each
+    # launch to the next: the engine's pace for the request, its GPU time and its thread's work between
+    # steps. Steps landed before the engine yields the GPU to token2wav (:class:`StepGate`) have none.
+    periods: int = 0
+    period_s: float = 0.0
     ended: bool = False
     # Where its first decode step writes (the prompt's length; for a text stream, after each round's input).
     origin: int = field(init=False)
@@ -236,6 +241,8 @@ class _Launched:
     # starts rows); on the CPU the pass already ran, a decode step in ``eager_s``.
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
     eager_s: float
+    # When the engine's thread began launching it (``time.perf_counter``).
+    launched_at: float
     # A decode step (counted in its requests' traces), or the prefill or extend pass that starts rows.
     decode: bool = True
 
@@ -403,7 +410,7 @@ class BatchingEngine:
                         self._gate.wait(lambda: bool(self._waiting))
                 previous, launched = launched, self._launch() if self._live else None
                 if previous is not None:
-                    self._land(previous)
+                    self._land(previous, None if launched is None else launched.launched_at - previous.launched_at)
                 for step in first_draws:
                     self._land(step)
             except Exception as exc:
@@ -555,6 +562,7 @@ class BatchingEngine:
             drawn=drawn,
             events=events,
             eager_s=time.perf_counter() - started,
+            launched_at=started,
             decode=False,
         )
 
@@ -710,10 +718,12 @@ class BatchingEngine:
             drawn=host,
             events=events,
             eager_s=time.perf_counter() - started,
+            launched_at=started,
         )
 
-    def _land(self, step: _Launched) -> None:
-        """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped."""
+    def _land(self, step: _Launched, period: float | None = None) -> None:
+        """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped.
+        ``period``: the time from the step's launch to the next step's."""
         waited = time.perf_counter()
         if step.events is not None:
             started, done = step.events
@@ -726,6 +736,9 @@ class BatchingEngine:
                 handle.steps += 1
                 handle.step_s += seconds
                 handle.wait_s += waited
+                if period is not None:
+                    handle.periods += 1
+                    handle.period_s += period
         self._deliver(step.handles, step.drawn.tolist(), step.segments)
 
     def _deliver(self, handles: Sequence[GenerationHandle], drawn: list[int], segments: Sequence[int]) -> None:

@@ -155,6 +155,8 @@ class _Sink:
             steps=handle.steps,
             step_s=handle.step_s,
             wait_s=handle.wait_s,
+            periods=handle.periods,
+            period_s=handle.period_s,
         )
 
     def token(self, token_id: int) -> None:
