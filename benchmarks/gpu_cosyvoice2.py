@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -853,8 +852,7 @@ def run(args: argparse.Namespace) -> bool:
             device = f"{args.gpus} x {device}"
     idle_mib = gpu_sanity.gpu_memory_used() if gpu else None
     trace_dir = workdir / "stage_trace"
-    shutil.rmtree(trace_dir, ignore_errors=True)
-    os.environ[stage_trace.ENV_VAR] = str(trace_dir)
+    stage_trace.trace_servers_into(trace_dir)
     asks = load_profiles(TRITON_REPOSITORY)[profile].cuda_mps and not args.cpu
     # The servers as the gateway's embedded default starts them: one per GPU, each under its own MPS daemon.
     servers = embedded_servers(

@@ -63,8 +63,7 @@ def first_chunk_stages(trace_dir: Path, sent: Mapping[str, tuple[float, float]])
             continue
         values["to_orchestrator"] = o["started"] - client_sent
         values["to_client"] = client_first - o["first_chunk"]
-        for name, value in values.items():
-            samples.setdefault(name, []).append(1000.0 * float(value))
+        _add_ms(samples, values)
     return _stage_percentiles(samples)
 
 
@@ -80,10 +79,14 @@ def stages_between(trace_dir: Path, since: float, until: float) -> dict[str, dic
     for o in events:
         if o["stage"] != "orchestrator" or not since <= float(o["started"]) < until:
             continue
-        values = _server_stages(o, llm, first_batches)
-        for name, value in (values or {}).items():
-            samples.setdefault(name, []).append(1000.0 * float(value))
+        _add_ms(samples, _server_stages(o, llm, first_batches) or {})
     return _stage_percentiles(samples)
+
+
+def _add_ms(samples: dict[str, list[float]], values: Mapping[str, float]) -> None:
+    """One stream's stages (seconds) into the samples of each (ms)."""
+    for name, value in values.items():
+        samples.setdefault(name, []).append(1000.0 * float(value))
 
 
 def _stage_percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:

@@ -68,7 +68,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -563,8 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.profile:
             # The models of a server started here trace each stream's stages (tts_gateway/models/stage_trace.py).
             trace_dir = args.workdir / "stage_trace"
-            shutil.rmtree(trace_dir, ignore_errors=True)
-            os.environ[stage_trace.ENV_VAR] = str(trace_dir)
+            stage_trace.trace_servers_into(trace_dir)
         if args.gateway_url:
             url = args.gateway_url.rstrip("/")
             setup["gateway"] = url

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import IO, Final
 
 ENV_VAR: Final = "TTS_STAGE_TRACE_DIR"
+
+
+def trace_servers_into(directory: Path) -> None:
+    """Have the servers this process starts from now on record into ``directory``, emptied first so that
+    its records are theirs alone."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.environ[ENV_VAR] = str(directory)
 
 
 class StageTrace:
