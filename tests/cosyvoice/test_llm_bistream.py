@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, Qwen2ForCausalLM
 
-from tests.cosyvoice.test_llm_engine import Recorder
+from tests.cosyvoice.test_llm_engine import FailsOnToken, Recorder
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
 from tts_gateway.models.cosyvoice2.engines.llm_bistream import FILL_ID
@@ -265,6 +265,22 @@ def test_cancelling_a_generating_stream_frees_its_slot(llm: TorchSpeechLLM) -> N
         other_handle.add_text(TEXT[:10])
         other_handle.end_text()
         assert other.done.wait(60)
+        assert len(other.tokens) == TOKENS
+
+
+def test_a_stream_whose_sink_fails_ends_and_frees_its_slot(llm: TorchSpeechLLM) -> None:
+    broken = FailsOnToken(3)
+    handle = llm.open_stream([], [], GREEDY, max_new_tokens=TOKENS, stop_ids=vocab.STOP_IDS, sink=broken)
+    handle.add_text(TEXT)
+    handle.end_text()
+    assert broken.done.wait(30)
+    assert broken.error is None and 3 <= len(broken.tokens) < TOKENS
+    # Both slots serve again, the broken stream's among them.
+    again = [open_stream(llm, [], []) for _ in range(2)]
+    for other, other_handle in again:
+        other_handle.add_text(TEXT[:10])
+        other_handle.end_text()
+        assert other.done.wait(60) and other.error is None
         assert len(other.tokens) == TOKENS
 
 

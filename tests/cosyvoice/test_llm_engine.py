@@ -50,6 +50,19 @@ class Recorder:
         self.done.set()
 
 
+class FailsOnToken(Recorder):
+    """A sink that raises when it is handed its ``count``-th token."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+
+    def token(self, token_id: int) -> None:
+        super().token(token_id)
+        if len(self.tokens) == self.count:
+            raise RuntimeError("a broken sink")
+
+
 def alone(llm: TorchSpeechLLM, index: int, params: SamplingParams, tokens: int = 20) -> list[int]:
     seeded = SamplingParams(**{**vars(params), "seed": 1000 + index})
     return list(llm.generate(prompt(index), seeded, max_new_tokens=tokens, stop_ids=vocab.STOP_IDS))
@@ -179,6 +192,17 @@ def test_a_sink_that_fails_does_not_stop_the_engine(llm: TorchSpeechLLM) -> None
     llm.submit(llm.request(prompt(5), GREEDY, max_new_tokens=3, stop_ids=vocab.STOP_IDS), broken)
     assert broken.done.wait(30)
     assert alone(llm, 6, GREEDY, tokens=4) == alone(llm, 6, GREEDY, tokens=4)
+
+
+def test_a_sink_that_fails_on_a_token_ends_only_its_own_request(llm: TorchSpeechLLM) -> None:
+    expected = alone(llm, 3, SAMPLED, tokens=40)
+    with llm.engine._wake:  # admitted together, so that the failure happens while both are live
+        broken = FailsOnToken(2)
+        llm.submit(llm.request(prompt(5), GREEDY, max_new_tokens=40, stop_ids=vocab.STOP_IDS), broken)
+        healthy, _ = submit(llm, 3, SAMPLED, tokens=40)
+    assert broken.done.wait(30) and healthy.done.wait(30)
+    assert broken.error is None and 2 <= len(broken.tokens) < 40  # cancelled: it ends within a step or two
+    assert healthy.error is None and healthy.tokens == expected
 
 
 def test_outbox_keeps_each_requests_order_while_another_request_waits() -> None:

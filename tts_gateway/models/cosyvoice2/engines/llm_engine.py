@@ -85,7 +85,7 @@ class TokenSink(Protocol):
     """Where a request's tokens go; both methods are called from the engine's thread."""
 
     def token(self, token_id: int) -> None:
-        """One generated speech-token id (stop ids are never passed on)."""
+        """One generated speech-token id (stop ids are never passed on); raising cancels the request."""
         ...
 
     def finished(self, error: BaseException | None) -> None:
@@ -767,7 +767,12 @@ class BatchingEngine:
             if handle.produced == 1:
                 handle.first_token = now
             handle.last_token = now
-            handle.sink.token(token_id)
+            try:
+                handle.sink.token(token_id)
+            except Exception:
+                # Its request ends at the next step (or as a waiting stream); the step's other requests go on.
+                _log.exception("a token sink failed; cancelling its request")
+                handle.cancel()
             if isinstance(handle, TextStreamHandle) and handle.layout.stage is Stage.WAITING:
                 parked.append(handle)
             elif handle.produced >= request.max_new_tokens or self._out_of_positions(handle):
