@@ -149,6 +149,16 @@ def open_stream(
     return recorder, handle
 
 
+def assert_both_slots_serve(llm: TorchSpeechLLM) -> None:
+    """Two streams at once (the engine's two slots) each generate to their end."""
+    again = [open_stream(llm, [], []) for _ in range(2)]
+    for other, other_handle in again:
+        other_handle.add_text(TEXT[:10])
+        other_handle.end_text()
+        assert other.done.wait(60) and other.error is None
+        assert len(other.tokens) == TOKENS
+
+
 def wait_idle(recorder: Recorder, seconds: float = 0.3) -> int:
     """Tokens so far, once none came for ``seconds`` (the stream waits for text)."""
     count = -1
@@ -259,13 +269,7 @@ def test_cancelling_a_generating_stream_frees_its_slot(llm: TorchSpeechLLM) -> N
     handle.cancel()
     assert recorder.done.wait(5)
     assert len(recorder.tokens) < TOKENS
-    # Both slots serve again.
-    again = [open_stream(llm, [], []) for _ in range(2)]
-    for other, other_handle in again:
-        other_handle.add_text(TEXT[:10])
-        other_handle.end_text()
-        assert other.done.wait(60)
-        assert len(other.tokens) == TOKENS
+    assert_both_slots_serve(llm)
 
 
 def test_a_stream_whose_sink_fails_ends_and_frees_its_slot(llm: TorchSpeechLLM) -> None:
@@ -275,13 +279,7 @@ def test_a_stream_whose_sink_fails_ends_and_frees_its_slot(llm: TorchSpeechLLM) 
     handle.end_text()
     assert broken.done.wait(30)
     assert broken.error is None and 3 <= len(broken.tokens) < TOKENS
-    # Both slots serve again, the broken stream's among them.
-    again = [open_stream(llm, [], []) for _ in range(2)]
-    for other, other_handle in again:
-        other_handle.add_text(TEXT[:10])
-        other_handle.end_text()
-        assert other.done.wait(60) and other.error is None
-        assert len(other.tokens) == TOKENS
+    assert_both_slots_serve(llm)
 
 
 def test_a_stream_closed_while_it_waits_never_comes_back(llm: TorchSpeechLLM) -> None:
