@@ -68,6 +68,10 @@ class PiperReference:
         assert waveform is not None
         return float(waveform.size) / 22_050
 
+    def mean(self, text: str, draws: int = 8) -> float:
+        """The mean over ``draws`` syntheses: Piper draws its durations with noise (about 2 % apart)."""
+        return sum(self(text) for _ in range(draws)) / draws
+
 
 @pytest.fixture(scope="module")
 def cosy_gateway(

@@ -141,8 +141,10 @@ async def test_synthesize_says_the_text(wyoming: WyomingGateway, piper_seconds: 
     audio = speech(events)
     # Piper's joe speaks at 22,050 Hz: sent at that rate, as announced in audio-start.
     assert audio.sample_rate == await model_rate(wyoming.process, "joe") == 22_050
-    # As long as Piper's own audio: samples at another rate than announced would be 9 % off.
-    assert abs(audio.duration - piper_seconds(SENTENCE)) < 0.05 * piper_seconds(SENTENCE)
+    # As long as Piper's own audio: samples at another rate than announced would be 9 % off, while
+    # one draw of Piper's noisy durations lies within about 2 % of their mean.
+    expected = piper_seconds.mean(SENTENCE)
+    assert abs(audio.duration - expected) < 0.06 * expected
     assert audio.rms > 0.01
     assert heard(audio, "quick", "brown", "fox", "lazy", "dog") >= 3
 
