@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import struct
 import wave
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import av
@@ -252,13 +254,52 @@ def test_concurrent_encoders_do_not_interfere(fmt: AudioFormat) -> None:
         np.testing.assert_array_equal(result, reference)
 
 
-def test_misuse_is_rejected() -> None:
+@pytest.fixture()
+def no_automatic_collection() -> Iterator[None]:
+    """Garbage stays until the test collects it: what the collector then finds is what a test left."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.mark.usefixtures("no_automatic_collection")
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize("fmt", COMPRESSED)
+def test_an_encoder_closed_before_its_end_frees_its_codec_at_once(fmt: AudioFormat, streaming: bool) -> None:
+    # A response whose client left: without close(), FFmpeg's container and stream hold each other
+    # (and the codec, up to several MiB) until Python's next full collection.
+    encoder = create_encoder(fmt, INPUT_RATE, streaming=streaming)
+    encoder.encode(sine(0.5, INPUT_RATE))
+    encoder.close()
+    encoder.close()
+    del encoder
+    unopened = create_encoder(fmt, INPUT_RATE, streaming=streaming)
+    unopened.close()
+    del unopened
+    assert gc.collect() == 0
+
+
+def test_close_after_finish_leaves_the_file_whole() -> None:
+    encoder = create_encoder("flac", INPUT_RATE)
+    data = encoder.encode(sine(0.5, INPUT_RATE)) + encoder.finish()
+    encoder.close()
+    assert decode_pyav(data)[0].size == round(0.5 * OUTPUT_SAMPLE_RATE)
+
+
+@pytest.mark.parametrize("ending", ["finish", "close"])
+def test_an_ended_encoder_takes_no_more_audio(ending: str) -> None:
     encoder = create_encoder("mp3", INPUT_RATE)
-    encoder.finish()
+    getattr(encoder, ending)()
     with pytest.raises(RuntimeError):
         encoder.encode(sine(0.1, INPUT_RATE))
     with pytest.raises(RuntimeError):
         encoder.finish()
+
+
+def test_bad_rates_and_shapes_are_rejected() -> None:
     with pytest.raises(ValueError, match="sample rate"):
         create_encoder("pcm", 0)
     with pytest.raises(ValueError, match="mono"):

@@ -3,6 +3,9 @@ what is accepted and ignored, and the listings' shapes."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import cast
+
 import pytest
 from pydantic import ValidationError
 
@@ -13,6 +16,9 @@ from tts_gateway.gateway.api.elevenlabs_api import (
     TextToSpeechQuery,
     gateway_model,
 )
+from tts_gateway.gateway.api.elevenlabs_speech import ElevenLabsAudio
+from tts_gateway.gateway.speech.service import SpeechStream
+from tts_gateway.gateway.speech.text_stream.output_format import OutputFormat
 from tts_gateway.gateway.speech.voice_registry import VoiceInfo
 from tts_gateway.gateway.triton.model_catalog import SpeechModel
 
@@ -97,3 +103,32 @@ def test_voices_and_models_in_elevenlabs_shape() -> None:
     card = ElevenLabsModel.of(model).model_dump()
     assert card["model_id"] == "piper" and card["can_do_text_to_speech"] is True
     assert card["languages"] == [{"language_id": "en", "name": "en"}]
+
+
+class EndlessSpeech:
+    """A speech stream whose 16-bit PCM keeps coming until it is closed."""
+
+    closed = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return b"\x00\x00" * 4800
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_response_left_early_lets_go_of_its_encoder() -> None:
+    fmt = OutputFormat.parse("mp3_44100_128")
+    converter = fmt.converter()
+    speech = EndlessSpeech()
+    response = ElevenLabsAudio(fmt, converter, cast(SpeechStream, speech), "text", "text")
+    audio = response.audio()
+    assert await anext(aiter(audio))
+    await response.aclose()  # the client left
+    assert speech.closed
+    # The mp3 encoder is closed with the response, not left to Python's next full collection.
+    with pytest.raises(RuntimeError, match="finished"):
+        converter.convert(b"\x00\x00" * 4800)

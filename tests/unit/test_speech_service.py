@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.audio_checks import decode
 from tts_gateway.gateway.errors import (
     GatewayError,
     RequestTimeoutError,
@@ -37,8 +38,10 @@ from tts_gateway.gateway.errors import (
     SynthesisError,
 )
 from tts_gateway.gateway.metrics import GatewayMetrics
+from tts_gateway.gateway.speech import audio_encoding
+from tts_gateway.gateway.speech import service as service_module
 from tts_gateway.gateway.speech.admission import AdmissionControl
-from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat
+from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat, StreamEncoder
 from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.speech.plan import SpeechPlan
 from tts_gateway.gateway.speech.service import Audio, SpeechService, SpeechStream, StreamAborted
@@ -301,6 +304,38 @@ async def test_an_error_after_the_first_byte_aborts_the_audio_body() -> None:
     assert aborted.value.sentence == 1
     assert aborted.value.error.code == "backend_unavailable"
     assert s.outcome("aborted") == 1
+
+
+@pytest.mark.parametrize("ending", ["client-left", "aborted", "failed", "complete"])
+async def test_a_response_closes_its_encoder_however_it_ends(ending: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    encoders: list[StreamEncoder] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> StreamEncoder:
+        encoders.append(audio_encoding.create_encoder(*args, **kwargs))
+        return encoders[-1]
+
+    monkeypatch.setattr(service_module, "create_encoder", recorded)
+    s = setup()
+    # 0.3 s of audio before anything else: enough for the first mp3 frames to leave the encoder.
+    speech = " ".join(["a1"] * 72)
+    if ending == "failed":
+        with pytest.raises(GatewayError):
+            await s.service.open_stream(plan("fail", fmt="mp3"))
+    else:
+        script = {"client-left": [speech, "hang"], "aborted": [speech, "down"], "complete": [speech]}[ending]
+        stream = await s.service.open_stream(plan(*script, fmt="mp3"))
+        if ending == "client-left":
+            assert await anext(stream)
+            await stream.aclose()
+        elif ending == "aborted":
+            with pytest.raises(StreamAborted):
+                await read_all(stream)
+        else:
+            assert decode(await read_all(stream), "mp3").duration > 0.25
+    (encoder,) = encoders
+    # A closed encoder takes no more audio: its codec was let go with the response, not left to the collector.
+    with pytest.raises(RuntimeError, match="finished"):
+        encoder.encode(np.zeros(CHUNK, dtype=np.float32))
 
 
 async def test_a_whole_response_comes_in_one_piece_and_a_failure_anywhere_is_its_status() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +59,14 @@ class StreamEncoder(Protocol):
 
     def finish(self) -> bytes:
         """Flush the resampler, the codec and the container trailer; return the last bytes."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the codec now, if :meth:`finish` has not: the response ended early.
+
+        An FFmpeg container left open holds its codec (up to several MiB for flac) in a reference
+        cycle that only Python's full garbage collection frees.
+        """
         ...
 
 
@@ -143,17 +152,26 @@ class _Encoder(ABC):
         self._resampler = _Resampler(input_sample_rate, output_sample_rate)
         self._output_rate = output_sample_rate
         self._finished = False
+        # A response cancelled while a worker thread encodes its chunk closes the encoder on the event
+        # loop: the close waits for that chunk instead of freeing the codec under it.
+        self._lock = threading.Lock()
 
     def encode(self, samples: NDArray[np.float32]) -> bytes:
-        if self._finished:
-            raise RuntimeError("encoder already finished")
-        return self._encode_output(self._resampler.process(samples))
+        with self._lock:
+            if self._finished:
+                raise RuntimeError("encoder already finished")
+            return self._encode_output(self._resampler.process(samples))
 
     def finish(self) -> bytes:
-        if self._finished:
-            raise RuntimeError("encoder already finished")
-        self._finished = True
-        return self._encode_output(self._resampler.flush()) + self._close()
+        with self._lock:
+            if self._finished:
+                raise RuntimeError("encoder already finished")
+            self._finished = True
+            return self._encode_output(self._resampler.flush()) + self._close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._finished = True
 
     @abstractmethod
     def _encode_output(self, samples: NDArray[np.float32]) -> bytes:
@@ -286,6 +304,12 @@ class _PyAVEncoder(_Encoder):
         if self._whole is not None:
             return self._whole.getvalue()
         return self._take()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._finished:
+                self._container.close()
+            self._finished = True
 
     def _take(self) -> bytes:
         return self._sink.drain() if self._sink is not None else b""

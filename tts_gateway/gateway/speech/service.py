@@ -246,24 +246,29 @@ class SpeechService:
         A failure before any audio is sent propagates (the response has not started). One after it
         (running past ``deadline`` included) aborts the response: :class:`StreamAborted`.
         """
-        encoder = create_encoder(plan.response_format, plan.model.sample_rate, streaming=not plan.whole)
-        held: list[bytes] = []
-        try:
-            async with contextlib.aclosing(self._audio(plan, progress)) as audio:
-                while (chunk := await self._next_chunk(audio, deadline)) is not None:
-                    progress.samples += chunk.size
-                    data = encoder.encode(chunk) if encoder.cheap else await asyncio.to_thread(encoder.encode, chunk)
-                    if plan.whole:
-                        held.append(data)
-                    elif data:
-                        yield data
-        except GatewayError as exc:
-            if progress.samples == 0 or plan.whole:
-                raise
-            raise StreamAborted(exc, progress.sentence) from exc
-        if progress.samples == 0:
-            raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
-        tail = encoder.finish() if encoder.cheap else await asyncio.to_thread(encoder.finish)
+        # Closed however the response ends: a client that leaves must not leave the codec to the garbage collector.
+        with contextlib.closing(
+            create_encoder(plan.response_format, plan.model.sample_rate, streaming=not plan.whole)
+        ) as encoder:
+            held: list[bytes] = []
+            try:
+                async with contextlib.aclosing(self._audio(plan, progress)) as audio:
+                    while (chunk := await self._next_chunk(audio, deadline)) is not None:
+                        progress.samples += chunk.size
+                        data = (
+                            encoder.encode(chunk) if encoder.cheap else await asyncio.to_thread(encoder.encode, chunk)
+                        )
+                        if plan.whole:
+                            held.append(data)
+                        elif data:
+                            yield data
+            except GatewayError as exc:
+                if progress.samples == 0 or plan.whole:
+                    raise
+                raise StreamAborted(exc, progress.sentence) from exc
+            if progress.samples == 0:
+                raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
+            tail = encoder.finish() if encoder.cheap else await asyncio.to_thread(encoder.finish)
         self._metrics.audio_seconds.labels(plan.model.id).inc(progress.samples / plan.model.sample_rate)
         if held or tail:
             yield b"".join([*held, tail])

@@ -344,6 +344,9 @@ class TextStreamSession:
             logger.exception("text stream context failed")
             await self._fail(self._ids(context), GatewayError("internal error", code="internal_error"))
             return
+        finally:
+            # An interrupted context's codec goes now, not with Python's next full garbage collection.
+            converter.close()
         if self._contexts.get(context.id) is context:
             del self._contexts[context.id]
             self._metrics.contexts.dec()

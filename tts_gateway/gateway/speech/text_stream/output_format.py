@@ -183,3 +183,8 @@ class AudioConverter:
         if self._encoder.cheap:
             return self._encoder.finish()
         return await asyncio.to_thread(self._encoder.finish)
+
+    def close(self) -> None:
+        """Let go of a compressed format's codec if :meth:`finish` has not: the audio ended early."""
+        if self._encoder is not None:
+            self._encoder.close()
