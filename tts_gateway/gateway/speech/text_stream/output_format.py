@@ -11,7 +11,6 @@ only: on the socket every message is a piece of one stream, which a header per c
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -22,6 +21,7 @@ import soxr
 from numpy.typing import NDArray
 
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat, StreamEncoder, create_encoder
+from tts_gateway.gateway.speech.audio_threads import run_audio_work
 
 Codec = Literal["pcm", "ulaw", "alaw", "mp3", "opus", "wav"]
 
@@ -174,7 +174,7 @@ class AudioConverter:
         """:meth:`convert`, on a worker thread where the codec is costly (mp3, Opus)."""
         if self.cheap:
             return self.convert(pcm, last=last)
-        return await asyncio.to_thread(self.convert, pcm, last=last)
+        return await run_audio_work(self.convert, pcm, last=last)
 
     async def finish(self) -> bytes:
         """What a compressed format's encoder still holds (empty for the others)."""
@@ -182,7 +182,7 @@ class AudioConverter:
             return b""
         if self._encoder.cheap:
             return self._encoder.finish()
-        return await asyncio.to_thread(self._encoder.finish)
+        return await run_audio_work(self._encoder.finish)
 
     def close(self) -> None:
         """Let go of a compressed format's codec if :meth:`finish` has not: the audio ended early."""
