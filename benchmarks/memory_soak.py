@@ -8,9 +8,10 @@ every response format, streamed and whole, and samples the resident memory of ev
 gateway, tritonserver, and each Python backend stub by the model it serves (`` shmem``: the part
 shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
 largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
-files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers). The load pauses for a rest after the
-warm-up (``--warmup`` minutes) and at the end; the report is each process's memory at those two
-rests, the growth between (the target: under 1 %), and its peak under load.
+files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers) and its thread count. The load pauses
+for a rest after the warm-up (``--warmup`` minutes) and at the end; the report is each process's
+memory at those two rests, the growth between (the target: under 1 %), its peak under load, and the
+threads at the two rests.
 
 The warm-up's first third sends only the longest input, from every listener at once: the pools (the
 tensor pool, CUDA's caching allocator, malloc's arenas) grow toward what the heaviest load needs
@@ -65,6 +66,8 @@ SAMPLE_EVERY_S = 5.0
 # Idle time after each load phase: memory at rest is what the comparison reads (the last sample).
 REST_S = 30.0
 REQUEST_TIMEOUT_S = 600.0
+# The suffix of a process's thread count among its samples.
+THREADS = " threads"
 # The row of the GPUs' memory in use, whoever holds it.
 DEVICE_LABEL = "all GPUs"
 # The share of the warm-up that sends only the longest input.
@@ -110,6 +113,15 @@ def rss_mib(pid: int) -> dict[str, float]:
         if key in fields:
             found[fields[key]] = int(value.split()[0]) / 1024
     return found
+
+
+def thread_count(pid: int) -> int:
+    """The threads of ``pid``: each keeps the deepest stack it touched resident."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == "Threads":
+            return int(value)
+    raise ValueError(f"no thread count for process {pid}")
 
 
 def cuda_mib() -> tuple[dict[int, int], int | None]:
@@ -175,6 +187,7 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
             for label, pid in labelled_processes(root, root_label).items():
                 try:
                     memory = rss_mib(pid)
+                    memory[THREADS] = thread_count(pid)
                 except (FileNotFoundError, ProcessLookupError):
                     continue
                 if pid in cuda:
@@ -354,7 +367,11 @@ def report(results: dict[str, Any], command: str) -> str:
     kinds = {"": "RSS", " own": "own", " shmem": "shared", " cuda": "CUDA"}
     processes = results["processes"]
     suffixes = tuple(suffix for suffix in kinds if suffix)
-    labels = {next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name) for name in processes}
+    labels = {
+        next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name)
+        for name in processes
+        if not name.endswith(THREADS)
+    }
     for label in sorted(labels):
         for suffix, kind in kinds.items():
             row = processes.get(label + suffix)
@@ -365,6 +382,13 @@ def report(results: dict[str, Any], command: str) -> str:
                 f"| {row['rss_rest_at_end_mib']:g} | {row['growth_after_warmup_pct']:+.2f} % "
                 f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
+    threads = [
+        f"{name.removesuffix(THREADS)} {row['rss_rest_after_warmup_mib']:g} → {row['rss_rest_at_end_mib']:g}"
+        for name, row in sorted(processes.items())
+        if name.endswith(THREADS)
+    ]
+    if threads:
+        lines += ["", "Threads at the two rests: " + "; ".join(threads) + "."]
     steps = results.get("memory_steps")
     if steps is not None:
         lines += ["", "What the models logged of their CUDA memory stepping up, with the work that took it:", ""]

@@ -6,11 +6,12 @@ import datetime
 import mmap
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
 
-from benchmarks.memory_soak import growth, memory_steps, report, rss_mib, soak_text
+from benchmarks.memory_soak import growth, memory_steps, report, rss_mib, soak_text, thread_count
 from benchmarks.server_processes import child_label
 
 
@@ -23,6 +24,18 @@ def test_a_process_own_memory_leaves_out_what_it_shares() -> None:
     assert after[" shmem"] - before[" shmem"] == pytest.approx(32, abs=1)
     assert after[""] - before[""] == pytest.approx(32, abs=8)
     assert after[" own"] - before[" own"] < 8
+
+
+def test_the_thread_count_counts_a_thread_that_starts() -> None:
+    before = thread_count(os.getpid())
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert thread_count(os.getpid()) == before + 1
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_growth_compares_the_rests_and_ignores_the_load_between() -> None:
@@ -74,10 +87,12 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
             "tritonserver shmem": row,
             "gateway": row,
             "gateway shmem": {**row, "rss_peak_mib": 0.0},
+            "gateway threads": {**row, "rss_rest_after_warmup_mib": 12, "rss_rest_at_end_mib": 14},
         },
     }
     text = report({**results, "memory_steps": []}, "python -m benchmarks.memory_soak")
     assert text.endswith("with the work that took it:\n\n- nothing\n")
+    assert "\nThreads at the two rests: gateway 12 → 14.\n" in text
     step = {"at_min": 8.8, "line": "token2wav: CUDA memory reserved rose from 1 to 2 MiB"}
     assert report({**results, "memory_steps": [step]}, "x").endswith(
         "\n- min 8.8: `token2wav: CUDA memory reserved rose from 1 to 2 MiB`\n"
