@@ -83,8 +83,10 @@ class ElevenLabsAudio:
         self._normalized = normalized
 
     async def aclose(self) -> None:
-        await self._stream.aclose()
-        self._converter.close()
+        try:
+            await self._stream.aclose()
+        finally:
+            self._converter.close()
 
     async def _converted(self) -> AsyncGenerator[tuple[ConvertedAudio, bool], None]:
         """The audio as converted, each piece with whether it is the last; the encoder's tail goes with the last.

@@ -14,6 +14,7 @@ a worker thread. Nothing is shared between instances.
 from __future__ import annotations
 
 import io
+import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -42,6 +43,8 @@ CONTENT_TYPES: Final[Mapping[AudioFormat, str]] = {
     "pcm": "audio/pcm",
 }
 
+logger = logging.getLogger(__name__)
+
 # Sizes written in a streamed WAV header: the length is unknown when it goes out.
 _STREAMING_WAV_SIZE: Final = 0xFFFFFFFF
 _BYTES_PER_SAMPLE: Final = 2
@@ -62,7 +65,7 @@ class StreamEncoder(Protocol):
         ...
 
     def close(self) -> None:
-        """Let go of the codec now, if :meth:`finish` has not: the response ended early.
+        """Let go of the codec now, if :meth:`finish` has not (the response ended early); never raises.
 
         An FFmpeg container left open holds its codec (up to several MiB for flac) in a reference
         cycle that only Python's full garbage collection frees.
@@ -307,9 +310,13 @@ class _PyAVEncoder(_Encoder):
 
     def close(self) -> None:
         with self._lock:
-            if not self._finished:
-                self._container.close()
             self._finished = True
+            try:
+                # Also after a finish() that failed before its own close; closing twice is harmless.
+                self._container.close()
+            except Exception:
+                # Called while the response unwinds: the error that ended it is the one to report.
+                logger.warning("closing an unfinished %s encoder failed", self._container.format.name, exc_info=True)
 
     def _take(self) -> bytes:
         return self._sink.drain() if self._sink is not None else b""
