@@ -303,6 +303,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             from tts_gateway.models.cosyvoice2.engines.cuda_memory import STEP_LOG_PREFIX
 
             steps = memory_steps(triton_log, STEP_LOG_PREFIX, result["started"])
+    rests = growth(result["samples"])
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -316,7 +317,16 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "started": result["started"].isoformat(timespec="seconds"),
         "requests": result["requests"],
         "first_byte_ms": result["first_byte_ms"],
-        "processes": growth(result["samples"]),
+        "processes": {name: row for name, row in rests.items() if not name.endswith(THREADS)},
+        "threads": {
+            name.removesuffix(THREADS): {
+                "rest_after_warmup": row["rss_rest_after_warmup_mib"],
+                "rest_at_end": row["rss_rest_at_end_mib"],
+                "peak": row["rss_peak_mib"],
+            }
+            for name, row in rests.items()
+            if name.endswith(THREADS)
+        },
         "memory_steps": steps,
         "samples": result["samples"],
     }
@@ -367,11 +377,7 @@ def report(results: dict[str, Any], command: str) -> str:
     kinds = {"": "RSS", " own": "own", " shmem": "shared", " cuda": "CUDA"}
     processes = results["processes"]
     suffixes = tuple(suffix for suffix in kinds if suffix)
-    labels = {
-        next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name)
-        for name in processes
-        if not name.endswith(THREADS)
-    }
+    labels = {next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name) for name in processes}
     for label in sorted(labels):
         for suffix, kind in kinds.items():
             row = processes.get(label + suffix)
@@ -383,9 +389,8 @@ def report(results: dict[str, Any], command: str) -> str:
                 f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
     threads = [
-        f"{name.removesuffix(THREADS)} {row['rss_rest_after_warmup_mib']:g} → {row['rss_rest_at_end_mib']:g}"
-        for name, row in sorted(processes.items())
-        if name.endswith(THREADS)
+        f"{name} {row['rest_after_warmup']:g} → {row['rest_at_end']:g}"
+        for name, row in sorted(results.get("threads", {}).items())
     ]
     if threads:
         lines += ["", "Threads at the two rests: " + "; ".join(threads) + "."]
