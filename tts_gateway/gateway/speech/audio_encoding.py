@@ -7,8 +7,9 @@ own), and returns encoded bytes as soon as
 the codec and container produce them. Compressed formats go through FFmpeg's
 encoders in PyAV; pcm and wav are written directly.
 
-An encoder instance belongs to one response and is not thread-safe; it may run in
-a worker thread. Nothing is shared between instances.
+An encoder instance belongs to one response, which encodes with it one call at a time,
+possibly on a worker thread; only ``close()`` may come from another thread meanwhile, and
+waits for the call under way. Nothing is shared between instances.
 """
 
 from __future__ import annotations
