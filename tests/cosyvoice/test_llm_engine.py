@@ -284,10 +284,24 @@ def test_a_token_stream_keeps_every_token_in_order_under_load() -> None:
         assert len(log) < 3000  # the lane fell behind and caught up with shared responses
 
 
+def _handle() -> GenerationHandle:
+    return GenerationHandle(Generation((1,), 1, 0, frozenset(), 1.0, 1.0, 0, 1.0), Recorder())
+
+
+def _asks(log: list[str], name: str, answer: bool) -> Callable[[], bool]:
+    """An ``is_cancelled`` that notes each ask in ``log`` under ``name``."""
+
+    def is_cancelled() -> bool:
+        log.append(name)
+        return answer
+
+    return is_cancelled
+
+
 def test_a_forgotten_request_is_never_asked_about_again() -> None:
     # Asking Triton about a request whose final response was sent reads freed memory in the server:
     # forget() must wait for a check under way and no check may follow it.
-    watch = CancellationWatch("test", interval_s=0.001)
+    watch = CancellationWatch("test", min_interval_s=0.001)
     asking, answer = threading.Event(), threading.Event()
     asked_after_forget: list[bool] = []
     forgotten = threading.Event()
@@ -298,7 +312,7 @@ def test_a_forgotten_request_is_never_asked_about_again() -> None:
         answer.wait(5)
         return False
 
-    handle = GenerationHandle(Generation((1,), 1, 0, frozenset(), 1.0, 1.0, 0, 1.0), Recorder())
+    handle = _handle()
     watch.watch(handle, is_cancelled)
     assert asking.wait(5)
     forgetting = threading.Thread(target=lambda: (watch.forget(handle), forgotten.set()))
@@ -311,6 +325,33 @@ def test_a_forgotten_request_is_never_asked_about_again() -> None:
     time.sleep(0.05)
     watch.close()
     assert asked_after_forget and not any(asked_after_forget)
+
+
+def test_the_watch_asks_within_its_budget_however_many_requests_are_in_flight() -> None:
+    # Every ask takes the interpreter lock from the engine's thread: 20 requests asked every 1 ms
+    # would be 20,000 asks a second; the budget keeps it at 100 and still reaches every request.
+    watch = CancellationWatch("test", min_interval_s=0.001, checks_per_s=100)
+    asked: list[str] = []
+    for index in range(20):
+        watch.watch(_handle(), _asks(asked, str(index), answer=False))
+    time.sleep(1.0)
+    watch.close()
+    assert len(asked) <= 150
+    assert set(asked) == {str(index) for index in range(20)}
+
+
+def test_the_watch_cancels_a_request_triton_cancelled_and_asks_no_more_about_it() -> None:
+    watch = CancellationWatch("test", min_interval_s=0.001)
+    kept, dropped = _handle(), _handle()
+    asked: list[str] = []
+    watch.watch(kept, _asks(asked, "kept", answer=False))
+    watch.watch(dropped, _asks(asked, "dropped", answer=True))
+    deadline = time.monotonic() + 5
+    while asked.count("kept") < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watch.close()
+    assert dropped.cancelled and not kept.cancelled
+    assert asked.count("dropped") == 1 and asked.count("kept") >= 10
 
 
 def test_a_gate_holding_the_engine_back_delays_tokens_but_does_not_change_them(tmp_path: Path) -> None:

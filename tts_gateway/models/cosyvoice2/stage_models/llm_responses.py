@@ -3,9 +3,9 @@
 The engine's thread must not wait on Triton: every response a Python-backend model sends and every
 ``is_cancelled()`` it asks is a round trip to the server process. :class:`Outbox` sends from
 threads of its own, each request's in order; :class:`TokenStream` puts the tokens that queued
-while a request's lane was busy into one response; :class:`CancellationWatch` asks each request in flight every
-``interval_s`` and cancels its engine handle when Triton says so, so that the engine drops the
-request at its next step without asking anything itself. All three take plain callables, so they
+while a request's lane was busy into one response; :class:`CancellationWatch` asks each request in flight
+in turn and cancels its engine handle when Triton says so, so that the engine drops the request at
+its next step without asking anything itself. All three take plain callables, so they
 run (and are tested) without Triton.
 """
 
@@ -98,20 +98,33 @@ class TokenStream:
 
 
 class CancellationWatch:
-    """Cancels engine handles whose Triton request was cancelled, checking every ``interval_s``.
+    """Cancels engine handles whose Triton request was cancelled, asking about each in turn.
+
+    Each ask is a round trip to the server that gives the interpreter lock up and takes it back, and the
+    engine's thread, which gives the lock up at every torch call, pays for each time another thread takes
+    it. So the watch asks at most ``checks_per_s`` times a second over all requests, and each request
+    every ``min_interval_s`` while that allows: a cancellation is noticed within 20 ms up to 6 requests,
+    within 200 ms at 64. On one H200 at 64 text streams, asking every 20 ms (3,200 asks a second) left
+    0.79-1.05 pauses per utterance and a decode step every 16.3-17.2 ms, asking every 200 ms 0.62-0.68
+    and 15.0-16.8 ms.
 
     Asking about a request whose final response was sent reaches freed memory in the server
     (the response factory is gone), so :meth:`forget` returns only once no check of that request
     runs, and none runs after it: forget a request before its final response is sent.
     """
 
-    def __init__(self, name: str, interval_s: float = 0.02) -> None:
-        self._interval_s = interval_s
+    def __init__(self, name: str, min_interval_s: float = 0.02, checks_per_s: float = 320.0) -> None:
+        self._min_interval_s = min_interval_s
+        self._checks_per_s = checks_per_s
         self._watched: dict[GenerationHandle, Callable[[], bool]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-cancel", daemon=True)
         self._thread.start()
+
+    def interval_s(self, watched: int) -> float:
+        """Seconds between two asks about one request while ``watched`` requests are in flight."""
+        return max(self._min_interval_s, watched / self._checks_per_s)
 
     def watch(self, handle: GenerationHandle, is_cancelled: Callable[[], bool]) -> None:
         with self._lock:
@@ -127,7 +140,8 @@ class CancellationWatch:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        handles: list[GenerationHandle] = []
+        while not self._stop.wait(self.interval_s(len(handles))):
             with self._lock:
                 handles = list(self._watched)
             for handle in handles:
