@@ -9,7 +9,12 @@ import time
 
 import pytest
 
-from tts_gateway.gateway.speech.audio_threads import MAX_AUDIO_THREADS, audio_thread_count, run_audio_work
+from tts_gateway.gateway.speech.audio_threads import (
+    MAX_AUDIO_THREADS,
+    audio_thread_count,
+    run_audio_work,
+    run_audio_work_unless_cheap,
+)
 
 REQUEST = contextvars.ContextVar("request", default="none")
 
@@ -42,3 +47,11 @@ async def test_the_default_pool_is_left_to_the_gateways_other_blocking_calls() -
     await run_audio_work(thread_and_request, 0.0)
     name, _ = await asyncio.to_thread(thread_and_request, 0.0)
     assert not name.startswith("audio")
+
+
+async def test_cheap_work_runs_here_and_costly_work_on_the_pool() -> None:
+    REQUEST.set("r")
+    here, _ = await run_audio_work_unless_cheap(True, thread_and_request, 0.0)
+    pooled = await run_audio_work_unless_cheap(False, thread_and_request, 0.0)
+    assert here == threading.current_thread().name
+    assert pooled[0].startswith("audio") and pooled[1] == "r"

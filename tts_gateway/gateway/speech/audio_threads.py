@@ -46,3 +46,11 @@ async def run_audio_work(work: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     context = contextvars.copy_context()
     call = functools.partial(context.run, work, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(_pool(), call)
+
+
+async def run_audio_work_unless_cheap(cheap: bool, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``work(*args, **kwargs)`` right here when it is ``cheap`` (a hop to a thread and back would cost
+    more than the work: raw PCM, wav), else on the audio pool (:func:`run_audio_work`)."""
+    if cheap:
+        return work(*args, **kwargs)
+    return await run_audio_work(work, *args, **kwargs)

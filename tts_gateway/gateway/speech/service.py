@@ -44,7 +44,7 @@ from tts_gateway.gateway.request_ids import current_request_id
 from tts_gateway.gateway.speech.admission import AdmissionControl, Slot
 from tts_gateway.gateway.speech.audio_encoding import create_encoder
 from tts_gateway.gateway.speech.audio_queue import AudioQueue
-from tts_gateway.gateway.speech.audio_threads import run_audio_work
+from tts_gateway.gateway.speech.audio_threads import run_audio_work, run_audio_work_unless_cheap
 from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
 from tts_gateway.gateway.speech.plan import SpeechPlan
 from tts_gateway.gateway.speech.time_stretch import TimeStretcher
@@ -256,7 +256,7 @@ class SpeechService:
                 async with contextlib.aclosing(self._audio(plan, progress)) as audio:
                     while (chunk := await self._next_chunk(audio, deadline)) is not None:
                         progress.samples += chunk.size
-                        data = encoder.encode(chunk) if encoder.cheap else await run_audio_work(encoder.encode, chunk)
+                        data = await run_audio_work_unless_cheap(encoder.cheap, encoder.encode, chunk)
                         if plan.whole:
                             held.append(data)
                         elif data:
@@ -267,7 +267,7 @@ class SpeechService:
                 raise StreamAborted(exc, progress.sentence) from exc
             if progress.samples == 0:
                 raise InvalidRequestError("input contains nothing to speak", param="input", code="nothing_to_speak")
-            tail = encoder.finish() if encoder.cheap else await run_audio_work(encoder.finish)
+            tail = await run_audio_work_unless_cheap(encoder.cheap, encoder.finish)
         self._metrics.audio_seconds.labels(plan.model.id).inc(progress.samples / plan.model.sample_rate)
         if held or tail:
             yield b"".join([*held, tail])

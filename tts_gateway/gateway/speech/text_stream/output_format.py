@@ -21,7 +21,7 @@ import soxr
 from numpy.typing import NDArray
 
 from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE, AudioFormat, StreamEncoder, create_encoder
-from tts_gateway.gateway.speech.audio_threads import run_audio_work
+from tts_gateway.gateway.speech.audio_threads import run_audio_work_unless_cheap
 
 Codec = Literal["pcm", "ulaw", "alaw", "mp3", "opus", "wav"]
 
@@ -172,17 +172,13 @@ class AudioConverter:
 
     async def convert_async(self, pcm: bytes, *, last: bool = False) -> ConvertedAudio:
         """:meth:`convert`, on a worker thread where the codec is costly (mp3, Opus)."""
-        if self.cheap:
-            return self.convert(pcm, last=last)
-        return await run_audio_work(self.convert, pcm, last=last)
+        return await run_audio_work_unless_cheap(self.cheap, self.convert, pcm, last=last)
 
     async def finish(self) -> bytes:
         """What a compressed format's encoder still holds (empty for the others)."""
         if self._encoder is None:
             return b""
-        if self._encoder.cheap:
-            return self._encoder.finish()
-        return await run_audio_work(self._encoder.finish)
+        return await run_audio_work_unless_cheap(self._encoder.cheap, self._encoder.finish)
 
     def close(self) -> None:
         """Let go of a compressed format's codec if :meth:`finish` has not: the audio ended early."""
