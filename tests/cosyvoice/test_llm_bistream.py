@@ -135,13 +135,13 @@ def upstream_tokens(model: Any, prompt_text: list[int], prompt_speech: list[int]
 
 
 def open_stream(
-    llm: TorchSpeechLLM, prompt_text: list[int], prompt_speech: list[int]
+    llm: TorchSpeechLLM, prompt_text: list[int], prompt_speech: list[int], params: SamplingParams = GREEDY
 ) -> tuple[Recorder, TextStreamHandle]:
     recorder = Recorder()
     handle = llm.open_stream(
         prompt_text,
         vocab.speech_tokens_to_ids(prompt_speech),
-        GREEDY,
+        params,
         max_new_tokens=TOKENS,
         stop_ids=vocab.STOP_IDS,
         sink=recorder,
@@ -198,6 +198,61 @@ def test_text_given_at_once_gives_the_same_sequence(llm: TorchSpeechLLM, upstrea
     handle.end_text()
     assert recorder.done.wait(60)
     assert recorder.tokens == expected
+
+
+def test_rounds_whose_text_is_there_continue_in_their_row(
+    llm: TorchSpeechLLM, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the text ahead, every round (the first, ended by a drawn fill, and the later ones, by the
+    # 15th speech id) is fed by decode steps in the stream's row: no extend pass, no leaving the row.
+    engine = llm.engine
+    left: list[int] = []
+    in_place: list[bool] = []
+    park, feed = engine._park, engine._feed_in_place
+
+    def counted_park(handle: TextStreamHandle) -> None:
+        left.append(handle.since_input)
+        park(handle)
+
+    def counted_feed(handle: TextStreamHandle, token_id: int) -> bool:
+        in_place.append(feed(handle, token_id))
+        return in_place[-1]
+
+    monkeypatch.setattr(engine, "_park", counted_park)
+    monkeypatch.setattr(engine, "_feed_in_place", counted_feed)
+    monkeypatch.setattr(engine, "_round_logits", lambda *_: pytest.fail("an extend pass ran"))
+    expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
+    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
+    handle.add_text(TEXT)
+    handle.end_text()
+    assert recorder.done.wait(60)
+    assert recorder.error is None
+    assert recorder.tokens == expected
+    assert left == []
+    # Every round after the first and the final stage.
+    assert len(in_place) >= len(TEXT) // 5 and all(in_place)
+
+
+def test_a_round_fed_in_place_samples_as_one_fed_by_an_extend_pass(
+    llm: TorchSpeechLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sampled with a seed and a repetition penalty: the dropped draws of the steps that feed a round's
+    # input must neither advance the row's random stream nor count as seen, or the sequences part.
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.5, seed=1234)
+
+    def tokens() -> list[int]:
+        recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH, params)
+        handle.add_text(TEXT)
+        handle.end_text()
+        assert recorder.done.wait(60)
+        assert recorder.error is None
+        return recorder.tokens
+
+    in_place = tokens()
+    monkeypatch.setattr(llm.engine, "_feed_in_place", lambda *_: False)
+    extended = tokens()
+    assert len(in_place) > 30
+    assert in_place == extended
 
 
 def test_waiting_streams_leave_their_slots_to_other_requests(llm: TorchSpeechLLM) -> None:

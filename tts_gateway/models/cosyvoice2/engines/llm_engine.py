@@ -17,12 +17,16 @@ stays within the request's positions. On the CPU the same loop runs eagerly at t
 exact batch size.
 
 A text stream (:meth:`BatchingEngine.open_stream`) is a request whose text arrives while it
-generates, laid out as :mod:`.llm_bistream` says: its first input (the voice prompt) is a prefill,
-each later round's input (a few text tokens) is appended to its slot by an extend pass, recorded
-like the decode steps per batch-size bucket and span, for all streams whose round starts between
-the same two steps; then the round decodes with the batch. When a round ends and its next text is
-not there yet, the stream leaves its slot: its cache positions are copied aside and the slot serves
-other requests until the text (or its end) arrives.
+generates, laid out as :mod:`.llm_bistream` says: its first input (the voice prompt) is a prefill.
+When a round ends and its next text is already there, the stream keeps its row and the decode steps
+feed that input, one id a step, their draws dropped until the last (:meth:`BatchingEngine._feed_in_place`):
+a round then costs the engine's thread what a plain request's tokens cost, where leaving the row
+and coming back took it milliseconds a step at 64 streams (copying the cache aside and back,
+reloading the sampling row, an extend pass of its own). When the next text is not there yet,
+the stream leaves its slot: its cache positions are copied aside and the slot serves other requests
+until the text (or its end) arrives; it then comes back through an extend pass, recorded like the
+decode steps per batch-size bucket and span, shared by all streams whose round starts between the
+same two steps.
 
 A prefill or extend pass is launched like a decode step: its first ids are copied out and handed out
 after the step in flight, so starting a request never waits for the GPU.
@@ -167,6 +171,10 @@ class TextStreamHandle(GenerationHandle):
     seen: set[int] = field(default_factory=set)
     saved: Tensor | None = None
     feed: list[int] = field(default_factory=list)
+    # A round's input fed in place, by decode steps: the ids still to feed, and how many of the draws
+    # to land next are dropped (each step's but the last forced one's, and the step in flight's).
+    forcing: list[int] = field(default_factory=list)
+    dropping: int = 0
 
     def add_text(self, ids: Sequence[int]) -> None:
         """Append text token ids; ValueError after :meth:`end_text`."""
@@ -194,6 +202,8 @@ class _Rows:
         self.tokens = vector(torch.int64)
         self.positions = vector(torch.int64)
         self.drawn = vector(torch.int64)
+        # Rows whose step feeds a forced id: their draw is dropped, so it neither counts nor is seen.
+        self.forced = vector(torch.bool)
         self.sampling = SamplingRows(
             temperature=vector(torch.float32),
             top_k=vector(torch.int64),
@@ -213,6 +223,7 @@ class _Rows:
             self.tokens,
             self.positions,
             self.drawn,
+            self.forced,
             s.temperature,
             s.top_k,
             s.top_p,
@@ -296,6 +307,8 @@ class BatchingEngine:
         self._cuda = self._device.type == "cuda"
         self._host_ids = [torch.zeros(self.slots, dtype=torch.int64, pin_memory=self._cuda) for _ in range(2)]
         self._next_host = 0
+        # Whether the last decode step fed a forced id in some row: the next one clears the rows' marks.
+        self._forced_last = False
         self._sample = sample
         if compile_backend:
             self._compile(compile_backend)
@@ -441,7 +454,8 @@ class BatchingEngine:
             if stream.cancelled:
                 dropped.append(stream)
             elif len(self._live) + len(resumed) < self.slots:
-                feed = stream.layout.next_feed()
+                # A stream whose feed could not go in place took it from its layout already.
+                feed = stream.feed or stream.layout.next_feed()
                 if feed is None:
                     continue
                 stream.feed = feed
@@ -671,6 +685,7 @@ class BatchingEngine:
         s.allowed[row] = allowed
         s.stops[row] = stops
         s.seen[row] = seen_row
+        self._rows.forced[row : row + 1].fill_(False)
 
     def _advance(self, logits: Tensor, start: int, stop: int) -> None:
         """Sample rows ``start..stop-1`` and prepare their next step; device work only."""
@@ -680,8 +695,10 @@ class BatchingEngine:
         drawn = self._columns[chosen]
         r.drawn[start:stop] = drawn
         r.tokens[start:stop] = drawn
-        window.seen.scatter_(1, chosen.unsqueeze(1), True)
-        window.steps.add_(1)
+        kept = ~r.forced[start:stop]
+        index = chosen.unsqueeze(1)
+        window.seen.scatter_(1, index, window.seen.gather(1, index) | kept.unsqueeze(1))
+        window.steps.add_(kept.long())
 
     def _decode(self, rows: int, span: int) -> None:
         r = self._rows
@@ -699,6 +716,7 @@ class BatchingEngine:
             end = max(end, handle.origin + handle.launched + 1)
             handle.launched += 1
         span = self._decoder.span_for(end)
+        self._force_inputs()
         graph = self._graphs.get((bucket, span))
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
         if events is not None:
@@ -720,6 +738,27 @@ class BatchingEngine:
             eager_s=time.perf_counter() - started,
             launched_at=started,
         )
+
+    def _force_inputs(self) -> None:
+        """Before a decode step: rows feeding a round's input in place get their next id, and every row
+        is marked whether its draw is dropped (all but the input's last id). Queued after the step in
+        flight, which writes its own draws into the rows' inputs."""
+        forcing = [
+            (row, handle)
+            for row, handle in enumerate(self._live)
+            if isinstance(handle, TextStreamHandle) and handle.forcing
+        ]
+        if not forcing and not self._forced_last:
+            return
+        marks = torch.zeros(len(self._live), dtype=torch.bool)
+        if forcing:
+            rows_ids = torch.tensor([[row, handle.forcing.pop(0)] for row, handle in forcing], dtype=torch.int64)
+            for row, handle in forcing:
+                marks[row] = bool(handle.forcing)
+            rows_ids = self._to_device(rows_ids)
+            self._rows.tokens.index_copy_(0, rows_ids[:, 0], rows_ids[:, 1])
+        self._rows.forced[: len(self._live)] = self._to_device(marks)
+        self._forced_last = bool(forcing)
 
     def _land(self, step: _Launched, period: float | None = None) -> None:
         """Wait for a launched step's ids and hand them out; rows whose request ended meanwhile are skipped.
@@ -754,11 +793,17 @@ class BatchingEngine:
                 ended.append(handle)
                 continue
             if isinstance(handle, TextStreamHandle):
+                if handle.dropping:
+                    handle.dropping -= 1
+                    continue
                 handle.drawn += 1
                 handle.since_input += 1
                 handle.seen.add(_COLUMN_OF[token_id])
                 if not handle.layout.on_token(token_id):
-                    (ended if handle.layout.stage is Stage.DONE else parked).append(handle)
+                    if handle.layout.stage is Stage.DONE:
+                        ended.append(handle)
+                    elif not self._feed_in_place(handle, token_id):
+                        parked.append(handle)
                     continue
             elif token_id in request.stop_ids:
                 ended.append(handle)
@@ -774,13 +819,45 @@ class BatchingEngine:
                 _log.exception("a token sink failed; cancelling its request")
                 handle.cancel()
             if isinstance(handle, TextStreamHandle) and handle.layout.stage is Stage.WAITING:
-                parked.append(handle)
+                if not self._feed_in_place(handle, token_id):
+                    parked.append(handle)
             elif handle.produced >= request.max_new_tokens or self._out_of_positions(handle):
                 ended.append(handle)
         for handle in ended:
             self._release(handle)
         for stream in parked:
             self._park(stream)
+
+    def _feed_in_place(self, handle: TextStreamHandle, token_id: int) -> bool:
+        """Start a stream's next round in its row if its input is there: the next decode steps feed it.
+
+        ``token_id`` ended the round; the step in flight fed it at the stream's next position. A speech id
+        is owed to the cache anyway (the input starts with it), so the rest follows it; a drawn fill is
+        not input, so the input overwrites its position. Either way the rows' sampling state is loaded
+        as an extend pass would load it, and the draws before the input's last id are dropped. Returns
+        False where the stream must leave its row: no input yet, or one longer than an extend pass takes
+        (its feed then waits on the handle for the pass).
+        """
+        with self._wake:
+            feed = None if handle.cancelled else handle.layout.next_feed()
+        if feed is None:
+            return False
+        owed = token_id != FILL_ID
+        position = handle.origin + handle.since_input - (0 if owed else 1)
+        forced = feed[1:] if owed else feed
+        if not 0 < len(forced) <= EXTEND_WIDTH or position + len(forced) >= self._decoder.max_len:
+            handle.feed = feed
+            return False
+        row = self._live.index(handle)
+        self._load_stream_row(row, handle)
+        self._rows.positions[row : row + 1].fill_(position)
+        handle.seen.update(_COLUMN_OF[i] for i in feed if i in _COLUMN_OF)
+        handle.forcing = forced
+        handle.dropping = len(forced)
+        handle.cached = handle.origin = position + len(forced)
+        handle.launched = -len(forced)
+        handle.since_input = 0
+        return True
 
     def _out_of_positions(self, handle: GenerationHandle) -> bool:
         """Whether a text stream's next step would write past the cache (a plain request's length is
