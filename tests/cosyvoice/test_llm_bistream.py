@@ -22,7 +22,7 @@ import logging
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ from transformers import DynamicCache, Qwen2ForCausalLM
 
 from tests.cosyvoice.test_llm_engine import FailsOnToken, Recorder
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
+from tts_gateway.models.cosyvoice2.engines import llm_engine
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
-from tts_gateway.models.cosyvoice2.engines.llm_bistream import FILL_ID
+from tts_gateway.models.cosyvoice2.engines.llm_bistream import FILL_ID, SPEECH_PER_ROUND
 from tts_gateway.models.cosyvoice2.engines.llm_engine import TextStreamHandle
 from tts_gateway.models.cosyvoice2.model import vocab
 
@@ -135,18 +136,32 @@ def upstream_tokens(model: Any, prompt_text: list[int], prompt_speech: list[int]
 
 
 def open_stream(
-    llm: TorchSpeechLLM, prompt_text: list[int], prompt_speech: list[int], params: SamplingParams = GREEDY
+    llm: TorchSpeechLLM,
+    prompt_text: list[int],
+    prompt_speech: list[int],
+    params: SamplingParams = GREEDY,
+    max_new_tokens: int = TOKENS,
 ) -> tuple[Recorder, TextStreamHandle]:
     recorder = Recorder()
     handle = llm.open_stream(
         prompt_text,
         vocab.speech_tokens_to_ids(prompt_speech),
         params,
-        max_new_tokens=TOKENS,
+        max_new_tokens=max_new_tokens,
         stop_ids=vocab.STOP_IDS,
         sink=recorder,
     )
     return recorder, handle
+
+
+def whole_text_tokens(llm: TorchSpeechLLM, params: SamplingParams = GREEDY, max_new_tokens: int = TOKENS) -> list[int]:
+    """The tokens of a stream (the test voice) given all its text at once, to its end."""
+    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH, params, max_new_tokens)
+    handle.add_text(TEXT)
+    handle.end_text()
+    assert recorder.done.wait(60)
+    assert recorder.error is None
+    return recorder.tokens
 
 
 def assert_both_slots_serve(llm: TorchSpeechLLM) -> None:
@@ -193,11 +208,7 @@ def test_pieces_give_upstreams_token_sequence(
 
 def test_text_given_at_once_gives_the_same_sequence(llm: TorchSpeechLLM, upstream: Any) -> None:
     expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
-    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
-    handle.add_text(TEXT)
-    handle.end_text()
-    assert recorder.done.wait(60)
-    assert recorder.tokens == expected
+    assert whole_text_tokens(llm) == expected
 
 
 def test_rounds_whose_text_is_there_continue_in_their_row(
@@ -214,20 +225,15 @@ def test_rounds_whose_text_is_there_continue_in_their_row(
         left.append(handle.since_input)
         park(handle)
 
-    def counted_feed(handle: TextStreamHandle, token_id: int) -> bool:
-        in_place.append(feed(handle, token_id))
+    def counted_feed(handle: TextStreamHandle, token_id: int, *, in_flight: bool) -> bool:
+        in_place.append(feed(handle, token_id, in_flight=in_flight))
         return in_place[-1]
 
     monkeypatch.setattr(engine, "_park", counted_park)
     monkeypatch.setattr(engine, "_feed_in_place", counted_feed)
     monkeypatch.setattr(engine, "_round_logits", lambda *_: pytest.fail("an extend pass ran"))
     expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
-    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
-    handle.add_text(TEXT)
-    handle.end_text()
-    assert recorder.done.wait(60)
-    assert recorder.error is None
-    assert recorder.tokens == expected
+    assert whole_text_tokens(llm) == expected
     assert left == []
     # Every round after the first and the final stage.
     assert len(in_place) >= len(TEXT) // 5 and all(in_place)
@@ -240,19 +246,96 @@ def test_a_round_fed_in_place_samples_as_one_fed_by_an_extend_pass(
     # input must neither advance the row's random stream nor count as seen, or the sequences part.
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.5, seed=1234)
 
-    def tokens() -> list[int]:
-        recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH, params)
-        handle.add_text(TEXT)
-        handle.end_text()
-        assert recorder.done.wait(60)
-        assert recorder.error is None
-        return recorder.tokens
-
-    in_place = tokens()
-    monkeypatch.setattr(llm.engine, "_feed_in_place", lambda *_: False)
-    extended = tokens()
+    in_place = whole_text_tokens(llm, params)
+    monkeypatch.setattr(llm.engine, "_feed_in_place", lambda *_, **__: False)
+    extended = whole_text_tokens(llm, params)
     assert len(in_place) > 30
     assert in_place == extended
+
+
+class EveryNthStepGate:
+    """Yields the GPU before every ``every``-th step: the engine then hands out the steps in flight before
+    it launches the next, so a round can end with no step of its row in flight."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.asked = 0
+        self.waits = 0
+
+    def busy(self, produced: Sequence[int]) -> bool:
+        self.asked += 1
+        return self.asked % self.every == 0
+
+    def wait(self, stop: Callable[[], bool]) -> float:
+        self.waits += 1
+        return 0.0
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+@pytest.mark.parametrize("every", [1, 3])
+def test_rounds_fed_in_place_while_the_engine_yields_give_upstreams_sequence(
+    llm_dir: Path, upstream: Any, every: int, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
+    gate = EveryNthStepGate(every)
+    model = TorchSpeechLLM(llm_dir, device=device, max_slots=2, max_seq_len=512, gate=gate)
+    engine = model.engine
+    started: list[bool] = []
+    feed = engine._feed_in_place
+
+    def counted_feed(handle: TextStreamHandle, token_id: int, *, in_flight: bool) -> bool:
+        fed = feed(handle, token_id, in_flight=in_flight)
+        if fed:
+            started.append(in_flight)
+        return fed
+
+    monkeypatch.setattr(engine, "_feed_in_place", counted_feed)
+    try:
+        assert whole_text_tokens(model) == expected
+    finally:
+        model.close()
+    assert gate.waits > 0
+    # Rounds started in place with no step of the row in flight (and, yielding every third step, with one).
+    assert False in started and (every == 1 or True in started)
+
+
+def test_a_round_too_long_to_feed_in_place_comes_back_through_an_extend_pass(
+    llm: TorchSpeechLLM, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every round's input is then longer than the engine feeds in place: the stream leaves its row with
+    # the input it already took from its layout, and the extend pass feeds that input.
+    monkeypatch.setattr(llm_engine, "EXTEND_WIDTH", 4)
+    engine = llm.engine
+    taken: list[int] = []
+    park = engine._park
+
+    def counted_park(handle: TextStreamHandle) -> None:
+        taken.append(len(handle.feed))
+        park(handle)
+
+    monkeypatch.setattr(engine, "_park", counted_park)
+    expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
+    assert whole_text_tokens(llm) == expected
+    assert len(taken) >= 5 and all(length > 4 for length in taken)
+
+
+def test_a_stream_whose_limit_falls_on_a_rounds_end_stops_there(
+    llm: TorchSpeechLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = llm.engine
+    round_ends: list[int] = []
+    feed = engine._feed_in_place
+
+    def counted_feed(handle: TextStreamHandle, token_id: int, *, in_flight: bool) -> bool:
+        round_ends.append(handle.produced)
+        return feed(handle, token_id, in_flight=in_flight)
+
+    monkeypatch.setattr(engine, "_feed_in_place", counted_feed)
+    tokens = whole_text_tokens(llm)
+    # Early rounds end on a drawn fill; once one has, the fill is forced after every 15th speech id. A
+    # limit set on such an id ends the stream with it instead of starting another round.
+    limit = next(end for before, end in itertools.pairwise(round_ends) if end - before == SPEECH_PER_ROUND)
+    assert whole_text_tokens(llm, max_new_tokens=limit) == tokens[:limit]
 
 
 def test_waiting_streams_leave_their_slots_to_other_requests(llm: TorchSpeechLLM) -> None:

@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.cosyvoice.test_llm_bistream import PROMPT_SPEECH, PROMPT_TEXT, TEXT, open_stream, write_llm_that_fills
+from tests.cosyvoice.test_llm_bistream import (
+    PROMPT_SPEECH,
+    PROMPT_TEXT,
+    TEXT,
+    open_stream,
+    wait_idle,
+    write_llm_that_fills,
+)
 from tests.cosyvoice.test_llm_engine import GREEDY, SAMPLED, submit
 from tts_gateway.models.cosyvoice2.checkpoints import tiny_frontend
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
@@ -133,28 +140,42 @@ def test_a_compile_that_fails_says_how_to_run_without(llm_dir: Path) -> None:
 
 
 def test_rounds_of_a_compiled_engine_compile_nothing_after_load(tmp_path: Path) -> None:
-    # Each round's first draw samples logits copied out of the extend pass's buffer (recorded on CUDA,
-    # the same buffer on the CPU): a sampler compiled again there would stall every round while serving.
+    # A round that comes back through an extend pass draws from logits copied out of the pass's buffer
+    # (recorded on CUDA, the same buffer on the CPU), one fed in place from the decode steps' with rows
+    # marked forced: a sampler compiled again for either would stall every round while serving.
     llm_dir = write_llm_that_fills(tmp_path / "cosyvoice2_llm")
     compiled = TorchSpeechLLM(llm_dir, max_slots=2, max_seq_len=512, compile_backend="aot_eager")
     loaded = _compiled_graphs()
+    engine = compiled.engine
     rounds: list[int] = []
-    extend = compiled.engine._round_logits
+    in_place: list[bool] = []
+    extend, feed = engine._round_logits, engine._feed_in_place
 
-    def counted(first: int, handles: Sequence[TextStreamHandle]) -> torch.Tensor:
+    def counted_extend(first: int, handles: Sequence[TextStreamHandle]) -> torch.Tensor:
         rounds.append(len(handles))
         return extend(first, handles)
 
-    compiled.engine._round_logits = counted  # type: ignore[method-assign]
+    def counted_feed(handle: TextStreamHandle, token_id: int, *, in_flight: bool) -> bool:
+        in_place.append(feed(handle, token_id, in_flight=in_flight))
+        return in_place[-1]
+
+    engine._round_logits = counted_extend  # type: ignore[method-assign]
+    engine._feed_in_place = counted_feed  # type: ignore[method-assign]
     try:
-        streams = [open_stream(compiled, PROMPT_TEXT, PROMPT_SPEECH) for _ in range(2)]
-        for _, handle in streams:
-            handle.add_text(TEXT)
-            handle.end_text()
-        for recorder, _ in streams:
+        # One stream given its whole text (its rounds fed in place), one given pieces it waits for (its
+        # rounds come back through extend passes).
+        whole, whole_handle = open_stream(compiled, PROMPT_TEXT, PROMPT_SPEECH)
+        whole_handle.add_text(TEXT)
+        whole_handle.end_text()
+        pieces, pieces_handle = open_stream(compiled, PROMPT_TEXT, PROMPT_SPEECH)
+        for start in range(0, len(TEXT), 4):
+            pieces_handle.add_text(TEXT[start : start + 4])
+            wait_idle(pieces)
+        pieces_handle.end_text()
+        for recorder in (whole, pieces):
             assert recorder.done.wait(120)
             assert recorder.error is None
     finally:
         compiled.close()
-    assert rounds
+    assert rounds and True in in_place
     assert _compiled_graphs() == loaded
