@@ -172,7 +172,8 @@ class TextStreamHandle(GenerationHandle):
     saved: Tensor | None = None
     feed: list[int] = field(default_factory=list)
     # A round's input fed in place, by decode steps: the ids still to feed, and how many of the draws
-    # to land next are dropped (each step's but the last forced one's, and the step in flight's).
+    # to land next are dropped (each forced step's but the last one's, and that of a step that was in
+    # flight when the round ended).
     forcing: list[int] = field(default_factory=list)
     dropping: int = 0
 
@@ -803,7 +804,8 @@ class BatchingEngine:
                 handle.since_input += 1
                 handle.seen.add(_COLUMN_OF[token_id])
                 if not handle.layout.on_token(token_id):
-                    if handle.layout.stage is Stage.DONE:
+                    # A drawn fill at the last position ends the stream as a speech id there does (below).
+                    if handle.layout.stage is Stage.DONE or self._out_of_positions(handle):
                         ended.append(handle)
                     elif not self._feed_in_place(handle, token_id, in_flight=in_flight):
                         parked.append(handle)
