@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tts_gateway.gateway.embedded.cuda_mps import CudaMps
+from tts_gateway.gateway.embedded.fleet import embedded_servers
+from tts_gateway.gateway.embedded.gpu_devices import server_gpus
 from tts_gateway.gateway.embedded.server import EmbeddedTriton
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import CheckpointSize, ensure_checkpoint, full_size
 from tts_gateway.models.cosyvoice2.checkpoints.tiny_checkpoint import tiny_size
@@ -70,8 +71,18 @@ def cosyvoice2_triton(
     _, written = ensure_checkpoint(workdir / "models", size)
     checkpoint_s = time.perf_counter() - started
     repository = render(workdir, profile, overrides)
-    mps = CudaMps.for_mode("auto", workdir / "mps", profile_asks=load_profiles(TRITON_REPOSITORY)[profile].cuda_mps)
-    server = EmbeddedTriton(repository, workdir=workdir, startup_timeout=startup_timeout, cuda_mps=mps)
+    served = load_profiles(TRITON_REPOSITORY)[profile]
+    # One server, started as the gateway's embedded default starts it: on the first GPU this process may
+    # use, which CUDA_VISIBLE_DEVICES names by UUID to it and its MPS daemon.
+    (server,) = embedded_servers(
+        repository,
+        workdir,
+        server_gpus("auto", profile_uses_gpu=served.gpu)[:1],
+        cuda_mps="auto",
+        profile_asks_mps=served.cuda_mps,
+        startup_timeout=startup_timeout,
+    )
+    mps = server.cuda_mps
     loading = time.perf_counter()
     server.start()
     try:

@@ -65,6 +65,7 @@ from benchmarks.gpu_sanity import ROOT, Voice, config_parameters
 from benchmarks.server_processes import CpuUse, cores_cell, cpu_seconds
 from benchmarks.server_startup import load_timeline
 from tts_gateway.gateway.embedded.fleet import EmbeddedFleet, embedded_servers
+from tts_gateway.gateway.embedded.gpu_devices import server_gpus
 from tts_gateway.gateway.embedded.server import EmbeddedTriton, EmbeddedTritonError
 from tts_gateway.models import contract, stage_trace
 from tts_gateway.models.cosyvoice2.checkpoints.random_checkpoint import ensure_checkpoint, full_size
@@ -855,10 +856,13 @@ def run(args: argparse.Namespace) -> bool:
     stage_trace.trace_servers_into(trace_dir)
     asks = load_profiles(TRITON_REPOSITORY)[profile].cuda_mps and not args.cpu
     # The servers as the gateway's embedded default starts them: one per GPU, each under its own MPS daemon.
+    gpus = server_gpus("auto", profile_uses_gpu=gpu)[: args.gpus]
+    if len(gpus) < args.gpus:
+        raise RuntimeError(f"--gpus {args.gpus} asks for more GPUs than this process may use ({len(gpus)})")
     servers = embedded_servers(
         repository,
         workdir,
-        [str(index) for index in range(args.gpus)] if args.gpus > 1 else [None],
+        gpus,
         cuda_mps=args.cuda_mps,
         profile_asks_mps=asks,
         startup_timeout=args.startup_timeout,

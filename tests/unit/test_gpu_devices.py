@@ -78,6 +78,22 @@ def test_a_gpu_profile_gets_a_server_per_gpu_and_anything_else_one(
     assert server_gpus("auto", profile_uses_gpu=True) == [None]
 
 
+def test_the_one_gpu_cuda_visible_devices_names_is_given_to_its_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its server is handed it by UUID: "1" would name another device, or none, to the models under an MPS
+    # daemon that sees GPU 1 alone.
+    monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "two", [0, 1])))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    gpus = server_gpus("auto", profile_uses_gpu=True)
+    assert gpus == ["1"]
+    assert cuda_ids(["1"]) == {"1": "GPU-0001"}
+    assert server_gpus("auto", profile_uses_gpu=False) == [None]
+    # No GPU visible: one server, as without a GPU.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert server_gpus("auto", profile_uses_gpu=True) == [None]
+
+
 def test_servers_are_handed_their_gpu_by_uuid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(fake_nvidia_smi(tmp_path / "bin", [0, 1])))
     assert cuda_ids(["1", "GPU-77aa", "7"]) == {"1": "GPU-0001", "GPU-77aa": "GPU-77aa", "7": "7"}

@@ -65,11 +65,14 @@ def server_gpus(setting: str, *, profile_uses_gpu: bool) -> list[str | None]:
     """One entry per server to start: the GPU it is given, or ``None`` for a server left to see every device.
 
     ``auto`` gives a GPU profile one server per visible GPU and anything else one server; ``none``
-    one server; a list one server per listed GPU.
+    one server; a list one server per listed GPU. A GPU that ``CUDA_VISIBLE_DEVICES`` names is given
+    to its server also when it is the only one: the server then names it by UUID, where the index
+    would name another GPU (or none) to the models under the server's MPS daemon, which sees that GPU
+    alone.
     """
     if setting == "none" or (setting == "auto" and not profile_uses_gpu):
         return [None]
     if setting == "auto":
         gpus = visible_gpus()
-        return list(gpus) if len(gpus) > 1 else [None]
+        return list(gpus) if len(gpus) > 1 or (gpus and VISIBLE_DEVICES in os.environ) else [None]
     return list(setting.split(","))
