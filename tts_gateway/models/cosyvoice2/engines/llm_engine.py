@@ -499,11 +499,7 @@ class BatchingEngine:
                 self._load_stream_row(row, handle)
             logits = pass_logits(first, group)
             for handle in group:
-                handle.seen.update(_COLUMN_OF[i] for i in handle.feed if i in _COLUMN_OF)
-                handle.cached += len(handle.feed)
-                handle.origin = handle.cached
-                handle.launched = 0
-                handle.since_input = 0
+                self._took_input(handle, handle.feed, cached=handle.cached + len(handle.feed), launched=0)
                 handle.feed = []
             launched.append(self._start_rows(group, first, logits))
         return launched
@@ -747,16 +743,18 @@ class BatchingEngine:
 
         A row is marked only while it has ids left to feed, so with none left anywhere every live row's
         mark is clear already (a freed row's mark is cleared when a request is loaded into it)."""
-        rows: list[int] = []
-        ids: list[int] = []
-        marks = [False] * len(self._live)
-        for row, handle in enumerate(self._live):
-            if isinstance(handle, TextStreamHandle) and handle.forcing:
-                rows.append(row)
-                ids.append(handle.forcing.pop(0))
-                marks[row] = bool(handle.forcing)
-        if not rows:
+        forcing = [
+            (row, handle)
+            for row, handle in enumerate(self._live)
+            if isinstance(handle, TextStreamHandle) and handle.forcing
+        ]
+        if not forcing:
             return
+        rows = [row for row, _ in forcing]
+        ids = [handle.forcing.pop(0) for _, handle in forcing]
+        marks = [False] * len(self._live)
+        for row, handle in forcing:
+            marks[row] = bool(handle.forcing)
         rows_ids = self._to_device(torch.tensor([rows, ids], dtype=torch.int64))
         self._rows.tokens.index_copy_(0, rows_ids[0], rows_ids[1])
         self._rows.forced[: len(self._live)] = self._to_device(torch.tensor(marks))
@@ -862,13 +860,20 @@ class BatchingEngine:
         row = self._live.index(handle)
         self._load_stream_row(row, handle)
         self._rows.positions[row : row + 1].fill_(position)
-        handle.seen.update(_COLUMN_OF[i] for i in feed if i in _COLUMN_OF)
+        self._took_input(handle, feed, cached=position + len(forced), launched=-len(forced))
         handle.forcing = forced
         handle.dropping = len(forced) - (0 if in_flight else 1)
-        handle.cached = handle.origin = position + len(forced)
-        handle.launched = -len(forced)
-        handle.since_input = 0
         return True
+
+    @staticmethod
+    def _took_input(handle: TextStreamHandle, feed: Sequence[int], *, cached: int, launched: int) -> None:
+        """A round's input ``feed`` fills the stream's cache up to ``cached``: its speech ids count as seen,
+        and its next draw is the round's first, fed at ``cached``. ``launched``: the decode steps launched
+        for the row since, negative while steps still to launch feed the input (in place)."""
+        handle.seen.update(_COLUMN_OF[i] for i in feed if i in _COLUMN_OF)
+        handle.cached = handle.origin = cached
+        handle.launched = launched
+        handle.since_input = 0
 
     def _out_of_positions(self, handle: GenerationHandle) -> bool:
         """Whether a text stream's next step would write past the cache (a plain request's length is
