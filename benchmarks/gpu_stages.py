@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tts_gateway.models.cosyvoice2.orchestrator.streaming import DEFAULT_PRE_LOOKAHEAD
 from tts_gateway.models.stage_trace import read_traces
 
 STAGES = (
@@ -30,6 +31,17 @@ STAGES = (
     ("hift", "token2wav: HiFT of its group"),
     ("t2w_other", "token2wav: rest (BLS transport, tensors)"),
     ("to_client", "orchestrator first chunk -> client"),
+)
+# A text stream's first chunk beyond the stages above: in the gateway, which records its sessions
+# (``tts_gateway/gateway/speech/text_stream/session_times.py``), and inside the LLM engine's share.
+SESSION_STAGES = (
+    ("gw_words", "gateway: first text -> first piece normalised"),
+    ("gw_opening", "gateway: session opening -> orchestrator started (slots, gRPC, sequence batcher)"),
+    ("llm_making", "LLM engine: first speech token -> the first hop's last token (look-ahead included)"),
+    ("llm_parked", "LLM engine: of that, out of its row waiting for text"),
+    ("llm_handing", "LLM engine: that token made -> orchestrator has it"),
+    ("gw_back", "orchestrator first chunk -> gateway has it"),
+    ("gw_out", "gateway has it -> on towards the socket"),
 )
 # Rates of the LLM engine over a whole request (not parts of the first chunk's time): how long a
 # decode step keeps the GPU busy, against how far apart the engine hands out a request's tokens.
@@ -75,12 +87,36 @@ def stages_between(trace_dir: Path, since: float, until: float) -> dict[str, dic
     token, through as many rounds of text as that takes."""
     events: list[dict[str, Any]] = read_traces(trace_dir)
     llm, first_batches = _llm_and_first_batches(events)
+    gateway = {e["request"]: e for e in events if e["stage"] == "gateway"}
     samples: dict[str, list[float]] = {}
     for o in events:
         if o["stage"] != "orchestrator" or not since <= float(o["started"]) < until:
             continue
         _add_ms(samples, _server_stages(o, llm, first_batches) or {})
+        _add_ms(samples, _session_stages(o, llm.get(str(o["key"])), gateway.get(o.get("request"))))
     return _stage_percentiles(samples)
+
+
+def _session_stages(o: dict[str, Any], g: dict[str, Any] | None, w: dict[str, Any] | None) -> dict[str, float]:
+    """Seconds of a text stream's first chunk in the gateway (``w``, when it recorded the session) and in
+    the LLM engine (``g``): as many of :data:`SESSION_STAGES` as the records hold."""
+    values: dict[str, float] = {}
+    if w is not None and w["opening"] and o["started"]:
+        values["gw_words"] = w["opening"] - w["text_in"]
+        values["gw_opening"] = o["started"] - w["opening"]
+        if w["first_audio"] and o["first_chunk"]:
+            values["gw_back"] = w["first_audio"] - o["first_chunk"]
+        if w["first_out"] and w["first_audio"]:
+            values["gw_out"] = w["first_out"] - w["first_audio"]
+    needed = int(o.get("first_hop_tokens") or 0) + DEFAULT_PRE_LOOKAHEAD
+    times = (g or {}).get("token_times") or []
+    if o.get("first_hop_tokens") and len(times) >= needed and g is not None:
+        made = float(times[needed - 1])
+        first = float(g["first_token"])
+        values["llm_making"] = made - first
+        values["llm_parked"] = sum(max(0.0, min(back, made) - max(left, first)) for left, back in g.get("waits", []))
+        values["llm_handing"] = o["first_hop"] - made
+    return values
 
 
 def _add_ms(samples: dict[str, list[float]], values: Mapping[str, float]) -> None:
@@ -91,7 +127,7 @@ def _add_ms(samples: dict[str, list[float]], values: Mapping[str, float]) -> Non
 
 def _stage_percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Each sampled stage's p50 and p90 (ms), in the pipeline's order, then the engine's rates."""
-    order = [name for name, _ in (*STAGES, *ENGINE_RATES)]
+    order = [name for name, _ in (*STAGES, *SESSION_STAGES, *ENGINE_RATES)]
     return {name: _percentiles(samples[name]) for name in order if samples.get(name)}
 
 

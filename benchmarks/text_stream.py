@@ -450,6 +450,24 @@ def stage_lines(report: dict[str, Any]) -> list[str]:
         stages = row[path]["stages"]
         cells = " | ".join(_ms(stages.get(name, {"p50": None, "p90": None})) for name, _ in STAGE_COLUMNS)
         lines.append(f"| {row['pace_ms']} | {row['sockets']} | {'ws' if path == 'websocket' else 'http'} | {cells} |")
+    sessions = [row for row, path in rows if path == "websocket" and "gw_opening" in row[path]["stages"]]
+    if sessions:
+        lines += [
+            "",
+            "Over the WebSocket, the rest of a session's way to its first audio (p50 / p90 ms): in the gateway, "
+            "which records its sessions beside the models, and the LLM's share above split into the engine's "
+            "making of the first hop's tokens, the time it spent out of its row waiting for text meanwhile, and "
+            "their way to the orchestrator.",
+            "",
+            "| pace ms/word | sockets | " + " | ".join(label for _, label in gpu_stages.SESSION_STAGES) + " |",
+            "|---:|---:|" + "---|" * len(gpu_stages.SESSION_STAGES),
+        ]
+        for row in sessions:
+            stages = row["websocket"]["stages"]
+            cells = " | ".join(
+                _ms(stages.get(name, {"p50": None, "p90": None})) for name, _ in gpu_stages.SESSION_STAGES
+            )
+            lines.append(f"| {row['pace_ms']} | {row['sockets']} | {cells} |")
     return lines
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.gpu_cosyvoice2 import _first_hop_cell
-from benchmarks.gpu_stages import first_chunk_stages, first_hops, stages_between
-from tts_gateway.models.stage_trace import StageTrace
+from benchmarks.gpu_stages import SESSION_STAGES, first_chunk_stages, first_hops, stages_between
+from tts_gateway.models.stage_trace import StageTrace, TraceValue
 
 
 def test_first_hops_of_the_passes_own_streams(tmp_path: Path) -> None:
@@ -26,7 +26,7 @@ def test_first_hops_of_the_passes_own_streams(tmp_path: Path) -> None:
     assert _first_hop_cell({}) == "-"
 
 
-def trace_stream(directory: Path, session: str, started: float, *, request: str = "") -> None:
+def trace_stream(directory: Path, session: str, started: float, *, request: str = "", **llm: TraceValue) -> None:
     """One stream's records as the orchestrator, the LLM and token2wav write them: 10 ms of voice prompt, 20 in the
     LLM's queue, 30 to the first token, 40 to the first hop, 5 in token2wav's queue, 50 of flow and 8 of HiFT."""
     StageTrace("orchestrator", directory).record(
@@ -51,6 +51,7 @@ def trace_stream(directory: Path, session: str, started: float, *, request: str 
         wait_s=0.1,
         periods=99,
         period_s=0.396,
+        **llm,
     )
     token2wav = StageTrace("token2wav", directory)
     token2wav.record(session, offset=0, started=started + 0.105, rows=2, flow_s=0.050, hift_s=0.008)
@@ -93,3 +94,42 @@ def test_a_requests_stages_with_the_clients_times(tmp_path: Path) -> None:
     assert medians["to_orchestrator"] == 10.0 and medians["to_client"] == 10.0
     assert medians["llm_to_hop"] == 40.0 and medians["t2w_other"] == 7.0
     assert list(medians)[:2] == ["to_orchestrator", "prompt"]
+
+
+def test_a_text_streams_way_through_the_gateway_and_the_llm_engine(tmp_path: Path) -> None:
+    # A session the gateway opened 15 ms after its first text, whose orchestrator started 25 ms later; its
+    # engine made the first hop's 28th token (25 + 3 look-ahead) 34 ms after its first, 6 ms of that
+    # out of its row waiting for text (a wait before its first token does not count), and the
+    # orchestrator had it 6 ms later.
+    first = 200.060
+    token_times = [first + k * 0.001 for k in range(27)] + [first + 0.034, first + 0.040]
+    trace_stream(
+        tmp_path,
+        "s1",
+        200.0,
+        request="gw-session:0",
+        token_times=token_times,
+        waits=[[199.0, 200.05], [200.07, 200.076]],
+    )
+    StageTrace("gateway", tmp_path).record(
+        "gw-session",
+        request="gw-session:0",
+        text_in=199.960,
+        opening=199.975,
+        opened=200.01,
+        first_taken=200.02,
+        first_audio=200.174,
+        first_out=200.175,
+    )
+
+    medians = {name: figures["p50"] for name, figures in stages_between(tmp_path, 150.0, 250.0).items()}
+
+    assert {name: medians[name] for name, _ in SESSION_STAGES} == {
+        "gw_words": 15.0,
+        "gw_opening": 25.0,
+        "llm_making": 34.0,
+        "llm_parked": 6.0,
+        "llm_handing": 6.0,
+        "gw_back": 4.0,
+        "gw_out": 1.0,
+    }

@@ -338,6 +338,26 @@ def test_a_stream_whose_limit_falls_on_a_rounds_end_stops_there(
     assert whole_text_tokens(llm, max_new_tokens=limit) == tokens[:limit]
 
 
+def test_a_stream_keeps_when_its_tokens_came_and_when_it_waited_for_text(llm: TorchSpeechLLM) -> None:
+    # What the stage trace reads: the times of the first tokens, and each wait out of the row for text.
+    recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
+    handle.add_text(TEXT[:10])
+    before = wait_idle(recorder)
+    assert 0 < before < TOKENS
+    time.sleep(0.2)
+    text_at = time.monotonic()
+    handle.add_text(TEXT[10:])
+    handle.end_text()
+    assert recorder.done.wait(60) and recorder.error is None
+    times = handle.token_times
+    assert len(times) == min(len(recorder.tokens), llm_engine.TRACED_TOKENS) and times == sorted(times)
+    assert times[0] == handle.first_token
+    # It left its row after its last token of the text it had, and came back once the rest was there.
+    left, back = next((left, back) for left, back in handle.waits if left < text_at <= back)
+    assert times[before - 1] <= left and back - left >= 0.2
+    assert back <= times[before]
+
+
 def test_waiting_streams_leave_their_slots_to_other_requests(llm: TorchSpeechLLM) -> None:
     # Two slots, two streams waiting for text: a plain request still runs to its end meanwhile.
     streams = [open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH) for _ in range(2)]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
@@ -18,6 +20,7 @@ from tts_gateway.gateway.speech.audio_encoding import OUTPUT_SAMPLE_RATE
 from tts_gateway.gateway.speech.plan import ContextPlan
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker
 from tts_gateway.gateway.speech.text_stream.text_streaming_model import StreamedTextSynthesis, TextStreamCalls
+from tts_gateway.models.stage_trace import StageTrace, read_traces
 
 # The context's model speaks at the output rate, so the audio's length in bytes gives its duration.
 CONTEXT = cast(ContextPlan, SimpleNamespace(model=SimpleNamespace(sample_rate=OUTPUT_SAMPLE_RATE)))
@@ -32,6 +35,9 @@ TURNS = 50
 class Model:
     """One session in the model: notes every piece as it is sent (``None`` for the text's end) and takes
     it once ``taking`` is set; speaks a little audio for each piece taken, and for the end."""
+
+    session_id = "session-1"
+    opening_request_id = "session-1:0"
 
     def __init__(self, *, taking: bool = True) -> None:
         self.received: list[str | None] = []
@@ -69,9 +75,10 @@ class Model:
 class Sessions:
     """:class:`TextStreamCalls` over one :class:`Model`, whose normalisation upper-cases and notes its input."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, trace: StageTrace | None = None) -> None:
         self.model = model
         self.normalized_texts: list[str] = []
+        self.trace = trace or StageTrace("gateway", None)
 
     async def normalized(self, context: ContextPlan, text: str) -> str:
         self.normalized_texts.append(text)
@@ -178,3 +185,24 @@ async def test_the_characters_of_joined_pieces_are_each_aligned_once() -> None:
     assert chars == text
     assert normalized == text.upper()
     assert len(ends) == 4 and ends[-1]
+
+
+async def test_a_traced_session_records_when_it_reached_its_first_steps(tmp_path: Path) -> None:
+    model = Model(taking=False)
+    stream = synthesis(Sessions(model, StageTrace("gateway", tmp_path)))
+    listener = asyncio.create_task(aligned(stream))
+    await stream.push("One ")
+    await model.sent(1)
+    held = time.monotonic()
+    await asyncio.sleep(0.05)
+    model.taking.set()
+    await stream.end_input()
+    await listener
+
+    [event] = read_traces(tmp_path)
+    assert event["key"] == "session-1" and event["request"] == "session-1:0"
+    steps = [float(event[name]) for name in ("text_in", "opening", "opened", "first_taken")]
+    assert steps[0] > 0 and steps == sorted(steps)
+    # The piece was taken once the model let it, and its audio came after that and then went on.
+    assert float(event["first_taken"]) - held >= 0.05
+    assert float(event["first_taken"]) <= float(event["first_audio"]) <= float(event["first_out"])

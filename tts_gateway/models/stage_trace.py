@@ -16,9 +16,11 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Final, TypeAlias
 
 ENV_VAR: Final = "TTS_STAGE_TRACE_DIR"
+# A recorded field: a timestamp, count or name, or a series of timestamps (or of spans between two).
+TraceValue: TypeAlias = float | int | str | list[float] | list[list[float]]
 
 
 def trace_servers_into(directory: Path) -> None:
@@ -48,7 +50,7 @@ class StageTrace:
     def enabled(self) -> bool:
         return self._file is not None
 
-    def record(self, key: str, **fields: float | int | str) -> None:
+    def record(self, key: str, **fields: TraceValue) -> None:
         if self._file is None:
             return
         line = json.dumps({"stage": self.stage, "key": key, **fields})

@@ -76,7 +76,7 @@ class TextStreamCall:
             raise InvalidRequestError("a session needs an id")
         session = cls(client, model, session_id)
         audio = client.session_audio(
-            model, {**voice, contract.SESSION_ID: session_id}, f"{session_id}:0", session_id, place_wait_s
+            model, {**voice, contract.SESSION_ID: session_id}, session.opening_request_id, session_id, place_wait_s
         )
         session._reader = asyncio.create_task(session._read(audio), name=f"text-stream-{session_id}")
         try:
@@ -93,6 +93,15 @@ class TextStreamCall:
                 raise ServerTimeoutError(f"model {model!r} did not open the session in time") from None
             raise
         return session
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    @property
+    def opening_request_id(self) -> str:
+        """The Triton request id of the request that opened the session (its audio stream)."""
+        return f"{self._session_id}:0"
 
     async def send_text(self, piece: str) -> None:
         """Send a piece of the text; returns once the model took it."""

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Final
 
 from tts_gateway.gateway.errors import ServerUnavailableError
@@ -35,23 +36,28 @@ from tts_gateway.gateway.speech.audio_queue import AudioQueue
 from tts_gateway.gateway.speech.plan import ContextPlan
 from tts_gateway.gateway.speech.text_stream.alignment import PhraseAligner
 from tts_gateway.gateway.speech.text_stream.phrase_chunker import PhraseChunker, push_async
+from tts_gateway.gateway.speech.text_stream.session_times import SessionTimes
 from tts_gateway.gateway.speech.text_stream.synthesis import SpeechChunk
 from tts_gateway.gateway.triton.pool import TritonPool
 from tts_gateway.gateway.triton.text_stream_call import TextStreamCall
+from tts_gateway.models.stage_trace import StageTrace
 
 
 class TextStreamCalls:
-    """Text-streaming sessions over the gateway's services: the planner's normalisation, the pool, admission."""
+    """Text-streaming sessions over the gateway's services: the planner's normalisation, the pool, admission;
+    ``trace`` records when each session reached its first steps (:mod:`.session_times`)."""
 
     def __init__(
         self,
         normalize: Callable[[ContextPlan, str], Awaitable[str]],
         pool: TritonPool,
         admission: AdmissionControl,
+        trace: StageTrace | None = None,
     ) -> None:
         self._normalize = normalize
         self._pool = pool
         self._admission = admission
+        self.trace = trace or StageTrace("gateway", None)
 
     def serves(self, context: ContextPlan) -> bool:
         """``context``'s model has a text-streaming deployment, and speaks at the speed asked (these
@@ -109,6 +115,7 @@ class StreamedTextSynthesis:
         self._normalized = PhraseAligner("")
         self._sender: asyncio.Task[None] | None = None
         self._ended = False
+        self._times = SessionTimes()
 
     @property
     def buffered(self) -> int:
@@ -120,6 +127,8 @@ class StreamedTextSynthesis:
         return self._unsent > 0
 
     async def push(self, text: str) -> None:
+        if text and not self._times.text_in:
+            self._times.text_in = time.monotonic()
         self._send(await push_async(self._chunker, text) + self._chunker.take_words(keep_numbers_whole=True))
 
     async def flush(self) -> None:
@@ -156,8 +165,10 @@ class StreamedTextSynthesis:
                     continue
                 words = await self._sessions.normalized(self._context, text.strip())
                 if session is None:
+                    self._times.opening = time.monotonic()
                     await stack.enter_async_context(self._speech_slots)
                     session = await stack.enter_async_context(self._sessions.open(self._context))
+                    self._times.opened = time.monotonic()
                     # The reader's failure goes to the context's reader at once; its end is this task's.
                     audio = self._read(session, self._context.model.sample_rate)
                     reader = asyncio.create_task(self._audio.produce(audio, "reading a session's audio", end=False))
@@ -169,9 +180,12 @@ class StreamedTextSynthesis:
                 self._spoken.extend(text)
                 self._normalized.extend(normalized)
                 await session.send_text(normalized)
+                if not self._times.first_taken:
+                    self._times.first_taken = time.monotonic()
             if session is not None and reader is not None:
                 await session.finish()
                 await reader
+                self._times.record(self._sessions.trace, session.session_id, session.opening_request_id)
 
     def _waiting(self, first: str | None) -> tuple[str, bool]:
         """``first`` and the texts queued behind it, joined (one piece for the model), and whether the
@@ -188,6 +202,8 @@ class StreamedTextSynthesis:
     async def _read(self, session: TextStreamCall, sample_rate: int) -> None:
         encoder = create_encoder("pcm", sample_rate)
         async for chunk in session:
+            if not self._times.first_audio:
+                self._times.first_audio = time.monotonic()
             await self._put(encoder.encode(chunk))
         await self._put(encoder.finish())
 
@@ -196,6 +212,13 @@ class StreamedTextSynthesis:
             await self._audio.put(pcm[start : start + _MAX_CHUNK_BYTES])
 
     async def chunks(self) -> AsyncIterator[SpeechChunk]:
+        async with contextlib.aclosing(self._chunks()) as chunks:
+            async for chunk in chunks:
+                if not self._times.first_out:
+                    self._times.first_out = time.monotonic()
+                yield chunk
+
+    async def _chunks(self) -> AsyncGenerator[SpeechChunk, None]:
         pending: bytes | None = None
         sent = False
         while (item := await self._audio.get()) is not None:

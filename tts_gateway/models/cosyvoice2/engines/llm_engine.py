@@ -70,6 +70,10 @@ PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
 # and 5 text ids; the final one feeds the last input again, the rest of the text and <|task_id|>, within 8
 # unless the round before drew the fill at once (then its whole input is fed again: an eager pass).
 EXTEND_WIDTH = 8
+# A request's first tokens whose times its handle keeps (a first chunk's, look-ahead included, with room
+# for a grown first hop), and a text stream's first waits for input: what the stage trace places in time.
+TRACED_TOKENS = 64
+TRACED_WAITS = 8
 
 
 class StepGate(Protocol):
@@ -135,6 +139,8 @@ class GenerationHandle:
     # steps. Steps landed before the engine yields the GPU to token2wav (:class:`StepGate`) have none.
     periods: int = 0
     period_s: float = 0.0
+    # When its first TRACED_TOKENS tokens were handed out: the trace places a first chunk's tokens in time.
+    token_times: list[float] = field(default_factory=list)
     ended: bool = False
     # Where its first decode step writes (the prompt's length; for a text stream, after each round's input).
     origin: int = field(init=False)
@@ -176,6 +182,10 @@ class TextStreamHandle(GenerationHandle):
     # flight when the round ended).
     forcing: list[int] = field(default_factory=list)
     dropping: int = 0
+    # Out of its row waiting for its next input: since when (0 while in a row), and the first
+    # TRACED_WAITS such waits as (left, back) pairs for the trace.
+    parked_at: float = 0.0
+    waits: list[tuple[float, float]] = field(default_factory=list)
 
     def add_text(self, ids: Sequence[int]) -> None:
         """Append text token ids; ValueError after :meth:`end_text`."""
@@ -493,6 +503,10 @@ class BatchingEngine:
             for row, handle in enumerate(group, start=first):
                 if handle.admitted == 0.0:
                     handle.admitted = now
+                if handle.parked_at:
+                    if len(handle.waits) < TRACED_WAITS:
+                        handle.waits.append((handle.parked_at, now))
+                    handle.parked_at = 0.0
                 if handle.saved is not None:
                     self._decoder.restore_slot(row, handle.saved)
                     handle.saved = None
@@ -815,6 +829,8 @@ class BatchingEngine:
             if handle.produced == 1:
                 handle.first_token = now
             handle.last_token = now
+            if handle.produced <= TRACED_TOKENS:
+                handle.token_times.append(now)
             try:
                 handle.sink.token(token_id)
             except Exception:
@@ -908,6 +924,7 @@ class BatchingEngine:
         handle.cached = handle.origin + handle.since_input - 1
         handle.saved = self._decoder.save_slot(self._live.index(handle), handle.cached)
         self._remove_row(handle)
+        handle.parked_at = time.monotonic()
         with self._wake:
             self._streams.append(handle)
             self._streams_changed = True

@@ -108,7 +108,10 @@ class CosyVoice2Model(SpeechContractModel):
     ) -> None:
         sessions = self._sessions
         assert sessions is not None
-        self.send_stream(sender, lambda: sessions.run(call, stream_id, tensors, self._watch(request)))
+        request_id = request.request_id()
+        self.send_stream(
+            sender, lambda: sessions.run(call, stream_id, tensors, self._watch(request), request_id=request_id)
+        )
 
     def finalize(self) -> None:
         if self._sessions is not None:

@@ -78,10 +78,14 @@ class TextSessions:
         stream_id: str,
         tensors: Mapping[str, NDArray[Any]],
         is_cancelled: Callable[[], bool],
+        *,
+        request_id: str = "",
     ) -> Iterator[NDArray[np.float32]]:
-        """The audio of an opened session (its voice and sampling in ``tensors``); the session ends with it."""
+        """The audio of an opened session (its voice and sampling in ``tensors``; ``request_id``: the opening
+        Triton request's, which the stage trace names); the session ends with it."""
         try:
-            speech = replace(parse_synthesis_request({**tensors, contract.TARGET_TEXT: _NO_TEXT}), target_text="")
+            request = parse_synthesis_request({**tensors, contract.TARGET_TEXT: _NO_TEXT})
+            speech = replace(request, target_text="", request_id=request_id)
             chunks = self._pipeline.synthesize_text_stream(speech, stream_id, is_cancelled=is_cancelled)
             if call.text or call.end or call.close:
                 self._pipeline.send_text(stream_id, call.text, end=call.end, cancel=call.close)

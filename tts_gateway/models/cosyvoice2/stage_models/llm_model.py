@@ -25,7 +25,7 @@ from tts_gateway.models import contract
 from tts_gateway.models.cosyvoice2 import tensors
 from tts_gateway.models.cosyvoice2.engines.gpu_turns import GpuTurns, YieldToFirstChunks
 from tts_gateway.models.cosyvoice2.engines.llm import SamplingParams, TorchSpeechLLM
-from tts_gateway.models.cosyvoice2.engines.llm_engine import GenerationHandle
+from tts_gateway.models.cosyvoice2.engines.llm_engine import GenerationHandle, TextStreamHandle
 from tts_gateway.models.cosyvoice2.model import vocab
 from tts_gateway.models.cosyvoice2.orchestrator.pipeline import LLMRequest
 from tts_gateway.models.cosyvoice2.stage_models.llm_responses import CancellationWatch, Outbox, TokenStream
@@ -157,6 +157,8 @@ class _Sink:
             wait_s=handle.wait_s,
             periods=handle.periods,
             period_s=handle.period_s,
+            token_times=handle.token_times,
+            waits=[list(wait) for wait in handle.waits] if isinstance(handle, TextStreamHandle) else [],
         )
 
     def token(self, token_id: int) -> None:
