@@ -206,3 +206,33 @@ async def test_a_traced_session_records_when_it_reached_its_first_steps(tmp_path
     # The piece was taken once the model let it, and its audio came after that and then went on.
     assert float(event["first_taken"]) - held >= 0.05
     assert float(event["first_taken"]) <= float(event["first_audio"]) <= float(event["first_out"])
+
+
+class ModelThatEndsWhenTold(Model):
+    """A :class:`Model` whose audio ends when the test says, not at the text's end."""
+
+    async def finish(self) -> None:
+        self.received.append(None)
+
+    def speak(self) -> None:
+        self._audio.put_nowait(np.zeros(SPOKEN_SAMPLES, np.float32))
+
+    def end(self) -> None:
+        self._audio.put_nowait(None)
+
+
+async def test_after_the_texts_end_a_chunk_goes_out_before_the_next_one_comes() -> None:
+    model = ModelThatEndsWhenTold()
+    stream = synthesis(Sessions(model))
+    await stream.push("One ")
+    await stream.end_input()
+    chunks = stream.chunks()
+    # The piece's audio came after the text's end; no more comes until the test sends it.
+    first = await asyncio.wait_for(anext(chunks), 5.0)
+    assert len(first.pcm) == 2 * SPOKEN_SAMPLES and not first.phrase_end
+    # The last chunk, which the end follows at once, is the phrase's end and takes the rest.
+    model.speak()
+    model.end()
+    rest = [chunk async for chunk in chunks]
+    assert [(len(chunk.pcm), chunk.phrase_end) for chunk in rest] == [(2 * SPOKEN_SAMPLES, True)]
+    assert model.received == ["ONE ", None]

@@ -16,8 +16,11 @@ its life (and one of its socket's share of them): a socket shares the limits of 
 A session's state lives in its server, so a server that fails ends it: the context fails.
 
 Alignment: the audio is laid over the characters sent so far at the estimated speaking rate, never
-past what was sent (:meth:`PhraseAligner.extend`); once the text is complete, the last chunk is held
-back until the audio ends, so that it takes the rest.
+past what was sent (:meth:`PhraseAligner.extend`). Once the text is complete, the last chunk should
+take the rest, so a chunk that comes then waits a moment (``_END_WAIT_S``) for the audio's end, which
+follows the last chunk at once. Only a moment: waiting for the next chunk instead held every chunk
+after the text's end back by a chunk (at 64 sockets, whose text had all arrived before their first
+audio, first audio came 435 ms late at p50) and could starve a listener between chunks.
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ class TextStreamCalls:
 # of at most a second, it stays within clients' message limits (1 MiB in ``websockets``) and each
 # piece gets its own alignment.
 _MAX_CHUNK_BYTES: Final = OUTPUT_SAMPLE_RATE * 2
+# How long a chunk that came after the text's end waits for the audio's end, to know whether it is the
+# last (see the module's doc): the model ends its stream right after the last chunk, so the end comes
+# within a few turns of the event loop; a chunk that more audio follows loses this much.
+_END_WAIT_S: Final = 0.02
 
 
 class StreamedTextSynthesis:
@@ -221,7 +228,18 @@ class StreamedTextSynthesis:
     async def _chunks(self) -> AsyncGenerator[SpeechChunk, None]:
         pending: bytes | None = None
         sent = False
-        while (item := await self._audio.get()) is not None:
+        while True:
+            try:
+                async with asyncio.timeout(None if pending is None else _END_WAIT_S):
+                    item = await self._audio.get()
+            except TimeoutError:
+                # More audio is coming: this chunk is not the last, and goes now.
+                assert pending is not None
+                yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
+                pending = None
+                continue
+            if item is None:
+                break
             if pending is not None:
                 yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
                 pending = None
