@@ -408,6 +408,34 @@ def test_streams_ready_together_are_extended_in_one_pass(
     assert max(rows_per_pass) == 2
 
 
+def test_streams_starting_together_are_prefilled_a_step_apart(
+    llm: TorchSpeechLLM, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each starting stream's prompt is a prefill pass of its own: taken all at once, many sockets opened
+    # together would hold every live row's next step until the last was done.
+    engine = llm.engine
+    monkeypatch.setattr(engine, "_max_prefill_rows", 1)
+    prompts_per_pass: list[int] = []
+    prefill = engine._prompt_logits
+
+    def counted(first: int, handles: list[TextStreamHandle]) -> torch.Tensor:
+        prompts_per_pass.append(len(handles))
+        return prefill(first, handles)
+
+    monkeypatch.setattr(engine, "_prompt_logits", counted)
+    expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
+    streams = [open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH) for _ in range(2)]
+    with engine._wake:
+        for _, handle in streams:
+            handle.add_text(TEXT)
+            handle.end_text()
+    for recorder, _ in streams:
+        assert recorder.done.wait(60)
+        assert recorder.error is None
+        assert recorder.tokens == expected
+    assert prompts_per_pass == [1, 1]
+
+
 def test_cancelling_a_waiting_stream_ends_it_at_once(llm: TorchSpeechLLM) -> None:
     recorder, handle = open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH)
     handle.add_text(TEXT[:4])

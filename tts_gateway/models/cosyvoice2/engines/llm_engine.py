@@ -405,12 +405,13 @@ class BatchingEngine:
                     self._streams.clear()
                     break
                 dropped, resumed = self._ready_streams()
+                starting = sum(1 for stream in resumed if stream.cached == 0)
                 admitted = [
                     self._waiting.popleft()
                     for _ in range(
                         min(
                             len(self._waiting),
-                            self._max_prefill_rows,
+                            self._max_prefill_rows - starting,
                             self.slots - len(self._live) - len(resumed),
                         )
                     )
@@ -455,12 +456,16 @@ class BatchingEngine:
 
     def _ready_streams(self) -> tuple[list[TextStreamHandle], list[TextStreamHandle]]:
         """Under the lock: the waiting streams that were cancelled, and those whose next input is there,
-        as many as free slots take (they go before new requests)."""
+        as many as free slots take (they go before new requests). Streams starting (their first input,
+        the voice prompt, is prefilled) count against ``max_prefill_rows`` per step, as new requests do:
+        each prompt's prefill is a pass of its own, and 50 sockets opened together held every row's next
+        step for half a second."""
         dropped: list[TextStreamHandle] = []
         resumed: list[TextStreamHandle] = []
         if not self._streams_changed:
             return dropped, resumed
         self._streams_changed = False
+        starting = 0
         for stream in list(self._streams):
             if stream.cancelled:
                 dropped.append(stream)
@@ -470,6 +475,12 @@ class BatchingEngine:
                 if feed is None:
                     continue
                 stream.feed = feed
+                if stream.cached == 0:
+                    if starting == self._max_prefill_rows:
+                        # Its prefill waits for the next step.
+                        self._streams_changed = True
+                        continue
+                    starting += 1
                 resumed.append(stream)
             else:
                 # No slot for it now: look again when a slot is freed.
