@@ -86,7 +86,11 @@ class Sessions:
 
     @contextlib.asynccontextmanager
     async def open(self, context: ContextPlan) -> AsyncIterator[Model]:
-        yield self.model
+        try:
+            yield self.model
+        finally:
+            # As the real sessions: the model's session is closed when its owner leaves it.
+            await self.model.cancel()
 
 
 def synthesis(sessions: Sessions) -> StreamedTextSynthesis:
@@ -236,3 +240,38 @@ async def test_after_the_texts_end_a_chunk_goes_out_before_the_next_one_comes() 
     rest = [chunk async for chunk in chunks]
     assert [(len(chunk.pcm), chunk.phrase_end) for chunk in rest] == [(2 * SPOKEN_SAMPLES, True)]
     assert model.received == ["ONE ", None]
+
+
+class ModelThatClosesSlowly(ModelThatEndsWhenTold):
+    """Its session's close takes a round trip of 100 ms, as a close through Triton's sequence batcher may."""
+
+    async def cancel(self) -> None:
+        await asyncio.sleep(0.1)
+        await super().cancel()
+
+
+async def test_the_last_chunk_takes_the_rest_though_the_session_closes_slowly() -> None:
+    model = ModelThatClosesSlowly()
+    stream = synthesis(Sessions(model))
+    text = "One two three four five six seven "
+    listener = asyncio.create_task(chunks_of(stream))
+    await stream.push(text)
+    await stream.end_input()
+    await model.sent(1)
+    await asyncio.sleep(0.05)
+    model.speak()
+    model.end()
+    chunks = await listener
+    # The last chunk is the one the model ended its stream with, not an empty one after the close.
+    assert chunks[-1][:2] == (2 * SPOKEN_SAMPLES, True) and not any(end for _, end, _ in chunks[:-1])
+    assert "".join(chars for _, _, chars in chunks) == text
+
+
+async def chunks_of(stream: StreamedTextSynthesis) -> list[tuple[int, bool, str]]:
+    """Each chunk's bytes of audio, whether it ends the phrase, and the characters it was aligned with."""
+    out = []
+    async for chunk in stream.chunks():
+        ms = len(chunk.pcm) / 2 / OUTPUT_SAMPLE_RATE * 1000
+        sent, _ = chunk.align(ms)
+        out.append((len(chunk.pcm), chunk.phrase_end, "".join(sent.chars)))
+    return out

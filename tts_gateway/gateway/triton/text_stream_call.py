@@ -116,12 +116,10 @@ class TextStreamCall:
         """End the session now (or, once it ended by itself, its Triton sequence): the model stops it
         (freeing its LLM slot) and ends its audio stream, which this waits for (a few seconds at most,
         then cancels it); the session id is free again after. Every call waits for the one close."""
-        self._ended = True  # nothing may follow the close
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(self._close())
+        closing = self._begin_close()
         try:
             # Shielded: a caller cancelled meanwhile must not leave the sequence holding its place.
-            await asyncio.shield(self._closing)
+            await asyncio.shield(closing)
             if self._reader is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(self._reader), _CLOSE_WAIT_S)
@@ -141,17 +139,32 @@ class TextStreamCall:
         return self._chunks()
 
     async def _chunks(self) -> AsyncIterator[NDArray[np.float32]]:
+        complete = False
         try:
             while True:
                 item = await self._audio.get()
                 if item is None:
+                    complete = True
                     return
                 if isinstance(item, GatewayError):
                     raise item
                 yield item
         finally:
-            # Stops a session left early; ends the Triton sequence of one that ended by itself.
-            await self.cancel()
+            if complete:
+                # Ends the Triton sequence of a session that ended by itself. Not awaited here: the reader
+                # learns at once that the audio is complete (a text stream's last chunk takes the rest of
+                # its characters only then), and the session's owner awaits the close with cancel().
+                self._begin_close()
+            else:
+                # Stops a session left early.
+                await self.cancel()
+
+    def _begin_close(self) -> asyncio.Future[None]:
+        """The session's one close, started on the first call."""
+        self._ended = True  # nothing may follow the close
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        return self._closing
 
     async def _close(self) -> None:
         try:

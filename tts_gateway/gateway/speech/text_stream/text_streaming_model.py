@@ -17,10 +17,11 @@ A session's state lives in its server, so a server that fails ends it: the conte
 
 Alignment: the audio is laid over the characters sent so far at the estimated speaking rate, never
 past what was sent (:meth:`PhraseAligner.extend`). Once the text is complete, the last chunk should
-take the rest, so a chunk that comes then waits a moment (``_END_WAIT_S``) for the audio's end, which
-follows the last chunk at once. Only a moment: waiting for the next chunk instead held every chunk
-after the text's end back by a chunk (at 64 sockets, whose text had all arrived before their first
-audio, first audio came 435 ms late at p50) and could starve a listener between chunks.
+take the rest, so a chunk that comes then waits a moment (``_END_WAIT_S``) for the session's audio to
+be complete, which the reader marks as soon as the model's stream ends, right after its last chunk.
+Only a moment: waiting for the next chunk instead held every chunk after the text's end back by a
+chunk (at 64 sockets, whose text had all arrived before their first audio, first audio came 435 ms
+late at p50) and could starve a listener between chunks.
 """
 
 from __future__ import annotations
@@ -94,10 +95,17 @@ class TextStreamCalls:
 # of at most a second, it stays within clients' message limits (1 MiB in ``websockets``) and each
 # piece gets its own alignment.
 _MAX_CHUNK_BYTES: Final = OUTPUT_SAMPLE_RATE * 2
-# How long a chunk that came after the text's end waits for the audio's end, to know whether it is the
-# last (see the module's doc): the model ends its stream right after the last chunk, so the end comes
-# within a few turns of the event loop; a chunk that more audio follows loses this much.
+# How long a chunk that came after the text's end waits for the session's audio to be complete, to know
+# whether it is the last (see the module's doc): the model ends its stream right after the last chunk, so
+# the mark comes within a few turns of the event loop; a chunk that more audio follows loses this much.
 _END_WAIT_S: Final = 0.02
+
+
+class _AudioComplete:
+    """Marks, in the session's audio, that the model's stream has ended: no chunk follows."""
+
+
+_COMPLETE: Final = _AudioComplete()
 
 
 class StreamedTextSynthesis:
@@ -117,12 +125,14 @@ class StreamedTextSynthesis:
         self._speech_slots = speech_slots
         self._texts: asyncio.Queue[str | None] = asyncio.Queue()
         self._unsent = 0
-        self._audio: AudioQueue[bytes] = AudioQueue()
+        self._audio: AudioQueue[bytes | _AudioComplete] = AudioQueue()
         self._spoken = PhraseAligner("")
         self._normalized = PhraseAligner("")
         self._sender: asyncio.Task[None] | None = None
         self._ended = False
         self._times = SessionTimes()
+        # The session's id and its opening request's, once it is open (the trace names it by them).
+        self._traced: tuple[str, str] | None = None
 
     @property
     def buffered(self) -> int:
@@ -176,6 +186,7 @@ class StreamedTextSynthesis:
                     await stack.enter_async_context(self._speech_slots)
                     session = await stack.enter_async_context(self._sessions.open(self._context))
                     self._times.opened = time.monotonic()
+                    self._traced = session.session_id, session.opening_request_id
                     # The reader's failure goes to the context's reader at once; its end is this task's.
                     audio = self._read(session, self._context.model.sample_rate)
                     reader = asyncio.create_task(self._audio.produce(audio, "reading a session's audio", end=False))
@@ -192,7 +203,6 @@ class StreamedTextSynthesis:
             if session is not None and reader is not None:
                 await session.finish()
                 await reader
-                self._times.record(self._sessions.trace, session.session_id, session.opening_request_id)
 
     def _waiting(self, first: str | None) -> tuple[str, bool]:
         """``first`` and the texts queued behind it, joined (one piece for the model), and whether the
@@ -213,6 +223,7 @@ class StreamedTextSynthesis:
                 self._times.first_audio = time.monotonic()
             await self._put(encoder.encode(chunk))
         await self._put(encoder.finish())
+        await self._audio.put(_COMPLETE)
 
     async def _put(self, pcm: bytes) -> None:
         for start in range(0, len(pcm), _MAX_CHUNK_BYTES):
@@ -224,6 +235,8 @@ class StreamedTextSynthesis:
                 if not self._times.first_out:
                     self._times.first_out = time.monotonic()
                 yield chunk
+        if self._traced is not None:
+            self._times.record(self._sessions.trace, *self._traced)
 
     async def _chunks(self) -> AsyncGenerator[SpeechChunk, None]:
         pending: bytes | None = None
@@ -238,8 +251,9 @@ class StreamedTextSynthesis:
                 yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
                 pending = None
                 continue
-            if item is None:
+            if item is None or item is _COMPLETE:
                 break
+            assert isinstance(item, bytes)
             if pending is not None:
                 yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
                 pending = None
@@ -251,6 +265,10 @@ class StreamedTextSynthesis:
         if sent:
             # The end: the characters not yet aligned, and the output converter's tail.
             yield SpeechChunk(pending or b"", self._spoken, self._normalized, phrase_end=True)
+        if item is _COMPLETE:
+            # The context's audio ends with the session's task, which may still fail (closing the session).
+            while await self._audio.get() is not None:
+                pass
 
     async def aclose(self) -> None:
         if self._sender is not None:
