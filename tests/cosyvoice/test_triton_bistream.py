@@ -97,6 +97,7 @@ async def test_audio_arrives_while_the_text_still_comes(client: TritonClient, vo
     assert audio.size % SAMPLES_PER_TOKEN == 0
     with pytest.raises(InvalidRequestError):
         await session.send_text("too late")
+    await session.cancel()
 
 
 def _llm_requests_done(server: CosyVoiceServer) -> int:
@@ -135,6 +136,7 @@ async def test_a_cancelled_session_ends_its_llm_request(
     await again.finish()
     audio = [chunk async for chunk in again]
     assert audio
+    await again.cancel()
 
 
 async def test_a_session_id_in_use_is_refused(client: TritonClient, voice: dict[str, object]) -> None:
@@ -169,6 +171,8 @@ async def test_sessions_on_both_instances_get_their_pieces(client: TritonClient,
         await session.finish()
     await asyncio.wait_for(asyncio.gather(*readers), 300)
     assert all(chunks for chunks in audio), [len(chunks) for chunks in audio]
+    for session in sessions:
+        await session.cancel()
 
 
 async def test_every_ended_session_gives_its_place_back(client: TritonClient, voice: dict[str, object]) -> None:
@@ -178,10 +182,11 @@ async def test_every_ended_session_gives_its_place_back(client: TritonClient, vo
         session = await TextStreamCall.open(client, MODEL, f"place-{n}", voice, place_wait_s=5)
         if n % 8:
             await session.cancel()
-        else:  # ends by itself once its audio is read
+        else:  # ends by itself; its owner then awaits the close its end started
             await session.finish()
             async for _ in session:
                 pass
+            await session.cancel()
 
 
 async def test_failed_openings_give_their_place_back(client: TritonClient, voice: dict[str, object]) -> None:

@@ -275,3 +275,25 @@ async def chunks_of(stream: StreamedTextSynthesis) -> list[tuple[int, bool, str]
         sent, _ = chunk.align(ms)
         out.append((len(chunk.pcm), chunk.phrase_end, "".join(sent.chars)))
     return out
+
+
+async def test_a_session_the_model_ended_before_the_texts_end_is_not_finished_by_it() -> None:
+    # A model that ends the session early (unloading, say) has not spoken the text sent: no chunk may
+    # claim the phrase's end until the session's task is done with it.
+    model = ModelThatEndsWhenTold()
+    stream = synthesis(Sessions(model))
+    received: list[tuple[int, bool]] = []
+
+    async def listen() -> None:
+        async for chunk in stream.chunks():
+            received.append((len(chunk.pcm), chunk.phrase_end))
+
+    listener = asyncio.create_task(listen())
+    await stream.push("One ")
+    await model.sent(1)
+    model.end()
+    await turns()
+    assert received == [(2 * SPOKEN_SAMPLES, False)]
+    await stream.end_input()
+    await listener
+    assert received == [(2 * SPOKEN_SAMPLES, False), (0, True)]

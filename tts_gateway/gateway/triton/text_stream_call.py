@@ -14,9 +14,10 @@ Every request carries the session id as its Triton correlation id: the model's s
 sends all of a session's requests to the instance that holds it, so sessions spread over the
 model's instances. The opening request starts the sequence and waits at most ``place_wait_s`` for
 a place in the batcher (then the model is full: :class:`RateLimitError`); the close ends it. A
-session that ended by itself is still closed once its audio is read (the model takes a close of an
-ended session as done), and an opening that failed is dropped, then closed, so the batcher's place
-is given back however a session ends. Only a close that never reaches the server (the gateway
+session that ended by itself is still closed: its close starts once its audio is read (the model
+takes a close of an ended session as done), without holding up the reader, and the session's owner
+awaits it with :meth:`TextStreamCall.cancel`. An opening that failed is dropped, then closed, so the
+batcher's place is given back however a session ends. Only a close that never reaches the server (the gateway
 stopped, the connection lost) leaves the place held, until the model's idle time frees it.
 """
 

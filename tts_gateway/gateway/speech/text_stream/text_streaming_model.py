@@ -235,8 +235,6 @@ class StreamedTextSynthesis:
                 if not self._times.first_out:
                     self._times.first_out = time.monotonic()
                 yield chunk
-        if self._traced is not None:
-            self._times.record(self._sessions.trace, *self._traced)
 
     async def _chunks(self) -> AsyncGenerator[SpeechChunk, None]:
         pending: bytes | None = None
@@ -251,9 +249,13 @@ class StreamedTextSynthesis:
                 yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
                 pending = None
                 continue
-            if item is None or item is _COMPLETE:
+            if item is None:
                 break
-            assert isinstance(item, bytes)
+            if isinstance(item, _AudioComplete):
+                if self._ended:
+                    break
+                # The model ended the session before the text's end: the session's task reports why.
+                continue
             if pending is not None:
                 yield SpeechChunk(pending, self._spoken, self._normalized, phrase_end=False)
                 pending = None
@@ -265,7 +267,9 @@ class StreamedTextSynthesis:
         if sent:
             # The end: the characters not yet aligned, and the output converter's tail.
             yield SpeechChunk(pending or b"", self._spoken, self._normalized, phrase_end=True)
-        if item is _COMPLETE:
+        if self._traced is not None:
+            self._times.record(self._sessions.trace, *self._traced)
+        if item is not None:
             # The context's audio ends with the session's task, which may still fail (closing the session).
             while await self._audio.get() is not None:
                 pass
