@@ -108,10 +108,10 @@ def _session_stages(o: dict[str, Any], g: dict[str, Any] | None, w: dict[str, An
             values["gw_back"] = w["first_audio"] - o["first_chunk"]
         if w["first_out"] and w["first_audio"]:
             values["gw_out"] = w["first_out"] - w["first_audio"]
-    needed = int(o.get("first_hop_tokens") or 0) + DEFAULT_PRE_LOOKAHEAD
-    times = (g or {}).get("token_times") or []
-    if o.get("first_hop_tokens") and len(times) >= needed and g is not None:
-        made = float(times[needed - 1])
+    hop = int(o.get("first_hop_tokens") or 0)
+    times = g.get("token_times", []) if g is not None else []
+    if g is not None and hop and len(times) >= hop + DEFAULT_PRE_LOOKAHEAD:
+        made = float(times[hop + DEFAULT_PRE_LOOKAHEAD - 1])
         first = float(g["first_token"])
         values["llm_making"] = made - first
         values["llm_parked"] = sum(max(0.0, min(back, made) - max(left, first)) for left, back in g.get("waits", []))

@@ -71,7 +71,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -447,8 +447,7 @@ def stage_lines(report: dict[str, Any]) -> list[str]:
         "|---:|---:|---|" + "---|" * len(STAGE_COLUMNS),
     ]
     for row, path in rows:
-        stages = row[path]["stages"]
-        cells = " | ".join(_ms(stages.get(name, {"p50": None, "p90": None})) for name, _ in STAGE_COLUMNS)
+        cells = _stage_cells(row[path]["stages"], STAGE_COLUMNS)
         lines.append(f"| {row['pace_ms']} | {row['sockets']} | {'ws' if path == 'websocket' else 'http'} | {cells} |")
     sessions = [row for row, path in rows if path == "websocket" and "gw_opening" in row[path]["stages"]]
     if sessions:
@@ -463,12 +462,14 @@ def stage_lines(report: dict[str, Any]) -> list[str]:
             "|---:|---:|" + "---|" * len(gpu_stages.SESSION_STAGES),
         ]
         for row in sessions:
-            stages = row["websocket"]["stages"]
-            cells = " | ".join(
-                _ms(stages.get(name, {"p50": None, "p90": None})) for name, _ in gpu_stages.SESSION_STAGES
-            )
+            cells = _stage_cells(row["websocket"]["stages"], gpu_stages.SESSION_STAGES)
             lines.append(f"| {row['pace_ms']} | {row['sockets']} | {cells} |")
     return lines
+
+
+def _stage_cells(stages: dict[str, Any], columns: Sequence[tuple[str, str]]) -> str:
+    """A stage table's cells for one row: each column's p50 / p90, ``-`` where the stage was not traced."""
+    return " | ".join(_ms(stages.get(name, {"p50": None, "p90": None})) for name, _ in columns)
 
 
 def write_report(out: Path, report: dict[str, Any]) -> None:

@@ -174,6 +174,20 @@ def assert_both_slots_serve(llm: TorchSpeechLLM) -> None:
         assert len(other.tokens) == TOKENS
 
 
+def count_rows_per_pass(engine: Any, method: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The streams each call of the engine's pass ``method`` (``_round_logits``, ``_prompt_logits``) takes,
+    in order, from now on."""
+    rows_per_pass: list[int] = []
+    run = getattr(engine, method)
+
+    def counted(first: int, handles: list[TextStreamHandle]) -> torch.Tensor:
+        rows_per_pass.append(len(handles))
+        return run(first, handles)
+
+    monkeypatch.setattr(engine, method, counted)
+    return rows_per_pass
+
+
 def wait_idle(recorder: Recorder, seconds: float = 0.3) -> int:
     """Tokens so far, once none came for ``seconds`` (the stream waits for text)."""
     count = -1
@@ -384,14 +398,7 @@ def test_streams_ready_together_are_extended_in_one_pass(
     prompts = [(PROMPT_TEXT, PROMPT_SPEECH), (PROMPT_TEXT[:2], PROMPT_SPEECH[:45])]
     expected = [upstream_tokens(upstream, text, speech, TEXT) for text, speech in prompts]
     engine = llm.engine
-    rows_per_pass: list[int] = []
-    extend = engine._round_logits
-
-    def counted(first: int, handles: list[TextStreamHandle]) -> torch.Tensor:
-        rows_per_pass.append(len(handles))
-        return extend(first, handles)
-
-    monkeypatch.setattr(engine, "_round_logits", counted)
+    rows_per_pass = count_rows_per_pass(engine, "_round_logits", monkeypatch)
     streams = [open_stream(llm, text, speech) for text, speech in prompts]
     for _, handle in streams:
         handle.add_text(TEXT[:16])
@@ -415,14 +422,7 @@ def test_streams_starting_together_are_prefilled_a_step_apart(
     # together would hold every live row's next step until the last was done.
     engine = llm.engine
     monkeypatch.setattr(engine, "_max_prefill_rows", 1)
-    prompts_per_pass: list[int] = []
-    prefill = engine._prompt_logits
-
-    def counted(first: int, handles: list[TextStreamHandle]) -> torch.Tensor:
-        prompts_per_pass.append(len(handles))
-        return prefill(first, handles)
-
-    monkeypatch.setattr(engine, "_prompt_logits", counted)
+    prompts_per_pass = count_rows_per_pass(engine, "_prompt_logits", monkeypatch)
     expected = upstream_tokens(upstream, PROMPT_TEXT, PROMPT_SPEECH, TEXT)
     streams = [open_stream(llm, PROMPT_TEXT, PROMPT_SPEECH) for _ in range(2)]
     with engine._wake:
