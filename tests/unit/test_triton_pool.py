@@ -1,19 +1,24 @@
-"""Which server takes a call, which stay in rotation, and what a Triton address names (no Triton server: the
-readiness probes meet a port with nothing behind it and a socket that never answers)."""
+"""Which server takes a call, which stay in rotation, how long a call tries on, and what a Triton address names
+(no Triton server: the readiness probes meet a port with nothing behind it and a socket that never answers, and
+a scripted client dies under its calls; the real servers' failover is in ``tests/e2e/test_stream_failover.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 from tests.e2e.gateway_process import free_port
 from tests.fixtures.silent_server import silent_server
+from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
 from tts_gateway.gateway.metrics import GatewayMetrics
-from tts_gateway.gateway.triton.client import TritonClient, TritonModelConfig
+from tts_gateway.gateway.triton.client import Readiness, TritonClient, TritonModelConfig
 from tts_gateway.gateway.triton.pool import (
     SILENT_PROBES_TOLERATED,
+    Failover,
     TritonPool,
     _addresses,
     join_target,
@@ -127,3 +132,105 @@ def test_targets_split_and_join() -> None:
     assert split_target("[fd00::1]:8001") == ("fd00::1", 8001)
     assert join_target("fd00::1", 8001) == "[fd00::1]:8001"
     assert split_target("triton-0.triton:8001") == ("triton-0.triton", 8001)
+
+
+class _DyingServer:
+    """A client whose server dies under a call: the call in flight fails as the model's error ("Internal
+    error from Core"), the next finds nothing listening, and after ``down_s`` it is back and serves."""
+
+    def __init__(self, down_s: float, failures: list[Exception]) -> None:
+        self.calls = 0
+        self._failures = failures
+        self._down_s = down_s
+        self._back_at: float | None = None
+
+    def _back(self) -> bool:
+        return self._back_at is not None and asyncio.get_running_loop().time() >= self._back_at
+
+    async def readiness(self) -> Readiness:
+        return Readiness.READY if self._back() or self._back_at is None else Readiness.NOT_READY
+
+    async def model_configs(self) -> list[TritonModelConfig]:
+        return [TritonModelConfig("piper_stream", frozenset(), decoupled=True)]
+
+    async def stream(self, model: str, values: object, request_id: str) -> AsyncIterator[np.ndarray]:
+        self.calls += 1
+        if self._back_at is None:
+            self._back_at = asyncio.get_running_loop().time() + self._down_s
+        if not self._back() and self._failures:
+            raise self._failures.pop(0)
+        if not self._back():
+            raise ServerUnavailableError("Triton server is unavailable")
+        yield np.ones(4, dtype=np.float32)
+
+    async def close(self) -> None:
+        pass
+
+
+async def _watched(pool: TritonPool, every: float = 0.05) -> asyncio.Task[None]:
+    """The readiness probes the gateway runs, at a test's pace."""
+
+    async def watch() -> None:
+        while True:
+            await pool.refresh()
+            await asyncio.sleep(every)
+
+    await pool.refresh()
+    return asyncio.create_task(watch())
+
+
+async def test_a_patient_call_waits_out_a_restart_that_first_failed_it_as_a_model_error() -> None:
+    """The only server dies under a patient call: its first failure leaves the server in rotation, the
+    second takes it out, and the call goes on once the server is back, within ``failover_wait``."""
+    client = _DyingServer(down_s=0.5, failures=[SynthesisError("Internal error from Core")])
+    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=5.0)  # type: ignore[arg-type,return-value]
+    watcher = await _watched(pool)
+    notified: list[bool] = []
+    try:
+        failover = Failover(skip_sent=False, notify=lambda _exc, mid: notified.append(mid))
+        chunks = [c async for c in pool.stream("piper_stream", {}, "r1", patient=True, failover=failover)]
+    finally:
+        watcher.cancel()
+        await pool.close()
+    assert [c.size for c in chunks] == [4]
+    assert client.calls >= 3 and notified == [False] * (client.calls - 1)
+
+
+async def test_an_impatient_call_is_sent_once_more_only() -> None:
+    client = _DyingServer(down_s=0.5, failures=[SynthesisError("Internal error from Core")])
+    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=5.0)  # type: ignore[arg-type,return-value]
+    await pool.refresh()
+    with pytest.raises(GatewayError):
+        async for _ in pool.stream("piper_stream", {}, "r1"):
+            pass
+    await pool.close()
+    assert client.calls == 1, "no other server: the call fails at once"
+
+
+async def test_a_patient_call_waits_for_a_server_down_no_longer_than_failover_wait() -> None:
+    client = _DyingServer(down_s=60, failures=[SynthesisError("Internal error from Core")])
+    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=0.5)  # type: ignore[arg-type,return-value]
+    watcher = await _watched(pool)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(ServerUnavailableError):
+            async for _ in pool.stream("piper_stream", {}, "r1", patient=True):
+                pass
+    finally:
+        watcher.cancel()
+        await pool.close()
+    assert 0.5 <= loop.time() - started < 2.0
+    assert client.calls == 2, "down: the call waited for it to be ready again"
+
+
+async def test_a_model_that_fails_twice_is_not_asked_again_even_by_a_patient_call() -> None:
+    """Each restart of a stream after its first audio repeats audio: a model that fails it is tried twice."""
+    client = _DyingServer(down_s=60, failures=[SynthesisError("model broke") for _ in range(3)])
+    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=5.0)  # type: ignore[arg-type,return-value]
+    await pool.refresh()
+    with pytest.raises(SynthesisError, match="model broke"):
+        async for _ in pool.stream("piper_stream", {}, "r1", patient=True):
+            pass
+    await pool.close()
+    assert client.calls == 2

@@ -353,7 +353,8 @@ class SpeechService:
         def failed_over(exc: GatewayError, mid_stream: bool) -> None:
             if not (patient or mid_stream):
                 return  # the response has not started: nothing to resume, the call was merely retried
-            progress.resumed.append(index)
+            if index not in progress.resumed:  # a sentence may take several attempts to resume
+                progress.resumed.append(index)
             if not mid_stream:
                 how = "before any of its audio"
             elif plan.reproducible:

@@ -16,8 +16,10 @@ The pool is also the one place where a call meets a server and fails over. A cal
 fails (it is down, or the model broke; not a rejected request or a slow model) is sent once more
 to another ready server: before its first audio nothing was lost; after it, a stream is restarted
 only when its caller asks for it (:class:`Failover`), since the audio already sent cannot be
-taken back. A server that is down is taken out of rotation at once; the listeners given to
-:meth:`TritonPool.on_change` hear of it (the model catalog follows the ready set).
+taken back. A patient call (its response has started) whose server is down waits for one to be
+ready, up to ``failover_wait`` after its first failure. A server that is down is taken out of
+rotation at once; the listeners given to :meth:`TritonPool.on_change` hear of it (the model
+catalog follows the ready set).
 
 Readiness is probed every few seconds. A server in rotation that answers the probe "not ready" or
 refuses the connection goes out at once; one that does not answer in time stays in for
@@ -92,6 +94,33 @@ class Failover:
 
     skip_sent: bool
     notify: Callable[[GatewayError, bool], None]
+
+
+@dataclass
+class _Attempts:
+    """One call's failed attempts, and until when a patient call may make more."""
+
+    loop: asyncio.AbstractEventLoop
+    failover_wait: float
+    tried: list[TritonServer] = field(default_factory=list)
+    failure: GatewayError | None = None
+    first_failed_at: float | None = None
+
+    @property
+    def deadline(self) -> float:
+        """When a patient call stops waiting for a ready server: ``failover_wait`` after its first failure."""
+        start = self.loop.time() if self.first_failed_at is None else self.first_failed_at
+        return start + self.failover_wait
+
+    def open(self) -> bool:
+        return self.loop.time() < self.deadline
+
+    def failed(self, server: TritonServer, exc: GatewayError) -> None:
+        if self.first_failed_at is None:
+            self.first_failed_at = self.loop.time()
+        if server not in self.tried:
+            self.tried.append(server)
+        self.failure = exc
 
 
 def split_target(target: str) -> tuple[str, int]:
@@ -256,7 +285,7 @@ class TritonPool:
 
         There is no failover: a session's state (voice, text so far) lives in its server.
         """
-        server = await self._choose(model, [], None, patient=False)
+        server = await self._choose(model, self._attempts(), patient=False)
         with self.call(server):
             yield server.client
 
@@ -271,22 +300,17 @@ class TritonPool:
     ) -> Audio:
         """One offline call on the least busy server, sent once more to another if that one fails it.
 
-        ``patient``: the caller's response has started, so waiting up to ``failover_wait`` for a ready
-        server beats failing at once.
+        ``patient``: the caller's response has started, so trying on, and waiting for a ready server,
+        up to ``failover_wait`` beats failing at once.
         """
-        tried: list[TritonServer] = []
-        failure: GatewayError | None = None
+        attempts = self._attempts()
         while True:
-            server = await self._choose(model, tried, failure, patient=patient)
+            server = await self._choose(model, attempts, patient=patient)
             try:
                 with self.call(server):
                     return await server.client.infer(model, values, request_id)
             except _FAILOVER as exc:
-                if tried:
-                    raise
-                self._failed(server, exc, request_id, before_audio=True)
-                tried.append(server)
-                failure = exc
+                self._retry(attempts, server, exc, request_id, patient=patient, before_audio=True)
                 if failover is not None:
                     failover.notify(exc, False)
 
@@ -301,15 +325,15 @@ class TritonPool:
     ) -> AsyncGenerator[Audio, None]:
         """A decoupled model's chunks from the least busy server.
 
-        A call that fails before its first chunk is sent once more to another server. One that fails
-        after it is restarted on another server (waiting for one as a patient call does) if
-        ``failover`` is given, and is the caller's failure otherwise.
+        A call that fails before its first chunk is sent once more to another server (a patient one
+        is tried on as :meth:`infer` does). One that fails after it is restarted on another server
+        (tried on as a patient call is) if ``failover`` is given, and is the caller's failure otherwise.
         """
-        tried: list[TritonServer] = []
-        failure: GatewayError | None = None
+        attempts = self._attempts()
         sent = 0  # samples passed on so far, over every attempt
         while True:
-            server = await self._choose(model, tried, failure, patient=patient or sent > 0)
+            resuming = sent > 0 and failover is not None
+            server = await self._choose(model, attempts, patient=patient or resuming)
             # What a restarted deterministic stream repeats of what was already passed on.
             skip = sent if failover is not None and failover.skip_sent else 0
             received = 0
@@ -325,36 +349,57 @@ class TritonPool:
                             yield fresh
                 return
             except _FAILOVER as exc:
-                if tried or (sent > 0 and failover is None):
+                if sent > 0 and failover is None:
                     raise
-                self._failed(server, exc, request_id, before_audio=sent == 0)
-                tried.append(server)
-                failure = exc
+                self._retry(attempts, server, exc, request_id, patient=patient or sent > 0, before_audio=sent == 0)
                 if failover is not None:
                     failover.notify(exc, sent > 0)
 
-    async def _choose(
-        self, model: str, tried: list[TritonServer], failure: GatewayError | None, *, patient: bool
-    ) -> TritonServer:
-        """The server for the next attempt: another one than those ``tried`` if there is one.
+    def _attempts(self) -> _Attempts:
+        return _Attempts(asyncio.get_running_loop(), self._failover_wait)
 
-        A patient call otherwise waits up to ``failover_wait`` for a server to become ready, and
-        takes a tried one too (a restarted server comes back under its address). With none, the
-        last attempt's ``failure`` is the caller's, or a 503 if there was no attempt.
+    async def _choose(self, model: str, attempts: _Attempts, *, patient: bool) -> TritonServer:
+        """The server for the next attempt: another one than those tried if there is one.
+
+        A patient call otherwise waits for a server to become ready, up to ``failover_wait`` after
+        its first failure (or, before any, after now), and takes a tried one too (a restarted server
+        comes back under its address). With none, the last attempt's failure is the caller's, or a
+        503 if there was no attempt.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self._failover_wait if patient else 0.0)
+        deadline = attempts.deadline if patient else loop.time()
         while True:
-            server = self.pick(model, exclude=tried) or (self.pick(model) if patient else None)
+            server = self.pick(model, exclude=attempts.tried) or (self.pick(model) if patient else None)
             if server is not None:
                 return server
             if loop.time() >= deadline:
-                raise failure or ServerUnavailableError(f"no ready Triton server serves model {model!r}")
+                raise attempts.failure or ServerUnavailableError(f"no ready Triton server serves model {model!r}")
             await asyncio.sleep(_WAIT_STEP)
 
+    def _retry(
+        self,
+        attempts: _Attempts,
+        server: TritonServer,
+        exc: GatewayError,
+        request_id: str,
+        *,
+        patient: bool,
+        before_audio: bool,
+    ) -> None:
+        """Records a failed attempt, or raises ``exc`` when the call has none left.
+
+        Every call gets one more attempt. A patient one also tries on while its last attempt found the
+        server down, until ``failover_wait`` after its first failure: a server that dies may first
+        fail a call as a model error, and only the next attempt finds it gone (and waits for its
+        restart). A model that failed twice is not asked again: each mid-stream restart repeats audio.
+        """
+        if attempts.tried and not (patient and _server_down(exc) and attempts.open()):
+            raise exc
+        self._failed(server, exc, request_id, before_audio=before_audio)
+        attempts.failed(server, exc)
+
     def _failed(self, server: TritonServer, exc: GatewayError, request_id: str, *, before_audio: bool) -> None:
-        # A model that reports itself unavailable answered: its Triton is up and keeps its other models.
-        if isinstance(exc, ServerUnavailableError) and not isinstance(exc, ModelUnavailableError):
+        if _server_down(exc):
             self.mark_down(server)
             for listener in self._listeners:
                 listener()
@@ -370,6 +415,12 @@ class TritonPool:
             await server.client.close()
         self._servers.clear()
         self._retired.clear()
+
+
+def _server_down(exc: GatewayError) -> bool:
+    """Whether a call's failure says its server is down. A model that reports itself unavailable
+    answered: its Triton is up and keeps its other models."""
+    return isinstance(exc, ServerUnavailableError) and not isinstance(exc, ModelUnavailableError)
 
 
 def _is_speech_model(config: TritonModelConfig) -> bool:
