@@ -418,8 +418,8 @@ def test_streams_ready_together_are_extended_in_one_pass(
 def test_streams_starting_together_are_prefilled_a_step_apart(
     llm: TorchSpeechLLM, upstream: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Each starting stream's prompt is a prefill pass of its own: taken all at once, many sockets opened
-    # together would hold every live row's next step until the last was done.
+    # Starting streams count against the prompts prefilled between two steps: taken all at once, many
+    # sockets opened together would hold every live row's next step until the last prompt was done.
     engine = llm.engine
     monkeypatch.setattr(engine, "_max_prefill_rows", 1)
     prompts_per_pass = count_rows_per_pass(engine, "_prompt_logits", monkeypatch)

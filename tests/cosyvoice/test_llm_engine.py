@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -419,5 +420,41 @@ def test_a_request_that_arrives_while_the_engine_yields_is_admitted_at_once(tmp_
         second, _ = submit(model, 1, GREEDY, tokens=3)
         assert second.done.wait(20) and second.error is None and len(second.tokens) == 3
         assert gate.waited and gate.waited[0] < 20
+    finally:
+        model.close()
+
+
+class _Replay:
+    """Stands in for a recorded prefill graph on the CPU: replaying runs the pass it would have recorded."""
+
+    def __init__(self, run: Callable[[], None], replays: list[int], rows: int) -> None:
+        self._run, self._replays, self._rows = run, replays, rows
+
+    def replay(self) -> None:
+        self._replays.append(self._rows)
+        self._run()
+
+
+def test_prompts_admitted_together_are_prefilled_in_one_recorded_pass(tmp_path: Path) -> None:
+    """The recorded prefill pass takes several prompts of different lengths at once, each into its own
+    slot with the bucket's spare rows naming the staging slot, and they draw what eager prefills draw."""
+    directory = tiny_frontend.write_tiny_llm(tmp_path / "cosyvoice2_llm")
+    model = TorchSpeechLLM(directory, max_slots=4, max_seq_len=128)
+    engine = model.engine
+    try:
+        expected = [alone(model, index, SAMPLED) for index in range(3)]
+        replays: list[int] = []
+        engine._prefill_graphs = {
+            (rows, width): _Replay(functools.partial(engine._prefill_pass, rows, width), replays, rows)
+            for rows in engine._prefill_rows_buckets
+            for width in engine._prefill_widths
+        }
+        with engine._wake:  # all three admitted between the same two steps
+            runs = [submit(model, index, SAMPLED) for index in range(3)]
+        for recorder, _ in runs:
+            assert recorder.done.wait(60) and recorder.error is None
+        assert [recorder.tokens for recorder, _ in runs] == expected
+        assert len({len(prompt(index)) for index in range(3)}) == 3
+        assert replays == [4], "three prompts, one pass of the four-row bucket"
     finally:
         model.close()

@@ -64,7 +64,8 @@ _COLUMN_OF = {token_id: column for column, token_id in enumerate(COLUMN_IDS)}
 _SPEECH_COLUMNS = vocab.SPEECH_TOKEN_SIZE
 _SEED_LIMIT = 1 << 64
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-# Prompt lengths whose prefill (one request) is recorded as a CUDA graph; longer prompts run eagerly.
+# Prompt lengths whose prefill is recorded as CUDA graphs (for 1, 2, 4 ... ``max_prefill_rows`` prompts
+# at once, each padded to the longest's bucket); longer prompts run eagerly.
 PREFILL_BUCKETS: tuple[int, ...] = tuple(range(64, 1025, 64))
 # Ids an extend pass takes per row. A round's input is the round's last speech id (owed to the cache)
 # and 5 text ids; the final one feeds the last input again, the rest of the text and <|task_id|>, within 8
@@ -304,11 +305,16 @@ class BatchingEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        prefill_width = min(max(PREFILL_BUCKETS), decoder.max_len)
-        self._prefill_ids = torch.zeros(1, prefill_width, dtype=torch.int64, device=self._device)
-        self._prefill_length = torch.ones(1, dtype=torch.int64, device=self._device)
-        self._prefill_logits = torch.zeros(1, len(COLUMN_IDS), device=self._device)
+        # Prefills are extend passes from position 0, one row per prompt, laid out as the extend pass's
+        # rows but ``prefill_width`` ids wide; recorded per (rows, width) bucket.
+        self._prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        most = min(max_prefill_rows, self.slots)
+        self._prefill_rows_buckets = sorted({b for b in self._buckets if b < most} | {most})
+        self._prefill_widths = [b for b in PREFILL_BUCKETS if decoder.max_len > b]
+        prefill_width = max(self._prefill_widths, default=0)
+        self._prefill_inputs = torch.zeros(max_prefill_rows, prefill_width + 3, dtype=torch.int64, device=self._device)
+        self._prefill_inputs[:] = self._prefill_row([], decoder.staging_slot, prefill_width).to(self._device)
+        self._prefill_logits = torch.zeros(max_prefill_rows, len(COLUMN_IDS), device=self._device)
         # An extend pass's inputs, one row each: ids, start, length, slot (a free row names the staging slot).
         self._extend_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._extend_inputs = torch.zeros(self.slots, EXTEND_WIDTH + 3, dtype=torch.int64, device=self._device)
@@ -638,29 +644,42 @@ class BatchingEngine:
         return self._start_rows(handles, first, logits)
 
     def _prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> Tensor:
-        """Run prompts into rows ``first..`` (from recorded prefills where they fit); logits after each."""
-        if self._prefill_graphs:
-            return torch.cat([self._replay_prefill(first + row, tuple(ids)) for row, ids in enumerate(prompts)])
-        lengths = [len(ids) for ids in prompts]
-        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.int64)
-        for row, prompt in enumerate(prompts):
-            ids[row, : lengths[row]] = torch.tensor(prompt, dtype=torch.int64)
-        lengths_of = self._to_device(torch.tensor(lengths))
-        return self._decoder.prefill(self._to_device(ids), lengths_of, first_slot=first)
+        """Run prompts into rows ``first..`` (as one recorded pass where they fit); logits after each.
 
-    def _replay_prefill(self, row: int, input_ids: tuple[int, ...]) -> Tensor:
-        """One prompt's prefill from its recorded graph (staging slot, then copied to ``row``), else eagerly."""
-        length = len(input_ids)
-        bucket = next((b for b in sorted(self._prefill_graphs) if b >= length), None)
-        ids = self._to_device(torch.tensor(input_ids, dtype=torch.int64))
-        if bucket is None:
-            lengths = self._to_device(torch.tensor([length]))
-            return self._decoder.prefill(ids[None], lengths, first_slot=row)
-        self._prefill_ids[0, :length] = ids
-        self._prefill_length.fill_(length)
-        self._prefill_graphs[bucket].replay()
-        self._decoder.move_slot(self._decoder.staging_slot, row, length)
-        return self._prefill_logits.clone()
+        The prompts admitted between two steps share one pass: a replay each would run them one after
+        another while every live row waits for its next step."""
+        rows = len(prompts)
+        lengths = [len(ids) for ids in prompts]
+        width = next((w for w in self._prefill_widths if w >= max(lengths)), None)
+        bucket = next((b for b in self._prefill_rows_buckets if b >= rows), None)
+        graph = None if width is None or bucket is None else self._prefill_graphs.get((bucket, width))
+        if graph is None or bucket is None:
+            ids = torch.zeros(rows, max(lengths), dtype=torch.int64)
+            for row, prompt in enumerate(prompts):
+                ids[row, : lengths[row]] = torch.tensor(prompt, dtype=torch.int64)
+            lengths_of = self._to_device(torch.tensor(lengths))
+            return self._decoder.prefill(self._to_device(ids), lengths_of, first_slot=first)
+        full = self._prefill_inputs.shape[1] - 3
+        inputs = [self._prefill_row(ids, first + row, full) for row, ids in enumerate(prompts)]
+        padding = self._prefill_row([], self._decoder.staging_slot, full)
+        self._prefill_inputs[:bucket].copy_(self._to_device(torch.stack(inputs + [padding] * (bucket - rows))))
+        graph.replay()
+        return self._prefill_logits[:rows].clone()
+
+    @staticmethod
+    def _prefill_row(ids: Sequence[int], slot: int, width: int) -> Tensor:
+        """One row of a prefill pass's inputs: ``width`` ids (zero-padded), then start 0, length, slot."""
+        row = torch.zeros(width + 3, dtype=torch.int64)
+        row[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        row[width:] = torch.tensor([0, max(len(ids), 1), slot])
+        return row
+
+    def _prefill_pass(self, rows: int, width: int) -> None:
+        """Prefill the first ``rows`` rows of the recorded inputs, ``width`` ids each, into the recorded logits."""
+        inputs = self._prefill_inputs[:rows]
+        starts, lengths, slots = inputs[:, -3:].unbind(1)
+        logits = self._decoder.extend(inputs[:, :width], starts, lengths, slots, self._decoder.span_for(width))
+        self._prefill_logits[:rows].copy_(logits)
 
     def _load_row(self, row: int, request: Generation) -> None:
         self._write_row(
@@ -967,13 +986,12 @@ class BatchingEngine:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Record one decode step and one extend pass per bucket and span and one prefill per prompt-length
-        bucket, sharing one memory pool."""
+        """Record one decode step and one extend pass per bucket and span and one prefill per bucket of rows
+        and prompt length, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self._device)
         stream.wait_stream(torch.cuda.current_stream(self._device))
         saved = [tensor.clone() for tensor in self._rows.all()]
-        staging = self._decoder.staging_slot
 
         def record(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
             for _ in range(2):
@@ -988,13 +1006,9 @@ class BatchingEngine:
                 for span in sorted(self._decoder.spans, reverse=True):
                     self._graphs[bucket, span] = record(functools.partial(self._decode, bucket, span))
                     self._extend_graphs[bucket, span] = record(functools.partial(self._extend_pass, bucket, span))
-            for width in sorted((b for b in PREFILL_BUCKETS if b <= self._prefill_ids.shape[1]), reverse=True):
-                ids = self._prefill_ids[:, :width]
-                self._decoder.prefill(ids, self._prefill_length, first_slot=staging)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._prefill_logits.copy_(self._decoder.prefill(ids, self._prefill_length, first_slot=staging))
-                self._prefill_graphs[width] = graph
+            for rows in reversed(self._prefill_rows_buckets):
+                for width in reversed(self._prefill_widths):
+                    self._prefill_graphs[rows, width] = record(functools.partial(self._prefill_pass, rows, width))
         torch.cuda.current_stream(self._device).wait_stream(stream)
         for tensor, value in zip(self._rows.all(), saved, strict=True):
             tensor.copy_(value)
