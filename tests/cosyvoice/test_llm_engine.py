@@ -437,24 +437,28 @@ class _Replay:
 
 def test_prompts_admitted_together_are_prefilled_in_one_recorded_pass(tmp_path: Path) -> None:
     """The recorded prefill pass takes several prompts of different lengths at once, each into its own
-    slot with the bucket's spare rows naming the staging slot, and they draw what eager prefills draw."""
+    slot after the live row's, padded to a bucket of four rows, and they draw what eager prefills draw;
+    the live row goes on undisturbed."""
     directory = tiny_frontend.write_tiny_llm(tmp_path / "cosyvoice2_llm")
     model = TorchSpeechLLM(directory, max_slots=4, max_seq_len=128)
     engine = model.engine
     try:
-        expected = [alone(model, index, SAMPLED) for index in range(3)]
+        expected = [alone(model, index, SAMPLED, tokens=60 if index == 0 else 20) for index in range(4)]
         replays: list[int] = []
         engine._prefill_graphs = {
             (rows, width): _Replay(functools.partial(engine._prefill_pass, rows, width), replays, rows)
             for rows in engine._prefill_rows_buckets
             for width in engine._prefill_widths
         }
-        with engine._wake:  # all three admitted between the same two steps
-            runs = [submit(model, index, SAMPLED) for index in range(3)]
-        for recorder, _ in runs:
+        live, _ = submit(model, 0, SAMPLED, tokens=60)
+        while len(live.tokens) < 5:
+            time.sleep(0.001)
+        with engine._wake:  # three admitted between the same two steps, into rows 1-3 (the bucket's fourth row spare)
+            runs = [submit(model, index, SAMPLED) for index in range(1, 4)]
+        for recorder in [live, *(recorder for recorder, _ in runs)]:
             assert recorder.done.wait(60) and recorder.error is None
-        assert [recorder.tokens for recorder, _ in runs] == expected
-        assert len({len(prompt(index)) for index in range(3)}) == 3
-        assert replays == [4], "three prompts, one pass of the four-row bucket"
+        assert [live.tokens, *(recorder.tokens for recorder, _ in runs)] == expected
+        assert len({len(prompt(index)) for index in range(1, 4)}) == 3
+        assert replays == [1, 4], "the first prompt alone, then three in one pass of the four-row bucket"
     finally:
         model.close()

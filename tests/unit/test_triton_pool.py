@@ -5,6 +5,7 @@ a scripted client dies under its calls; the real servers' failover is in ``tests
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 
@@ -13,10 +14,11 @@ import pytest
 
 from tests.e2e.gateway_process import free_port
 from tests.fixtures.silent_server import silent_server
-from tts_gateway.gateway.errors import GatewayError, ServerUnavailableError, SynthesisError
+from tts_gateway.gateway.errors import ServerUnavailableError, SynthesisError
 from tts_gateway.gateway.metrics import GatewayMetrics
 from tts_gateway.gateway.triton.client import Readiness, TritonClient, TritonModelConfig
 from tts_gateway.gateway.triton.pool import (
+    _MAX_ATTEMPTS,
     SILENT_PROBES_TOLERATED,
     Failover,
     TritonPool,
@@ -134,40 +136,59 @@ def test_targets_split_and_join() -> None:
     assert split_target("triton-0.triton:8001") == ("triton-0.triton", 8001)
 
 
-class _DyingServer:
-    """A client whose server dies under a call: the call in flight fails as the model's error ("Internal
-    error from Core"), the next finds nothing listening, and after ``down_s`` it is back and serves."""
+class _FailingServer:
+    """A client whose calls fail with ``failures``, one each, then serve. A call failed as unreachable
+    (the server went down) leaves its readiness probe "not ready" for ``down_s`` (its restart)."""
 
-    def __init__(self, down_s: float, failures: list[Exception]) -> None:
+    def __init__(self, failures: list[Exception], down_s: float = 0.0) -> None:
         self.calls = 0
         self._failures = failures
         self._down_s = down_s
-        self._back_at: float | None = None
-
-    def _back(self) -> bool:
-        return self._back_at is not None and asyncio.get_running_loop().time() >= self._back_at
+        self._back_at = 0.0
 
     async def readiness(self) -> Readiness:
-        return Readiness.READY if self._back() or self._back_at is None else Readiness.NOT_READY
+        return Readiness.READY if asyncio.get_running_loop().time() >= self._back_at else Readiness.NOT_READY
 
     async def model_configs(self) -> list[TritonModelConfig]:
         return [TritonModelConfig("piper_stream", frozenset(), decoupled=True)]
 
-    async def stream(self, model: str, values: object, request_id: str) -> AsyncIterator[np.ndarray]:
+    def _attempt(self) -> None:
         self.calls += 1
-        if self._back_at is None:
-            self._back_at = asyncio.get_running_loop().time() + self._down_s
-        if not self._back() and self._failures:
-            raise self._failures.pop(0)
-        if not self._back():
-            raise ServerUnavailableError("Triton server is unavailable")
+        if self._failures:
+            failure = self._failures.pop(0)
+            if isinstance(failure, ServerUnavailableError):
+                self._back_at = asyncio.get_running_loop().time() + self._down_s
+            raise failure
+
+    async def stream(self, model: str, values: object, request_id: str) -> AsyncIterator[np.ndarray]:
+        self._attempt()
         yield np.ones(4, dtype=np.float32)
+
+    async def infer(self, model: str, values: object, request_id: str) -> np.ndarray:
+        self._attempt()
+        return np.ones(4, dtype=np.float32)
 
     async def close(self) -> None:
         pass
 
 
-async def _watched(pool: TritonPool, every: float = 0.05) -> asyncio.Task[None]:
+def _dying(down_s: float) -> _FailingServer:
+    """A server that dies under a call: the call in flight fails as the model's error ("Internal error from
+    Core"), the next finds nothing listening, and after ``down_s`` it is back and serves."""
+    return _FailingServer([SynthesisError("Internal error from Core"), _gone()], down_s)
+
+
+def _gone() -> ServerUnavailableError:
+    return ServerUnavailableError("Triton server is unavailable")
+
+
+def _serving(*clients: _FailingServer, failover_wait: float) -> TritonPool:
+    by_address = {f"127.0.0.{n}:1": client for n, client in enumerate(clients, start=1)}
+    return TritonPool(list(by_address), by_address.__getitem__, GatewayMetrics(), failover_wait=failover_wait)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def _watched(pool: TritonPool, every: float = 0.05) -> AsyncIterator[TritonPool]:
     """The readiness probes the gateway runs, at a test's pace."""
 
     async def watch() -> None:
@@ -176,61 +197,79 @@ async def _watched(pool: TritonPool, every: float = 0.05) -> asyncio.Task[None]:
             await asyncio.sleep(every)
 
     await pool.refresh()
-    return asyncio.create_task(watch())
+    watcher = asyncio.create_task(watch())
+    try:
+        yield pool
+    finally:
+        watcher.cancel()
+        await pool.close()
+
+
+async def _streamed(pool: TritonPool, *, patient: bool) -> list[np.ndarray]:
+    return [chunk async for chunk in pool.stream("piper_stream", {}, "r1", patient=patient)]
 
 
 async def test_a_patient_call_waits_out_a_restart_that_first_failed_it_as_a_model_error() -> None:
     """The only server dies under a patient call: its first failure leaves the server in rotation, the
     second takes it out, and the call goes on once the server is back, within ``failover_wait``."""
-    client = _DyingServer(down_s=0.5, failures=[SynthesisError("Internal error from Core")])
-    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=5.0)  # type: ignore[arg-type,return-value]
-    watcher = await _watched(pool)
+    client = _dying(down_s=0.5)
     notified: list[bool] = []
-    try:
+    async with _watched(_serving(client, failover_wait=5.0)) as pool:
         failover = Failover(skip_sent=False, notify=lambda _exc, mid: notified.append(mid))
         chunks = [c async for c in pool.stream("piper_stream", {}, "r1", patient=True, failover=failover)]
-    finally:
-        watcher.cancel()
-        await pool.close()
     assert [c.size for c in chunks] == [4]
-    assert client.calls >= 3 and notified == [False] * (client.calls - 1)
+    assert client.calls == 3 and notified == [False, False]
 
 
-async def test_an_impatient_call_is_sent_once_more_only() -> None:
-    client = _DyingServer(down_s=0.5, failures=[SynthesisError("Internal error from Core")])
-    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=5.0)  # type: ignore[arg-type,return-value]
-    await pool.refresh()
-    with pytest.raises(GatewayError):
-        async for _ in pool.stream("piper_stream", {}, "r1"):
-            pass
-    await pool.close()
-    assert client.calls == 1, "no other server: the call fails at once"
+async def test_a_patient_offline_call_waits_out_a_restart_too() -> None:
+    client = _dying(down_s=0.5)
+    async with _watched(_serving(client, failover_wait=5.0)) as pool:
+        audio = await pool.infer("piper_stream", {}, "r1", patient=True)
+    assert audio.size == 4 and client.calls == 3
 
 
 async def test_a_patient_call_waits_for_a_server_down_no_longer_than_failover_wait() -> None:
-    client = _DyingServer(down_s=60, failures=[SynthesisError("Internal error from Core")])
-    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=0.5)  # type: ignore[arg-type,return-value]
-    watcher = await _watched(pool)
+    client = _dying(down_s=60)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    try:
+    async with _watched(_serving(client, failover_wait=0.5)) as pool:
         with pytest.raises(ServerUnavailableError):
-            async for _ in pool.stream("piper_stream", {}, "r1", patient=True):
-                pass
-    finally:
-        watcher.cancel()
-        await pool.close()
+            await _streamed(pool, patient=True)
     assert 0.5 <= loop.time() - started < 2.0
     assert client.calls == 2, "down: the call waited for it to be ready again"
 
 
+async def test_failover_wait_counts_from_the_first_failure_not_from_each() -> None:
+    """A server that keeps coming back and failing again: the wait does not start over at each failure."""
+    # Back after 1 s each time: the second attempt comes within the 1.5 s, a third would come after them.
+    client = _FailingServer([_gone() for _ in range(10)], down_s=1.0)
+    async with _watched(_serving(client, failover_wait=1.5)) as pool:
+        with pytest.raises(ServerUnavailableError):
+            await _streamed(pool, patient=True)
+    assert client.calls == 2
+
+
+async def test_a_patient_call_makes_a_bounded_number_of_attempts() -> None:
+    """Calls that fail as unreachable while the probe says ready are not sent again after every probe."""
+    client = _FailingServer([_gone() for _ in range(10)], down_s=0.0)
+    async with _watched(_serving(client, failover_wait=5.0)) as pool:
+        with pytest.raises(ServerUnavailableError):
+            await _streamed(pool, patient=True)
+    assert client.calls == _MAX_ATTEMPTS
+
+
 async def test_a_model_that_fails_twice_is_not_asked_again_even_by_a_patient_call() -> None:
     """Each restart of a stream after its first audio repeats audio: a model that fails it is tried twice."""
-    client = _DyingServer(down_s=60, failures=[SynthesisError("model broke") for _ in range(3)])
-    pool = TritonPool(["127.0.0.1:1"], lambda _: client, GatewayMetrics(), failover_wait=5.0)  # type: ignore[arg-type,return-value]
-    await pool.refresh()
-    with pytest.raises(SynthesisError, match="model broke"):
-        async for _ in pool.stream("piper_stream", {}, "r1", patient=True):
-            pass
-    await pool.close()
+    client = _FailingServer([SynthesisError("model broke") for _ in range(3)])
+    async with _watched(_serving(client, failover_wait=5.0)) as pool:
+        with pytest.raises(SynthesisError, match="model broke"):
+            await _streamed(pool, patient=True)
     assert client.calls == 2
+
+
+async def test_an_impatient_call_is_sent_once_more_only() -> None:
+    clients = [_FailingServer([_gone()], down_s=60) for _ in range(3)]
+    async with _watched(_serving(*clients, failover_wait=5.0)) as pool:
+        with pytest.raises(ServerUnavailableError):
+            await _streamed(pool, patient=False)
+    assert sorted(client.calls for client in clients) == [0, 1, 1]

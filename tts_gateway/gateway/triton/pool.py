@@ -57,6 +57,11 @@ SILENT_PROBES_TOLERATED: Final = 2
 _FAILOVER = (ServerUnavailableError, SynthesisError)
 # How often a call that waits for a ready server looks again (the watcher refreshes the ready set).
 _WAIT_STEP = 0.1
+# Attempts of one patient call at most. A server that dies mid-call takes three (a model error while it
+# goes down, "unavailable" while it is, then the restarted one); a server whose calls fail as unreachable
+# while its probe says ready would otherwise be asked again after every probe, and a stream resumed
+# mid-way repeats its audio each time.
+_MAX_ATTEMPTS: Final = 4
 
 Audio = NDArray[np.float32]
 
@@ -104,6 +109,7 @@ class _Attempts:
     failover_wait: float
     tried: list[TritonServer] = field(default_factory=list)
     failure: GatewayError | None = None
+    failures: int = 0
     first_failed_at: float | None = None
 
     @property
@@ -113,11 +119,13 @@ class _Attempts:
         return start + self.failover_wait
 
     def open(self) -> bool:
-        return self.loop.time() < self.deadline
+        """Whether a patient call may make another attempt."""
+        return self.failures < _MAX_ATTEMPTS - 1 and self.loop.time() < self.deadline
 
     def failed(self, server: TritonServer, exc: GatewayError) -> None:
         if self.first_failed_at is None:
             self.first_failed_at = self.loop.time()
+        self.failures += 1
         if server not in self.tried:
             self.tried.append(server)
         self.failure = exc
@@ -389,9 +397,10 @@ class TritonPool:
         """Records a failed attempt, or raises ``exc`` when the call has none left.
 
         Every call gets one more attempt. A patient one also tries on while its last attempt found the
-        server down, until ``failover_wait`` after its first failure: a server that dies may first
-        fail a call as a model error, and only the next attempt finds it gone (and waits for its
-        restart). A model that failed twice is not asked again: each mid-stream restart repeats audio.
+        server down, until ``failover_wait`` after its first failure and for :data:`_MAX_ATTEMPTS` in
+        all: a server that dies may first fail a call as a model error, and only the next attempt finds
+        it gone (and waits for its restart). A model that failed twice is not asked again: each
+        mid-stream restart repeats audio.
         """
         if attempts.tried and not (patient and _server_down(exc) and attempts.open()):
             raise exc

@@ -138,7 +138,7 @@ class SlotDecoder:
             weight.detach()[columns].contiguous(),
             None if bias is None else bias.detach()[columns].contiguous(),
         )
-        # One slot more than requests: the staging slot that recorded prefills write into.
+        # One slot more than requests: the staging slot, which a recorded pass's spare rows and columns write into.
         self.staging_slot = slots
         shape = (len(layers), 2, slots + 1, self.kv_heads, max_len, self.head_dim)
         self.cache = torch.zeros(shape, device=self.device, dtype=self.dtype)

@@ -310,7 +310,7 @@ class BatchingEngine:
         self._prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         most = min(max_prefill_rows, self.slots)
         self._prefill_rows_buckets = sorted({b for b in self._buckets if b < most} | {most})
-        self._prefill_widths = [b for b in PREFILL_BUCKETS if decoder.max_len > b]
+        self._prefill_widths = [b for b in PREFILL_BUCKETS if b <= decoder.max_len]
         prefill_width = max(self._prefill_widths, default=0)
         self._prefill_inputs = torch.zeros(max_prefill_rows, prefill_width + 3, dtype=torch.int64, device=self._device)
         self._prefill_inputs[:] = self._prefill_row([], decoder.staging_slot, prefill_width).to(self._device)
@@ -464,8 +464,7 @@ class BatchingEngine:
         """Under the lock: the waiting streams that were cancelled, and those whose next input is there,
         as many as free slots take (they go before new requests). Streams starting (their first input,
         the voice prompt, is prefilled) count against ``max_prefill_rows`` per step, as new requests do:
-        each prompt's prefill is a pass of its own, and 50 sockets opened together held every row's next
-        step for half a second."""
+        taken all at once, 50 sockets opened together held every row's next step for half a second."""
         dropped: list[TextStreamHandle] = []
         resumed: list[TextStreamHandle] = []
         if not self._streams_changed:
@@ -646,8 +645,9 @@ class BatchingEngine:
     def _prefill_rows(self, first: int, prompts: Sequence[Sequence[int]]) -> Tensor:
         """Run prompts into rows ``first..`` (as one recorded pass where they fit); logits after each.
 
-        The prompts admitted between two steps share one pass: a replay each would run them one after
-        another while every live row waits for its next step."""
+        The new requests admitted between two steps share one pass, as do the text streams starting
+        there: a replay each would run them one after another while every live row waits for its next
+        step."""
         rows = len(prompts)
         lengths = [len(ids) for ids in prompts]
         width = next((w for w in self._prefill_widths if w >= max(lengths)), None)
