@@ -234,7 +234,7 @@ async def test_connections_over_the_limit_are_refused_with_an_error(wyoming: Wyo
 async def test_zeroconf_announces_the_server_on_loopback(wyoming: WyomingGateway) -> None:
     browser = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
     try:
-        name = f"{discovery.service_name()}.{discovery.SERVICE_TYPE}"
+        name = f"{discovery.service_name(wyoming.port)}.{discovery.SERVICE_TYPE}"
         info = await browser.async_get_service_info(discovery.SERVICE_TYPE, name, timeout=5000)
     finally:
         await browser.async_close()

@@ -408,6 +408,14 @@ def test_a_request_names_its_voice_or_its_language_or_gets_the_default(registry:
         choose(SynthesizeVoice(language="de"), voices, catalog)
 
 
+def test_gateways_on_one_host_are_announced_under_names_of_their_own() -> None:
+    """Workers of one gateway share its port and so its name (the first announces it); another gateway
+    on the host, on another port, is not mistaken for one of them."""
+    assert discovery.service_name(10300, "box") == discovery.service_name(10300, "box")
+    assert discovery.service_name(10300, "box") != discovery.service_name(10301, "box")
+    assert discovery.service_name(10300, "box") != discovery.service_name(10300, "other")
+
+
 def test_discovery_announces_the_bound_address() -> None:
     info = discovery.service_info("tts-gateway on box", discovery.announced_addresses("127.0.0.1"), 10200)
     assert info.type == "_wyoming._tcp.local."

@@ -6,8 +6,9 @@ addresses that the server listens on: the bind address itself, or, for a wildcar
 of the host except loopback. A server bound to loopback is announced on loopback only (Home Assistant
 on the same host).
 
-With ``--workers N`` every worker serves the port and tries to announce the same service; mDNS probing
-finds the name taken by the first, and the others leave it at that.
+The name carries the host and the port. With ``--workers N`` every worker serves the port and tries to
+announce the same service; mDNS probing finds the name taken by the first, and the others leave it at
+that. Gateways on one host serve different ports, so each is announced under a name of its own.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ SERVICE_TYPE: Final = "_wyoming._tcp.local."
 _WILDCARDS: Final = ("", "0.0.0.0", "::")
 
 
-def service_name(hostname: str | None = None) -> str:
-    """The instance name Home Assistant shows: unique per host on the network."""
-    return f"tts-gateway on {hostname or socket.gethostname()}"
+def service_name(port: int, hostname: str | None = None) -> str:
+    """The instance name Home Assistant shows: unique per server on the network."""
+    return f"tts-gateway on {hostname or socket.gethostname()}:{port}"
 
 
 def announced_addresses(host: str) -> list[str]:
@@ -64,7 +65,7 @@ class Announcement:
         self._addresses = announced_addresses(host)
         loopback = all(ipaddress.ip_address(address).is_loopback for address in self._addresses)
         self._interfaces = self._addresses if loopback else InterfaceChoice.All
-        self._info = service_info(name or service_name(), self._addresses, port)
+        self._info = service_info(name or service_name(port), self._addresses, port)
         self._zeroconf: AsyncZeroconf | None = None
 
     @property
