@@ -340,8 +340,7 @@ class TritonPool:
         attempts = self._attempts()
         sent = 0  # samples passed on so far, over every attempt
         while True:
-            resuming = sent > 0 and failover is not None
-            server = await self._choose(model, attempts, patient=patient or resuming)
+            server = await self._choose(model, attempts, patient=patient or sent > 0)
             # What a restarted deterministic stream repeats of what was already passed on.
             skip = sent if failover is not None and failover.skip_sent else 0
             received = 0

@@ -312,9 +312,9 @@ class BatchingEngine:
         self._prefill_rows_buckets = sorted({b for b in self._buckets if b < most} | {most})
         self._prefill_widths = [b for b in PREFILL_BUCKETS if b <= decoder.max_len]
         prefill_width = max(self._prefill_widths, default=0)
-        self._prefill_inputs = torch.zeros(max_prefill_rows, prefill_width + 3, dtype=torch.int64, device=self._device)
-        self._prefill_inputs[:] = self._prefill_row([], decoder.staging_slot, prefill_width).to(self._device)
-        self._prefill_logits = torch.zeros(max_prefill_rows, len(COLUMN_IDS), device=self._device)
+        self._prefill_inputs = torch.zeros(most, prefill_width + 3, dtype=torch.int64, device=self._device)
+        self._prefill_inputs[:] = self._extend_row([], 0, decoder.staging_slot, prefill_width).to(self._device)
+        self._prefill_logits = torch.zeros(most, len(COLUMN_IDS), device=self._device)
         # An extend pass's inputs, one row each: ids, start, length, slot (a free row names the staging slot).
         self._extend_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._extend_inputs = torch.zeros(self.slots, EXTEND_WIDTH + 3, dtype=torch.int64, device=self._device)
@@ -660,19 +660,11 @@ class BatchingEngine:
             lengths_of = self._to_device(torch.tensor(lengths))
             return self._decoder.prefill(self._to_device(ids), lengths_of, first_slot=first)
         full = self._prefill_inputs.shape[1] - 3
-        inputs = [self._prefill_row(ids, first + row, full) for row, ids in enumerate(prompts)]
-        padding = self._prefill_row([], self._decoder.staging_slot, full)
+        inputs = [self._extend_row(ids, 0, first + row, full) for row, ids in enumerate(prompts)]
+        padding = self._extend_row([], 0, self._decoder.staging_slot, full)
         self._prefill_inputs[:bucket].copy_(self._to_device(torch.stack(inputs + [padding] * (bucket - rows))))
         graph.replay()
         return self._prefill_logits[:rows].clone()
-
-    @staticmethod
-    def _prefill_row(ids: Sequence[int], slot: int, width: int) -> Tensor:
-        """One row of a prefill pass's inputs: ``width`` ids (zero-padded), then start 0, length, slot."""
-        row = torch.zeros(width + 3, dtype=torch.int64)
-        row[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        row[width:] = torch.tensor([0, max(len(ids), 1), slot])
-        return row
 
     def _prefill_pass(self, rows: int, width: int) -> None:
         """Prefill the first ``rows`` rows of the recorded inputs, ``width`` ids each, into the recorded logits."""
