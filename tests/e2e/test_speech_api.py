@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import struct
 import time
 import wave
@@ -271,3 +273,31 @@ def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess, cpu_triton
     assert seen <= 4, f"{seen} of {sentences} sentence requests reached Triton after the client left"
     # The server is still healthy and serves the next request.
     assert httpx.get(f"{gateway.url}/health").status_code == 200
+
+
+def _threads(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/task").iterdir()))
+
+
+def test_compressed_responses_start_no_codec_threads(
+    gateway: GatewayProcess, piper_seconds: Callable[..., float]
+) -> None:
+    """FFmpeg would give every mp3 encoder a thread per CPU (ffmpeg_threads.py): four responses at once
+    held eight more threads on two CPUs than the gateway at rest. A first round fills its own pools."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("with one CPU FFmpeg starts no threads of its own either way")
+    body = {"model": "tts-1", "voice": "alloy", "input": PARAGRAPH, "response_format": "mp3"}
+    at_rest = in_flight = 0
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
+        for _ in range(2):
+            at_rest = _threads(gateway.pid)
+            with contextlib.ExitStack() as stack:
+                responses = [stack.enter_context(http.stream("POST", "/v1/audio/speech", json=body)) for _ in range(4)]
+                pieces = [response.iter_bytes() for response in responses]
+                firsts = [next(piece) for piece in pieces]
+                in_flight = _threads(gateway.pid)
+                audio = [first + b"".join(rest) for first, rest in zip(firsts, pieces, strict=True)]
+            assert all(response.status_code == 200 for response in responses)
+            for data in audio:
+                assert_speech(decode(data, "mp3"), expected_seconds=piper_seconds(PARAGRAPH), tolerance=0.25)
+    assert in_flight <= at_rest + 1, f"{in_flight - at_rest} threads more with four mp3 responses in flight"

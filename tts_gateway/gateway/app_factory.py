@@ -24,6 +24,7 @@ from tts_gateway.gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from tts_gateway.gateway.request_ids import RequestIdMiddleware
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
 from tts_gateway.gateway.speech.admission import AdmissionControl
+from tts_gateway.gateway.speech.ffmpeg_threads import single_threaded_ffmpeg
 from tts_gateway.gateway.speech.plan import SpeechPlanner
 from tts_gateway.gateway.speech.service import SpeechService
 from tts_gateway.gateway.speech.text_normalization import TextNormalizer
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     keep_audio_buffers_in_heap()
     limit_malloc_arenas()
+    single_threaded_ffmpeg()
     metrics = GatewayMetrics()
 
     @asynccontextmanager
