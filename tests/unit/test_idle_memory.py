@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
-from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease
+from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease, collect_and_release, freeze_startup_objects
 
 
 class Releases:
@@ -75,3 +77,38 @@ def test_a_response_ended_outside_the_event_loop_schedules_nothing() -> None:
     idle.begin()
     idle.end()  # no running loop (a generator finalised by the garbage collector): no error
     assert idle.active == 0
+
+
+class _Cyclic:
+    """An object only the cyclic collector frees: it refers to itself."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_release_at_rest_frees_cyclic_garbage_before_the_trim() -> None:
+    enabled = gc.isenabled()
+    gc.disable()  # no collection of the interpreter's own in between: only the release's
+    try:
+        garbage = _Cyclic()
+        alive = weakref.ref(garbage)
+        del garbage
+        assert alive() is not None
+        collect_and_release()
+        assert alive() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_startup_objects_are_frozen_out_of_later_collections() -> None:
+    try:
+        made_at_startup = _Cyclic()
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+        alive = weakref.ref(made_at_startup)
+        del made_at_startup
+        gc.collect()
+        assert alive() is not None  # frozen: no pass looks at it again
+    finally:
+        gc.unfreeze()

@@ -25,6 +25,7 @@ from tts_gateway.gateway.request_ids import RequestIdMiddleware
 from tts_gateway.gateway.settings import OPENAI_MODEL_NAMES, Settings
 from tts_gateway.gateway.speech.admission import AdmissionControl
 from tts_gateway.gateway.speech.ffmpeg_threads import single_threaded_ffmpeg
+from tts_gateway.gateway.speech.idle_memory import freeze_startup_objects
 from tts_gateway.gateway.speech.plan import SpeechPlanner
 from tts_gateway.gateway.speech.service import SpeechService
 from tts_gateway.gateway.speech.text_normalization import TextNormalizer
@@ -128,6 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             wyoming = wyoming_server(app.state.services, app.state.text_stream_service, settings)
             if wyoming is not None:
                 await stack.enter_async_context(serving(wyoming, announce=settings.wyoming_zeroconf))
+            freeze_startup_objects()
             yield
 
     app = FastAPI(

@@ -6,11 +6,21 @@ nobody, and how much of it there is depends on the last responses: on the CPU de
 moved between 164 and 185 MiB from one batch of requests to the next, and ``malloc_trim`` took
 15-20 MiB off every time, to within a few MiB of one floor. So shortly after the last response ends,
 with none begun since, the free pages go back; under load nothing is trimmed.
+
+Before the trim, Python's cyclic garbage is collected. A response that ends by an exception (a client
+that leaves, a timeout) leaves its frames in reference cycles through the exception's traceback, and
+with them its encoder's FFmpeg state and its audio; only a full pass of the cyclic collector frees them,
+and at rest, allocating nothing, the interpreter never starts one. On the CPU profile driven past its
+capacity (64 listeners, two cores), a gateway worker at rest held 4,326 such objects, among them 28
+cancellations with 428 tracebacks and 344 frames, 94 async generators and 40 FFmpeg filters. What the gateway made while
+starting lives as long as it does and is frozen out of those passes (:func:`freeze_startup_objects`):
+a full pass took about 50 ms over it, 0.2-1.5 ms without.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 
@@ -23,11 +33,24 @@ logger = logging.getLogger(__name__)
 IDLE_DELAY_S = 2.0
 
 
+def collect_and_release() -> None:
+    """Free the cyclic garbage, then give the heap's free pages back to the kernel."""
+    gc.collect()
+    release_free_memory()
+
+
+def freeze_startup_objects() -> None:
+    """Keep what exists now (the app, its services, the grammars) out of every later collection: it
+    lives as long as the process, and each full pass over it stalled the event loop for about 50 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 class IdleMemoryRelease:
     """Counts responses in progress; ``delay_s`` after the count drops to zero and stays there, runs
     ``release`` once, on a worker thread (a trim walks every heap: milliseconds, not for the event loop)."""
 
-    def __init__(self, delay_s: float = IDLE_DELAY_S, release: Callable[[], object] = release_free_memory) -> None:
+    def __init__(self, delay_s: float = IDLE_DELAY_S, release: Callable[[], object] = collect_and_release) -> None:
         self._delay_s = delay_s
         self._release = release
         self._active = 0
