@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tts_gateway.gateway.speech.ffmpeg_threads import loaded_library
+from tts_gateway.gateway.speech.ffmpeg_threads import loaded_libraries
 
 _MAPS_LINE = "7f0000000000-7f0000001000 r-xp 00000000 08:01 1234{pad}{path}\n"
 
@@ -22,16 +22,17 @@ def _maps(tmp_path: Path, *paths: str) -> Path:
     return maps
 
 
-def test_the_library_is_found_by_the_name_a_wheel_or_the_system_gives_it(tmp_path: Path) -> None:
+def test_every_copy_is_found_once_by_the_name_a_wheel_or_the_system_gives_it(tmp_path: Path) -> None:
     bundled = "/site/av.libs/libavutil-5809ad29.so.60.26.102"
-    assert loaded_library("libavutil", _maps(tmp_path, "/usr/lib/libavcodec.so.61", bundled)) == bundled
     system = "/usr/lib/x86_64-linux-gnu/libavutil.so.59.39.100"
-    assert loaded_library("libavutil", _maps(tmp_path, system)) == system
+    maps = _maps(tmp_path, "/usr/lib/libavcodec.so.61", bundled, bundled, system)
+    assert loaded_libraries("libavutil", maps) == [bundled, system]
 
 
-def test_no_library_and_no_maps_are_none(tmp_path: Path) -> None:
-    assert loaded_library("libavutil", _maps(tmp_path, "/usr/lib/libavutilities.so.1", "/usr/lib/libc.so.6")) is None
-    assert loaded_library("libavutil", tmp_path / "absent") is None
+def test_unrelated_deleted_and_absent_give_none(tmp_path: Path) -> None:
+    maps = _maps(tmp_path, "/usr/lib/libavutilities.so.1", "/usr/lib/libc.so.6", "/old/libavutil.so.59 (deleted)")
+    assert loaded_libraries("libavutil", maps) == []
+    assert loaded_libraries("libavutil", tmp_path / "absent") == []
 
 
 # In a process of its own: the setting is for the whole process, and the test needs the count before it.
@@ -64,6 +65,6 @@ def test_an_encoder_starts_no_threads_once_ffmpeg_is_single_threaded() -> None:
         [sys.executable, "-c", _ENCODE_THREADS], check=True, capture_output=True, text=True
     ).stdout.splitlines()
     default, single = (json.loads(line) for line in lines)
-    if (os.cpu_count() or 1) > 1:
+    if len(os.sched_getaffinity(0)) > 1:
         assert min(default) >= 1, "FFmpeg started no threads to begin with: nothing is tested"
     assert single == [0, 0, 0]

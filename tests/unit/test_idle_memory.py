@@ -7,7 +7,7 @@ import gc
 import threading
 import weakref
 
-from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease, collect_and_release, freeze_startup_objects
+from tts_gateway.gateway.speech.idle_memory import IdleMemoryRelease, freeze_startup_objects
 
 
 class Releases:
@@ -86,16 +86,34 @@ class _Cyclic:
         self.me = self
 
 
-def test_the_release_at_rest_frees_cyclic_garbage_before_the_trim() -> None:
+async def test_the_cyclic_garbage_is_collected_on_the_loop_then_the_trim_runs() -> None:
     enabled = gc.isenabled()
-    gc.disable()  # no collection of the interpreter's own in between: only the release's
+    gc.disable()  # no collection of the interpreter's own in between: only the one at rest
     try:
         garbage = _Cyclic()
         alive = weakref.ref(garbage)
         del garbage
-        assert alive() is not None
-        collect_and_release()
+        order: list[tuple[str, str]] = []
+
+        def collect() -> None:
+            order.append(("collect", threading.current_thread().name))
+            gc.collect()
+
+        releases = Releases()
+
+        def trim() -> None:
+            order.append(("trim", threading.current_thread().name))
+            releases()
+
+        idle = IdleMemoryRelease(delay_s=0.05, release=trim, collect=collect)
+        idle.begin()
+        idle.end()
+        assert alive() is not None  # not before the delay
+        await asyncio.wait_for(releases.done.wait(), 2.0)
         assert alive() is None
+        assert [step for step, _ in order] == ["collect", "trim"]
+        assert order[0][1] == threading.main_thread().name  # the loop's thread
+        assert order[1][1] != threading.main_thread().name
     finally:
         if enabled:
             gc.enable()

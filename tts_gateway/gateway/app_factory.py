@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -130,6 +131,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if wyoming is not None:
                 await stack.enter_async_context(serving(wyoming, announce=settings.wyoming_zeroconf))
             freeze_startup_objects()
+            stack.callback(gc.unfreeze)
             yield
 
     app = FastAPI(
