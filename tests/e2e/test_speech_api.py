@@ -6,7 +6,6 @@ import base64
 import contextlib
 import json
 import os
-import socket
 import struct
 import time
 import wave
@@ -284,14 +283,13 @@ def test_compressed_responses_start_no_codec_threads(
     gateway: GatewayProcess, piper_seconds: Callable[..., float]
 ) -> None:
     """FFmpeg would give every encoder about a thread per CPU (ffmpeg_threads.py). Four whole responses at
-    once fill the gateway's own pools first; then four long ones, read no further than their first audio
-    so that they stay open (a small receive buffer, several MB of FLAC each), may hold hardly more threads
-    than the gateway had at rest."""
+    once fill the gateway's own pools first; then four of 80 sentences each, counted as soon as each has
+    sent its first audio (their synthesis and encoding go on for a while after), may hold hardly more
+    threads than the gateway had at rest."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("with one CPU FFmpeg starts no threads of its own either way")
     long_text = " ".join(f"Sentence {n} keeps the backend busy for a while." for n in range(80))
-    small_buffer = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)])
-    with httpx.Client(base_url=gateway.url, timeout=60, transport=small_buffer) as http:
+    with httpx.Client(base_url=gateway.url, timeout=60) as http:
 
         def speech(text: str) -> dict[str, str]:
             return {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "flac"}
