@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
+from benchmarks.memory_soak import thread_count
 from tests.audio_checks import assert_speech, decode
 from tests.e2e.gateway_process import GatewayProcess, stream_requests_seen
 from tts_gateway.gateway.embedded.server import EmbeddedTriton
@@ -275,10 +276,6 @@ def test_client_disconnect_cancels_synthesis(gateway: GatewayProcess, cpu_triton
     assert httpx.get(f"{gateway.url}/health").status_code == 200
 
 
-def _threads(pid: int) -> int:
-    return len(list(Path(f"/proc/{pid}/task").iterdir()))
-
-
 def test_compressed_responses_start_no_codec_threads(
     gateway: GatewayProcess, piper_seconds: Callable[..., float]
 ) -> None:
@@ -301,9 +298,9 @@ def test_compressed_responses_start_no_codec_threads(
             audio = [b"".join(response.iter_bytes()) for response in four(stack, SHORT)]
         for data in audio:
             assert_speech(decode(data, "flac"), expected_seconds=piper_seconds(SHORT))
-        at_rest = _threads(gateway.pid)
+        at_rest = thread_count(gateway.pid)
         with contextlib.ExitStack() as stack:
             assert all(next(response.iter_bytes()) for response in four(stack, long_text))
-            in_flight = _threads(gateway.pid)
+            in_flight = thread_count(gateway.pid)
     # Two CPUs: each open encoder would have added two threads; the gateway's pools may still add one or two.
     assert in_flight <= at_rest + 3, f"{in_flight - at_rest} threads more with four responses in flight"

@@ -2,7 +2,7 @@
 
 PyAV passes every frame it encodes through a libavfilter graph (its audio resampler, which also cuts
 frames to the codec's size), and FFmpeg gives each graph a pool of one thread per CPU. So every mp3,
-Opus or AAC response started about a thread per CPU and joined them at its end, while a
+Opus, AAC or FLAC response started about a thread per CPU and joined them at its end, while a
 mono 24 kHz stream gives a filter nothing to split: 48 responses in one process held 722 threads with
 16 CPUs counted, and starting and ending an encoder for 0.2 s of audio took 3.8-4.8 ms against
 2.2-3.3 ms with one. Responses already run in parallel on the audio threads (:mod:`.audio_threads`).

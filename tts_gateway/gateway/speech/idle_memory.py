@@ -91,8 +91,7 @@ class IdleMemoryRelease:
         if self._active:
             return
         self._collect()
-        if self._active == 0:  # a finalizer that ended a response left behind cannot start one
-            asyncio.get_running_loop().run_in_executor(None, self._run_release)
+        asyncio.get_running_loop().run_in_executor(None, self._run_release)
 
     def _run_release(self) -> None:
         try:
