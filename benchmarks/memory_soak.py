@@ -9,9 +9,11 @@ gateway, tritonserver, and each Python backend stub by the model it serves (`` s
 shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
 largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
 files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers) and its thread count. The load pauses
-for a rest after the warm-up (``--warmup`` minutes) and at the end; the report is each process's
-memory at those two rests, the growth between (the target: under 1 %), its peak under load, and the
-threads at the two rests.
+for a rest after the warm-up (``--warmup`` minutes), after every ``--rest-every`` minutes of load
+since, and at the end; the report is each process's memory at those rests, the growth from the first
+to the last (the target: under 1 %), its peak under load, and the threads at the warm-up's rest and
+the last. The rests between tell a leak (memory that climbs from rest to rest) from a heap or pool
+that wanders with what the load last left in it.
 
 The warm-up's first third sends only the longest input, from every listener at once: the pools (the
 tensor pool, CUDA's caching allocator, malloc's arenas) grow toward what the heaviest load needs
@@ -23,8 +25,9 @@ logged its CUDA memory stepping up (token2wav names the calls that took it), so 
 Each response's first byte is timed too, by phase: what the load's listeners waited through the run.
 
     python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2] [--out DIR --name NAME]
-    # CosyVoice2 on one GPU, 64 streams:
-    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 18 --warmup 3
+    # CosyVoice2 on one GPU, 64 streams, a rest every 5 minutes:
+    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 18 --warmup 3 \
+        --rest-every 5
 
 With ``--out``, writes ``NAME.md`` (the table) and ``NAME.json`` (with every sample) there.
 """
@@ -38,6 +41,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import random
 import re
 import shlex
@@ -198,9 +202,16 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
 
 
 async def _soak(
-    url: str, roots: dict[int, str], speech: Speech, minutes: float, warmup: float, concurrency: int
+    url: str,
+    roots: dict[int, str],
+    speech: Speech,
+    minutes: float,
+    warmup: float,
+    concurrency: int,
+    rest_every: float = 0.0,
 ) -> dict[str, Any]:
-    """Load for ``warmup`` minutes, rest, load for the remaining minutes, rest; sampling throughout."""
+    """Load for ``warmup`` minutes, rest, then load for the remaining minutes with a rest after every
+    ``rest_every`` minutes of load (0: one at the end); sampling throughout."""
     samples: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     first_byte_s: dict[str, list[float]] = {"warmup": [], "soak": []}
@@ -208,7 +219,10 @@ async def _soak(
     phase = ["warmup"]
     started = datetime.datetime.now(datetime.UTC)
     sampler = asyncio.create_task(_sample(roots, phase, samples))
-    for name, load_minutes in (("warmup", warmup), ("soak", minutes - warmup)):
+    soak = soak_segments(minutes - warmup, rest_every)
+    loads = [("warmup", warmup, "warmup rest")]
+    loads += [("soak", part, f"soak rest {number}") for number, part in enumerate(soak, 1)]
+    for name, load_minutes, rest in loads:
         phase[0] = name
         if sampler.done():  # it failed: say so now rather than after the run
             sampler.result()
@@ -216,7 +230,7 @@ async def _soak(
         until = start + load_minutes * 60
         longest_until = start + LONGEST_SHARE * load_minutes * 60 if name == "warmup" else start
         await _load(url, speech, concurrency, until, longest_until, rng, counts, first_byte_s[name])
-        phase[0] = f"{name} rest"
+        phase[0] = rest
         await asyncio.sleep(REST_S)
     sampler.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -229,18 +243,30 @@ async def _soak(
     }
 
 
-def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per process: RSS at rest after the warm-up and at the end, the growth between in %, and the peak."""
+def soak_segments(minutes: float, rest_every: float) -> list[float]:
+    """``minutes`` of load cut into equal parts of at most ``rest_every`` minutes (one part for 0)."""
+    parts = math.ceil(minutes / rest_every - 1e-9) if rest_every > 0 else 1
+    return [minutes / max(parts, 1)] * max(parts, 1)
+
+
+def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per process: its memory at each rest from the warm-up's on (the last sample of each), the growth
+    from the first of them to the last in %, and the peak."""
     report = {}
     for label in sorted({key for row in samples for key in row} - {"t_s", "phase"}):
-        rested = {row["phase"]: row[label] for row in samples if label in row and row["phase"].endswith(" rest")}
-        if len(rested) < 2:
+        rested: dict[str, float] = {}  # in the order the rests came
+        for row in samples:
+            if label in row and " rest" in row["phase"]:
+                rested[row["phase"]] = row[label]
+        if "warmup rest" not in rested or len(rested) < 2:
             continue
-        start, end = rested["warmup rest"], rested["soak rest"]
+        rests = list(rested.values())[list(rested).index("warmup rest") :]
+        start, end = rests[0], rests[-1]
         peak = max(row[label] for row in samples if label in row)
         report[label] = {
             "rss_first_mib": next(row[label] for row in samples if label in row),
             "rss_rest_after_warmup_mib": start,
+            "rss_rests_between_mib": rests[1:-1],
             "rss_rest_at_end_mib": end,
             "rss_peak_mib": peak,
             # A leak peaks near the end; a pool's high-water mark where the load first needed it.
@@ -296,7 +322,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             speech = Speech("piper", args.voice or "alloy", args.max_chars)
         gateway = stack.enter_context(GatewayServer(workdir / "gateway", env, cores=cores))
         roots[gateway.pid] = "gateway"
-        result = asyncio.run(_soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency))
+        result = asyncio.run(
+            _soak(gateway.url, roots, speech, args.minutes, args.warmup, args.concurrency, args.rest_every)
+        )
         steps = None
         if triton_log is not None:
             # Imported here, as cosyvoice2_triton above: it needs torch.
@@ -310,6 +338,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "minutes": args.minutes,
         "warmup_minutes": args.warmup,
         "warmup_longest_minutes": round(LONGEST_SHARE * args.warmup, 2),
+        "rest_every_minutes": _rest_every(args.minutes - args.warmup, args.rest_every),
         "concurrency": args.concurrency,
         "cores": args.cores,
         "stack": stack_setup,
@@ -332,6 +361,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
+def _rest_every(minutes: float, rest_every: float) -> float:
+    """The minutes of load between two rests after the warm-up; 0 where there is one rest, at the end."""
+    parts = soak_segments(minutes, rest_every)
+    return round(parts[0], 2) if len(parts) > 1 else 0.0
+
+
 def machine() -> str:
     """This machine in a line: processor, CPUs, Python, and the GPUs where ``nvidia-smi`` answers."""
     host = bench.machine()
@@ -344,7 +379,7 @@ def machine() -> str:
 
 
 def report(results: dict[str, Any], command: str) -> str:
-    """The soak as Markdown: the run, then each process's memory at the two rests and its peak."""
+    """The soak as Markdown: the run, then each process's memory at the rests and its peak."""
     requests = ", ".join(f"{count} {outcome}" for outcome, count in sorted(results["requests"].items()))
     lines = [
         "# Memory over a long run",
@@ -363,16 +398,17 @@ def report(results: dict[str, Any], command: str) -> str:
         + ".",
         "",
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
-        f"have passed{_longest_first(results)}, and at the end; the target is growth under 1 %. "
+        f"have passed{_longest_first(results)}, {_rests_between(results)}and at the end; the target is growth under "
+        "1 %. A leak climbs from rest to rest; memory that only wanders between rests is a pool or heap settling. "
         "*own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
         "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
         "are under load; when a peak was first reached tells a leak (near the end) from a pool that grew to what "
         "the load once needed and kept it (CUDA's caching allocator, the tensor pool, malloc's arenas).",
         "",
-        "| process | memory | first MiB | rest after warm-up MiB | rest at end MiB | growth | peak MiB "
-        "| peak first at min |",
-        "|---|---|---|---|---|---|---|---|",
+        "| process | memory | first MiB | rest after warm-up MiB | rests between MiB | rest at end MiB | growth "
+        "| peak MiB | peak first at min |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     kinds = {"": "RSS", " own": "own", " shmem": "shared", " cuda": "CUDA"}
     processes = results["processes"]
@@ -385,7 +421,8 @@ def report(results: dict[str, Any], command: str) -> str:
                 continue
             lines.append(
                 f"| {label} | {kind} | {row['rss_first_mib']:g} | {row['rss_rest_after_warmup_mib']:g} "
-                f"| {row['rss_rest_at_end_mib']:g} | {row['growth_after_warmup_pct']:+.2f} % "
+                f"| {_rests(row.get('rss_rests_between_mib'))} | {row['rss_rest_at_end_mib']:g} "
+                f"| {row['growth_after_warmup_pct']:+.2f} % "
                 f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
     threads = [
@@ -393,7 +430,7 @@ def report(results: dict[str, Any], command: str) -> str:
         for name, row in sorted(results.get("threads", {}).items())
     ]
     if threads:
-        lines += ["", "Threads at the two rests: " + "; ".join(threads) + "."]
+        lines += ["", "Threads at the rest after the warm-up and at the end: " + "; ".join(threads) + "."]
     steps = results.get("memory_steps")
     if steps is not None:
         lines += ["", "What the models logged of their CUDA memory stepping up, with the work that took it:", ""]
@@ -410,6 +447,15 @@ def _longest_first(results: dict[str, Any]) -> str:
     return f" (of which the first {longest:g} min sent only the longest input)" if longest else ""
 
 
+def _rests_between(results: dict[str, Any]) -> str:
+    every = results.get("rest_every_minutes")
+    return f"after every {every:g} minutes of load since, " if every else ""
+
+
+def _rests(values: list[float] | None) -> str:
+    return " / ".join(f"{value:g}" for value in values) if values else "-"
+
+
 def _minutes(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds / 60:.1f}"
 
@@ -418,6 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="length of the run")
     parser.add_argument("--warmup", type=float, default=5.0, help="minutes before growth is counted")
+    parser.add_argument(
+        "--rest-every",
+        type=float,
+        default=0.0,
+        help="a rest after every so many minutes of load after the warm-up (0: at the end only); each adds 30 s",
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway (and its Triton) may use; 0: all")
     parser.add_argument("--out", type=Path, help="write NAME.md and NAME.json (with every sample) here")

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.memory_soak import growth, memory_steps, report, rss_mib, soak_text, thread_count
+from benchmarks.memory_soak import (
+    growth,
+    memory_steps,
+    report,
+    rss_mib,
+    soak_segments,
+    soak_text,
+    thread_count,
+)
 from benchmarks.server_processes import child_label
 
 
@@ -45,12 +53,13 @@ def test_growth_compares_the_rests_and_ignores_the_load_between() -> None:
         {"t_s": 5, "phase": "warmup", "tritonserver": 90.0},
         {"t_s": 10, "phase": "warmup rest", "tritonserver": 60.0},
         {"t_s": 15, "phase": "soak", "tritonserver": 120.0},
-        {"t_s": 20, "phase": "soak rest", "tritonserver": 61.0},
+        {"t_s": 20, "phase": "soak rest 1", "tritonserver": 61.0},
     ]
     assert growth(samples) == {
         "tritonserver": {
             "rss_first_mib": 40.0,
             "rss_rest_after_warmup_mib": 60.0,
+            "rss_rests_between_mib": [],
             "rss_rest_at_end_mib": 61.0,
             "rss_peak_mib": 120.0,
             "peak_first_at_s": 15,
@@ -59,10 +68,43 @@ def test_growth_compares_the_rests_and_ignores_the_load_between() -> None:
     }
 
 
+def test_growth_reads_each_rest_by_its_last_sample_in_the_order_they_came() -> None:
+    samples = [
+        {"t_s": 0, "phase": "warmup", "gateway": 50.0},
+        {"t_s": 5, "phase": "warmup rest", "gateway": 70.0},
+        {"t_s": 10, "phase": "warmup rest", "gateway": 60.0},
+        {"t_s": 15, "phase": "soak", "gateway": 90.0},
+        {"t_s": 20, "phase": "soak rest 1", "gateway": 61.0},
+        {"t_s": 25, "phase": "soak", "gateway": 95.0},
+        {"t_s": 30, "phase": "soak rest 2", "gateway": 59.5},
+        {"t_s": 35, "phase": "soak", "gateway": 80.0},
+        {"t_s": 40, "phase": "soak rest 3", "gateway": 60.3},
+        {"t_s": 45, "phase": "soak", "other": 1.0},  # a process that came too late for the warm-up's rest
+        {"t_s": 50, "phase": "soak rest 4", "gateway": 60.6, "other": 1.0},
+    ]
+    rows = growth(samples)
+    assert set(rows) == {"gateway"}
+    assert rows["gateway"]["rss_rest_after_warmup_mib"] == 60.0
+    assert rows["gateway"]["rss_rests_between_mib"] == [61.0, 59.5, 60.3]
+    assert rows["gateway"]["rss_rest_at_end_mib"] == 60.6
+    assert rows["gateway"]["growth_after_warmup_pct"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("minutes", "rest_every", "parts"),
+    [(15.0, 5.0, [5.0, 5.0, 5.0]), (7.0, 2.5, [7 / 3] * 3), (4.0, 5.0, [4.0]), (15.0, 0.0, [15.0])],
+)
+def test_the_soak_is_cut_into_equal_parts_of_at_most_the_rest_interval(
+    minutes: float, rest_every: float, parts: list[float]
+) -> None:
+    assert soak_segments(minutes, rest_every) == pytest.approx(parts)
+
+
 def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() -> None:
     row = {
         "rss_first_mib": 10.0,
         "rss_rest_after_warmup_mib": 20.0,
+        "rss_rests_between_mib": [20.4, 19.9],
         "rss_rest_at_end_mib": 20.1,
         "rss_peak_mib": 30.0,
         "peak_first_at_s": 90.0,
@@ -74,6 +116,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
         "minutes": 30.0,
         "warmup_minutes": 5.0,
         "warmup_longest_minutes": 1.67,
+        "rest_every_minutes": 12.5,
         "concurrency": 8,
         "speech": {"model": "piper", "voice": "alloy", "max_chars": 4096},
         "requests": {"ok": 500},
@@ -86,28 +129,31 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
             "tritonserver": row,
             "tritonserver own": row,
             "tritonserver shmem": row,
-            "gateway": row,
+            "gateway": {**row, "rss_rests_between_mib": []},
             "gateway shmem": {**row, "rss_peak_mib": 0.0},
         },
         "threads": {"gateway": {"rest_after_warmup": 12, "rest_at_end": 14, "peak": 20}},
     }
     text = report({**results, "memory_steps": []}, "python -m benchmarks.memory_soak")
     assert text.endswith("with the work that took it:\n\n- nothing\n")
-    assert "\nThreads at the two rests: gateway 12 → 14.\n" in text
+    assert "\nThreads at the rest after the warm-up and at the end: gateway 12 → 14.\n" in text
     step = {"at_min": 8.8, "line": "token2wav: CUDA memory reserved rose from 1 to 2 MiB"}
     assert report({**results, "memory_steps": [step]}, "x").endswith(
         "\n- min 8.8: `token2wav: CUDA memory reserved rose from 1 to 2 MiB`\n"
     )
     assert "stepping up" not in report(results, "python -m benchmarks.memory_soak")
     assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
-    assert "once the first 5 minutes have passed (of which the first 1.67 min sent only the longest input)" in text
+    assert (
+        "once the first 5 minutes have passed (of which the first 1.67 min sent only the longest input),"
+        " after every 12.5 minutes of load since, and at the end;" in text
+    )
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[1:] == [
-        "| all GPUs | CUDA | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| gateway | RSS | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | RSS | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | own | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | shared | 10 | 20 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| all GPUs | CUDA | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| gateway | RSS | 10 | 20 | - | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | RSS | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | own | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | shared | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
     ]
 
 
