@@ -9,11 +9,12 @@ gateway, tritonserver, and each Python backend stub by the model it serves (`` s
 shared between Triton and a stub, the Python backend's pool for tensors, which keeps the size of the
 largest tensors in flight at once; `` own``: its anonymous memory, neither shared nor mapped from
 files; `` cuda``: CUDA memory, where ``nvidia-smi`` answers) and its thread count. The load pauses
-for a rest after the warm-up (``--warmup`` minutes), after every ``--rest-every`` minutes of load
-since, and at the end; the report is each process's memory at those rests, the growth from the first
-to the last (the target: under 1 %), its peak under load, and the threads at the warm-up's rest and
-the last. The rests between tell a leak (memory that climbs from rest to rest) from a heap or pool
-that wanders with what the load last left in it.
+for a rest after the warm-up (``--warmup`` minutes) and after each part of the remaining load (equal
+parts of at most ``--rest-every`` minutes; one part without it), the last at the end; the report is
+each process's memory at those rests, the growth from the first to the last (the target: under 1 %),
+its peak under load, and the threads at the first rest and the last. The rests between tell a leak
+(memory that climbs from rest to rest) from a heap or pool that wanders with what the load last left
+in it.
 
 The warm-up's first third sends only the longest input, from every listener at once: the pools (the
 tensor pool, CUDA's caching allocator, malloc's arenas) grow toward what the heaviest load needs
@@ -183,7 +184,8 @@ async def _load(
 async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[str, Any]]) -> None:
     started = time.monotonic()
     while True:
-        row: dict[str, Any] = {"t_s": round(time.monotonic() - started, 1), "phase": phase[0]}
+        taken_in = phase[0]
+        row: dict[str, Any] = {"t_s": round(time.monotonic() - started, 1), "phase": taken_in}
         cuda, device_used = await asyncio.to_thread(cuda_mib)
         if device_used is not None:
             row[f"{DEVICE_LABEL} cuda"] = device_used
@@ -197,7 +199,8 @@ async def _sample(roots: dict[int, str], phase: list[str], samples: list[dict[st
                 if pid in cuda:
                     memory[" cuda"] = cuda[pid]
                 row.update({label + suffix: round(mib, 1) for suffix, mib in memory.items()})
-        samples.append(row)
+        if phase[0] == taken_in:  # else the load came back while the row was read: it belongs to neither
+            samples.append(row)
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 
@@ -210,8 +213,7 @@ async def _soak(
     concurrency: int,
     rest_every: float = 0.0,
 ) -> dict[str, Any]:
-    """Load for ``warmup`` minutes, rest, then load for the remaining minutes with a rest after every
-    ``rest_every`` minutes of load (0: one at the end); sampling throughout."""
+    """The loads and rests of :func:`soak_schedule`, sampling throughout."""
     samples: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     first_byte_s: dict[str, list[float]] = {"warmup": [], "soak": []}
@@ -219,10 +221,7 @@ async def _soak(
     phase = ["warmup"]
     started = datetime.datetime.now(datetime.UTC)
     sampler = asyncio.create_task(_sample(roots, phase, samples))
-    soak = soak_segments(minutes - warmup, rest_every)
-    loads = [("warmup", warmup, "warmup rest")]
-    loads += [("soak", part, f"soak rest {number}") for number, part in enumerate(soak, 1)]
-    for name, load_minutes, rest in loads:
+    for name, load_minutes, rest in soak_schedule(minutes, warmup, rest_every):
         phase[0] = name
         if sampler.done():  # it failed: say so now rather than after the run
             sampler.result()
@@ -243,30 +242,43 @@ async def _soak(
     }
 
 
+def soak_schedule(minutes: float, warmup: float, rest_every: float) -> list[tuple[str, float, str]]:
+    """(load phase, its minutes, the rest after it): the warm-up, then the remaining minutes of load in
+    :func:`soak_segments`."""
+    soak = soak_segments(max(minutes - warmup, 0.0), rest_every)
+    return [("warmup", warmup, "warmup rest")] + [
+        ("soak", part, f"soak rest {number}") for number, part in enumerate(soak, 1)
+    ]
+
+
 def soak_segments(minutes: float, rest_every: float) -> list[float]:
     """``minutes`` of load cut into equal parts of at most ``rest_every`` minutes (one part for 0)."""
-    parts = math.ceil(minutes / rest_every - 1e-9) if rest_every > 0 else 1
-    return [minutes / max(parts, 1)] * max(parts, 1)
+    parts = max(math.ceil(minutes / rest_every - 1e-9), 1) if rest_every > 0 else 1
+    return [minutes / parts] * parts
 
 
 def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per process: its memory at each rest from the warm-up's on (the last sample of each), the growth
-    from the first of them to the last in %, and the peak."""
+    """Per process at every rest of the run from the warm-up's on: its memory (the rest's last sample;
+    None at a rest between where it was not read), the growth from the first rest to the last in %,
+    and the peak. A process missing at the first or the last rest is left out."""
+    rests: list[str] = []  # the run's rests, in the order they came
+    for row in samples:
+        if " rest" in row["phase"] and row["phase"] not in rests:
+            rests.append(row["phase"])
+    if "warmup rest" not in rests:
+        return {}
+    rests = rests[rests.index("warmup rest") :]
     report = {}
     for label in sorted({key for row in samples for key in row} - {"t_s", "phase"}):
-        rested: dict[str, float] = {}  # in the order the rests came
-        for row in samples:
-            if label in row and " rest" in row["phase"]:
-                rested[row["phase"]] = row[label]
-        if "warmup rest" not in rested or len(rested) < 2:
+        rested = {row["phase"]: row[label] for row in samples if label in row and row["phase"] in rests}
+        if len(rests) < 2 or rests[0] not in rested or rests[-1] not in rested:
             continue
-        rests = list(rested.values())[list(rested).index("warmup rest") :]
-        start, end = rests[0], rests[-1]
+        start, end = rested[rests[0]], rested[rests[-1]]
         peak = max(row[label] for row in samples if label in row)
         report[label] = {
             "rss_first_mib": next(row[label] for row in samples if label in row),
             "rss_rest_after_warmup_mib": start,
-            "rss_rests_between_mib": rests[1:-1],
+            "rss_rests_between_mib": [rested.get(rest) for rest in rests[1:-1]],
             "rss_rest_at_end_mib": end,
             "rss_peak_mib": peak,
             # A leak peaks near the end; a pool's high-water mark where the load first needed it.
@@ -338,7 +350,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "minutes": args.minutes,
         "warmup_minutes": args.warmup,
         "warmup_longest_minutes": round(LONGEST_SHARE * args.warmup, 2),
-        "rest_every_minutes": _rest_every(args.minutes - args.warmup, args.rest_every),
+        "rest_every_minutes": rest_interval(args.minutes - args.warmup, args.rest_every),
         "concurrency": args.concurrency,
         "cores": args.cores,
         "stack": stack_setup,
@@ -361,9 +373,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }
 
 
-def _rest_every(minutes: float, rest_every: float) -> float:
+def rest_interval(minutes: float, rest_every: float) -> float:
     """The minutes of load between two rests after the warm-up; 0 where there is one rest, at the end."""
-    parts = soak_segments(minutes, rest_every)
+    parts = soak_segments(max(minutes, 0.0), rest_every)
     return round(parts[0], 2) if len(parts) > 1 else 0.0
 
 
@@ -399,7 +411,8 @@ def report(results: dict[str, Any], command: str) -> str:
         "",
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
         f"have passed{_longest_first(results)}, {_rests_between(results)}and at the end; the target is growth under "
-        "1 %. A leak climbs from rest to rest; memory that only wanders between rests is a pool or heap settling. "
+        "1 %. A leak climbs from rest to rest; memory at rest that goes up and down from one rest to the next, "
+        "without a trend, is a pool or heap settling. "
         "*own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
         "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
@@ -449,11 +462,11 @@ def _longest_first(results: dict[str, Any]) -> str:
 
 def _rests_between(results: dict[str, Any]) -> str:
     every = results.get("rest_every_minutes")
-    return f"after every {every:g} minutes of load since, " if every else ""
+    return f"after every {every:g} minutes of load from then on, " if every else ""
 
 
-def _rests(values: list[float] | None) -> str:
-    return " / ".join(f"{value:g}" for value in values) if values else "-"
+def _rests(values: list[float | None] | None) -> str:
+    return " / ".join("-" if value is None else f"{value:g}" for value in values) if values else "-"
 
 
 def _minutes(seconds: float | None) -> str:
@@ -468,7 +481,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rest-every",
         type=float,
         default=0.0,
-        help="a rest after every so many minutes of load after the warm-up (0: at the end only); each adds 30 s",
+        help="cut the load after the warm-up into equal parts of at most this many minutes, each followed by a"
+        " 30 s rest (0: one part, one rest at the end)",
     )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway (and its Triton) may use; 0: all")
@@ -488,6 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.set and not args.profile:
         parser.error("--set goes with --profile")
+    if args.rest_every < 0:
+        parser.error("--rest-every must be 0 or more")
     if not 20 <= args.max_chars <= MAX_CHARS:
         parser.error(f"--max-chars must be within 20..{MAX_CHARS}")
     with tempfile.TemporaryDirectory() as tmp:

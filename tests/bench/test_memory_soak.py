@@ -15,7 +15,9 @@ from benchmarks.memory_soak import (
     growth,
     memory_steps,
     report,
+    rest_interval,
     rss_mib,
+    soak_schedule,
     soak_segments,
     soak_text,
     thread_count,
@@ -90,9 +92,30 @@ def test_growth_reads_each_rest_by_its_last_sample_in_the_order_they_came() -> N
     assert rows["gateway"]["growth_after_warmup_pct"] == 1.0
 
 
+def test_growth_keeps_each_rest_in_its_place_and_leaves_out_a_process_gone_before_the_end() -> None:
+    samples = [
+        {"t_s": 0, "phase": "warmup rest", "gateway": 60.0, "worker": 90.0},
+        {"t_s": 5, "phase": "soak rest 1", "worker": 91.0},  # the gateway was not read at this rest
+        {"t_s": 10, "phase": "soak rest 2", "gateway": 60.5, "worker": 92.0},
+        {"t_s": 15, "phase": "soak rest 3", "gateway": 60.6},  # the worker had ended
+    ]
+    rows = growth(samples)
+    assert set(rows) == {"gateway"}
+    assert rows["gateway"]["rss_rests_between_mib"] == [None, 60.5]
+
+
 @pytest.mark.parametrize(
     ("minutes", "rest_every", "parts"),
-    [(15.0, 5.0, [5.0, 5.0, 5.0]), (7.0, 2.5, [7 / 3] * 3), (4.0, 5.0, [4.0]), (15.0, 0.0, [15.0])],
+    [
+        (15.0, 5.0, [5.0, 5.0, 5.0]),
+        (7.0, 2.5, [7 / 3] * 3),
+        (4.0, 5.0, [4.0]),
+        (5.0, 5.0, [5.0]),
+        (15.0, 0.0, [15.0]),
+        (1.1, 0.1, [0.1] * 11),  # 1.1 / 0.1 is a hair above 11 in floating point
+        (8.3 - 2.3, 2.0, [2.0] * 3),
+        (0.0, 5.0, [0.0]),
+    ],
 )
 def test_the_soak_is_cut_into_equal_parts_of_at_most_the_rest_interval(
     minutes: float, rest_every: float, parts: list[float]
@@ -100,11 +123,22 @@ def test_the_soak_is_cut_into_equal_parts_of_at_most_the_rest_interval(
     assert soak_segments(minutes, rest_every) == pytest.approx(parts)
 
 
+def test_the_schedule_names_each_rest_and_says_how_often_they_came() -> None:
+    assert soak_schedule(10.0, 4.0, 3.0) == [
+        ("warmup", 4.0, "warmup rest"),
+        ("soak", 3.0, "soak rest 1"),
+        ("soak", 3.0, "soak rest 2"),
+    ]
+    assert soak_schedule(4.0, 4.0, 3.0) == [("warmup", 4.0, "warmup rest"), ("soak", 0.0, "soak rest 1")]
+    assert rest_interval(7.0, 2.5) == 2.33
+    assert rest_interval(6.0, 0.0) == rest_interval(6.0, 10.0) == 0.0
+
+
 def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() -> None:
     row = {
         "rss_first_mib": 10.0,
         "rss_rest_after_warmup_mib": 20.0,
-        "rss_rests_between_mib": [20.4, 19.9],
+        "rss_rests_between_mib": [20.4, None],
         "rss_rest_at_end_mib": 20.1,
         "rss_peak_mib": 30.0,
         "peak_first_at_s": 90.0,
@@ -116,7 +150,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
         "minutes": 30.0,
         "warmup_minutes": 5.0,
         "warmup_longest_minutes": 1.67,
-        "rest_every_minutes": 12.5,
+        "rest_every_minutes": 8.33,
         "concurrency": 8,
         "speech": {"model": "piper", "voice": "alloy", "max_chars": 4096},
         "requests": {"ok": 500},
@@ -145,15 +179,15 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
     assert "First byte of a response (ms, p50 / p90 / p99): warmup 120 / 300 / 410; soak - / - / -." in text
     assert (
         "once the first 5 minutes have passed (of which the first 1.67 min sent only the longest input),"
-        " after every 12.5 minutes of load since, and at the end;" in text
+        " after every 8.33 minutes of load from then on, and at the end;" in text
     )
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table[1:] == [
-        "| all GPUs | CUDA | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| all GPUs | CUDA | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
         "| gateway | RSS | 10 | 20 | - | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | RSS | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | own | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | shared | 10 | 20 | 20.4 / 19.9 | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | RSS | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | own | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | shared | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
     ]
 
 
