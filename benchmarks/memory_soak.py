@@ -245,14 +245,16 @@ async def _soak(
 def soak_schedule(minutes: float, warmup: float, rest_every: float) -> list[tuple[str, float, str]]:
     """(load phase, its minutes, the rest after it): the warm-up, then the remaining minutes of load in
     :func:`soak_segments`."""
-    soak = soak_segments(max(minutes - warmup, 0.0), rest_every)
+    soak = soak_segments(minutes - warmup, rest_every)
     return [("warmup", warmup, "warmup rest")] + [
         ("soak", part, f"soak rest {number}") for number, part in enumerate(soak, 1)
     ]
 
 
 def soak_segments(minutes: float, rest_every: float) -> list[float]:
-    """``minutes`` of load cut into equal parts of at most ``rest_every`` minutes (one part for 0)."""
+    """``minutes`` of load (none where negative) cut into equal parts of at most ``rest_every`` minutes
+    (one part for 0)."""
+    minutes = max(minutes, 0.0)
     parts = max(math.ceil(minutes / rest_every - 1e-9), 1) if rest_every > 0 else 1
     return [minutes / parts] * parts
 
@@ -268,10 +270,12 @@ def growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     if "warmup rest" not in rests:
         return {}
     rests = rests[rests.index("warmup rest") :]
+    if len(rests) < 2:
+        return {}
     report = {}
     for label in sorted({key for row in samples for key in row} - {"t_s", "phase"}):
         rested = {row["phase"]: row[label] for row in samples if label in row and row["phase"] in rests}
-        if len(rests) < 2 or rests[0] not in rested or rests[-1] not in rested:
+        if rests[0] not in rested or rests[-1] not in rested:
             continue
         start, end = rested[rests[0]], rested[rests[-1]]
         peak = max(row[label] for row in samples if label in row)
@@ -375,7 +379,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def rest_interval(minutes: float, rest_every: float) -> float:
     """The minutes of load between two rests after the warm-up; 0 where there is one rest, at the end."""
-    parts = soak_segments(max(minutes, 0.0), rest_every)
+    parts = soak_segments(minutes, rest_every)
     return round(parts[0], 2) if len(parts) > 1 else 0.0
 
 
@@ -482,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="cut the load after the warm-up into equal parts of at most this many minutes, each followed by a"
-        " 30 s rest (0: one part, one rest at the end)",
+        f" {REST_S:g} s rest (0: one part, one rest at the end)",
     )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cores", type=int, default=2, help="CPUs the gateway (and its Triton) may use; 0: all")
