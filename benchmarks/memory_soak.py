@@ -27,7 +27,7 @@ Each response's first byte is timed too, by phase: what the load's listeners wai
 
     python -m benchmarks.memory_soak [--minutes 10] [--warmup 5] [--concurrency 8] [--cores 2] [--out DIR --name NAME]
     # CosyVoice2 on one GPU, 64 streams, a rest every 5 minutes:
-    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 18 --warmup 3 \
+    python -m benchmarks.memory_soak --profile gpu-torch --concurrency 64 --cores 0 --minutes 18 --warmup 3 \\
         --rest-every 5
 
 With ``--out``, writes ``NAME.md`` (the table) and ``NAME.json`` (with every sample) there.

@@ -47,10 +47,10 @@ that (counted from the start, stack start-up included). The gateway's and Triton
     python -m benchmarks.text_stream --out var/bench --levels 1,4  # Piper, embedded
     python -m benchmarks.text_stream --gateway-url http://HOST:8080 --voice alloy --levels 1,4,16
     # CPU rehearsal of the GPU run (2 cores, tiny checkpoint; one to two minutes):
-    python -m benchmarks.text_stream --profile cosyvoice2-cpu --set cosyvoice2.instance_count=1 \
+    python -m benchmarks.text_stream --profile cosyvoice2-cpu --set cosyvoice2.instance_count=1 \\
         --set cosyvoice2_stream.instance_count=1 --levels 1,2 --paces 30 --rounds 1 --name rehearsal
     # One GPU, its own stack (the full-size checkpoint is written first; 5 to 7 minutes):
-    python -m benchmarks.text_stream --profile gpu-torch --levels 1,16,64 --paces 30,200 --rounds 2 \
+    python -m benchmarks.text_stream --profile gpu-torch --levels 1,16,64 --paces 30,200 --rounds 2 \\
         --gateway-workers 4 --budget-s 480 --out var/bench --name text-stream-gpu
     # One GPU, on a Triton already serving gpu-torch over the full-size checkpoint:
     tts-models random-full --models-root var/random-full
