@@ -41,6 +41,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import random
@@ -416,7 +417,8 @@ def report(results: dict[str, Any], command: str) -> str:
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
         f"have passed{_longest_first(results)}, {_rests_between(results)}and at the end; the target is growth under "
         "1 %. A leak climbs from rest to rest; memory at rest that goes up and down from one rest to the next, "
-        "without a trend, is a pool or heap settling. "
+        "without a trend, is a pool or heap settling; *up at every rest* marks memory that rose from each rest "
+        "to the next across three rests or more, the sign of a leak however small its growth. "
         "*own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
         "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
@@ -439,7 +441,7 @@ def report(results: dict[str, Any], command: str) -> str:
             lines.append(
                 f"| {label} | {kind} | {row['rss_first_mib']:g} | {row['rss_rest_after_warmup_mib']:g} "
                 f"| {_rests(row.get('rss_rests_between_mib'))} | {row['rss_rest_at_end_mib']:g} "
-                f"| {row['growth_after_warmup_pct']:+.2f} % "
+                f"| {row['growth_after_warmup_pct']:+.2f} %{', up at every rest' if climbs(row) else ''} "
                 f"| {row['rss_peak_mib']:g} | {_minutes(row.get('peak_first_at_s'))} |"
             )
     threads = [
@@ -453,6 +455,12 @@ def report(results: dict[str, Any], command: str) -> str:
         lines += ["", "What the models logged of their CUDA memory stepping up, with the work that took it:", ""]
         lines += [_step_line(step) for step in steps] or ["- nothing"]
     return "\n".join(lines) + "\n"
+
+
+def climbs(row: dict[str, Any]) -> bool:
+    """Whether a process's memory rose from each rest to the next, over three rests or more (all read)."""
+    rests = [row["rss_rest_after_warmup_mib"], *row.get("rss_rests_between_mib", []), row["rss_rest_at_end_mib"]]
+    return len(rests) >= 3 and None not in rests and all(a < b for a, b in itertools.pairwise(rests))
 
 
 def _step_line(step: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.memory_soak import (
+    climbs,
     growth,
     memory_steps,
     report,
@@ -162,7 +163,7 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
             "all GPUs cuda": row,
             "tritonserver": row,
             "tritonserver own": row,
-            "tritonserver shmem": row,
+            "tritonserver shmem": {**row, "rss_rests_between_mib": [20.04, 20.08]},
             "gateway": {**row, "rss_rests_between_mib": []},
             "gateway shmem": {**row, "rss_peak_mib": 0.0},
         },
@@ -187,8 +188,25 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
         "| gateway | RSS | 10 | 20 | - | 20.1 | +0.50 % | 30 | 1.5 |",
         "| tritonserver | RSS | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
         "| tritonserver | own | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
-        "| tritonserver | shared | 10 | 20 | 20.4 / - | 20.1 | +0.50 % | 30 | 1.5 |",
+        "| tritonserver | shared | 10 | 20 | 20.04 / 20.08 | 20.1 | +0.50 %, up at every rest | 30 | 1.5 |",
     ]
+
+
+@pytest.mark.parametrize(
+    ("between", "end", "marked"),
+    [
+        ([20.2, 20.3], 20.4, True),  # a leak too small for the 1 % target still shows
+        ([20.2, 20.2], 20.4, False),  # a rest that held
+        ([20.6, 20.3], 20.4, False),  # a heap that wanders
+        ([], 20.4, False),  # two rests cannot tell a climb from a step
+        ([20.2, None], 20.4, False),  # a rest not read is not a rise
+    ],
+)
+def test_memory_that_rose_at_every_rest_is_marked_in_the_report(
+    between: list[float | None], end: float, marked: bool
+) -> None:
+    row = {"rss_rest_after_warmup_mib": 20.0, "rss_rests_between_mib": between, "rss_rest_at_end_mib": end}
+    assert climbs(row) is marked
 
 
 @pytest.mark.parametrize(
