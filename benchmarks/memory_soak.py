@@ -417,8 +417,9 @@ def report(results: dict[str, Any], command: str) -> str:
         f"Memory at rest (after {REST_S:g} s without requests) once the first {results['warmup_minutes']:g} minutes "
         f"have passed{_longest_first(results)}, {_rests_between(results)}and at the end; the target is growth under "
         "1 %. A leak climbs from rest to rest; memory at rest that goes up and down from one rest to the next, "
-        "without a trend, is a pool or heap settling; *up at every rest* marks memory that rose from each rest "
-        "to the next across three rests or more, the sign of a leak however small its growth. "
+        "without a trend, is a pool or heap settling. *up at every rest* marks memory that rose at each of three "
+        "or more rests: what a leak looks like however small its growth, though a pool reaching new peaks climbs "
+        "too (see when its peak came). "
         "*own*: anonymous memory, neither shared nor "
         "mapped from files; *shared*: the Python backend's tensor pool, mapped by tritonserver and the stub alike, "
         "which keeps the size of the largest tensors in flight at once; *CUDA*: the process's GPU memory. Peaks "
@@ -458,8 +459,9 @@ def report(results: dict[str, Any], command: str) -> str:
 
 
 def climbs(row: dict[str, Any]) -> bool:
-    """Whether a process's memory rose from each rest to the next, over three rests or more (all read)."""
-    rests = [row["rss_rest_after_warmup_mib"], *row.get("rss_rests_between_mib", []), row["rss_rest_at_end_mib"]]
+    """Whether a process's memory rose from each rest to the next; False with fewer than three rests or
+    where a rest was not read."""
+    rests = [row["rss_rest_after_warmup_mib"], *(row.get("rss_rests_between_mib") or []), row["rss_rest_at_end_mib"]]
     return len(rests) >= 3 and None not in rests and all(a < b for a, b in itertools.pairwise(rests))
 
 

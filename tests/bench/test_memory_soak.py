@@ -196,17 +196,22 @@ def test_the_report_names_each_process_and_skips_shared_memory_it_never_had() ->
     ("between", "end", "marked"),
     [
         ([20.2, 20.3], 20.4, True),  # a leak too small for the 1 % target still shows
+        ([20.2], 20.4, True),  # three rests are enough
         ([20.2, 20.2], 20.4, False),  # a rest that held
         ([20.6, 20.3], 20.4, False),  # a heap that wanders
+        ([19.9, 20.3], 20.4, False),  # the first rest between is below the one after the warm-up
+        ([20.2, 20.3], 20.25, False),  # the end breaks the climb
         ([], 20.4, False),  # two rests cannot tell a climb from a step
+        (None, 20.4, False),  # a report from a run without rests between
         ([20.2, None], 20.4, False),  # a rest not read is not a rise
     ],
 )
-def test_memory_that_rose_at_every_rest_is_marked_in_the_report(
-    between: list[float | None], end: float, marked: bool
+def test_climbs_only_where_memory_rose_at_every_rest(
+    between: list[float | None] | None, end: float, marked: bool
 ) -> None:
     row = {"rss_rest_after_warmup_mib": 20.0, "rss_rests_between_mib": between, "rss_rest_at_end_mib": end}
     assert climbs(row) is marked
+    assert climbs({key: value for key, value in row.items() if key != "rss_rests_between_mib"}) is False
 
 
 @pytest.mark.parametrize(
