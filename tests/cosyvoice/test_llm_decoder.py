@@ -173,3 +173,26 @@ def test_grouped_heads_keep_their_own_keys_and_values() -> None:
     tokens = torch.tensor([t[5 + n] for t, n in zip(texts, added, strict=True)])
     decoded = decoder.decode(tokens, torch.tensor([5 + n for n in added]), SPAN)
     torch.testing.assert_close(decoded, expected([t[: 6 + n] for t, n in zip(texts, added, strict=True)]))
+
+
+def test_passes_shaped_by_their_input_keep_off_cudnn_attention(
+    decoder: SlotDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN's attention keeps a graph per new shape: a prefill's length and an extend pass's rows and width
+    vary with the requests, so on a GPU it would grow the host memory with every new one."""
+    attention = torch.nn.functional.scaled_dot_product_attention
+    cudnn_allowed: list[bool] = []
+
+    def watched(*args: object, **kwargs: object) -> torch.Tensor:
+        cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return attention(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    prefill(decoder, [sequence(7, 11)])
+    staging = decoder.staging_slot
+    ids = torch.tensor([sequence(8, WIDTH)])
+    decoder.extend(ids, torch.tensor([11]), torch.tensor([WIDTH]), torch.tensor([0]), SPAN)
+    decoder.extend(ids, torch.tensor([0]), torch.tensor([1]), torch.tensor([staging]), SPAN)
+    assert cudnn_allowed and not any(cudnn_allowed)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

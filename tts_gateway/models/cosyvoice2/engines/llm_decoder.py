@@ -168,7 +168,10 @@ class SlotDecoder:
     def prefill(self, ids: Tensor, lengths: Tensor, first_slot: int) -> Tensor:
         """Run right-padded prompts ``ids`` ``[k, n]`` into slots ``first_slot..first_slot+k-1``.
 
-        Returns the logits (float32, sampled columns) after each prompt's last real token.
+        Returns the logits (float32, sampled columns) after each prompt's last real token. The engine runs
+        this pass eagerly, for prompts longer than its recorded prefills, so its shape is the prompt's length:
+        cuDNN's attention, which builds and keeps a graph for every new shape, would grow the host memory
+        with every new length, hence the other kernels.
         """
         rows, length = ids.shape
         positions = torch.arange(length, device=self.device).unsqueeze(0).expand(rows, -1)
@@ -177,12 +180,13 @@ class SlotDecoder:
         hidden = self._embed(ids)
         cos, sin = self._rotary(hidden, positions)
         slots = slice(first_slot, first_slot + rows)
-        for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
-            query, key_value = enter(hidden, cos, sin)
-            self.cache[index, :, slots, :, :length] = key_value.transpose(0, 1)
-            key, value = key_value.repeat_interleave(self._groups, dim=2).unbind(1)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible)
-            hidden = leave(hidden, out)
+        with sdpa_kernel(_ATTENTION_WITHOUT_CUDNN):
+            for index, (enter, leave) in enumerate(zip(self._inputs, self._outputs, strict=True)):
+                query, key_value = enter(hidden, cos, sin)
+                self.cache[index, :, slots, :, :length] = key_value.transpose(0, 1)
+                key, value = key_value.repeat_interleave(self._groups, dim=2).unbind(1)
+                out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible)
+                hidden = leave(hidden, out)
         last = hidden[torch.arange(rows, device=self.device), lengths - 1]
         return self._head(last)
 
