@@ -14,7 +14,10 @@ parts of at most ``--rest-every`` minutes; one part without it), the last at the
 each process's memory at those rests, the growth from the first to the last (the target: under 1 %),
 its peak under load, and the threads at the first rest and the last. The rests between tell a leak
 (memory that climbs from rest to rest) from a heap or pool that wanders with what the load last left
-in it.
+in it. At each rest every process's own memory is also split by the kind of mapping that holds it
+(:mod:`benchmarks.memory_maps`: malloc's heap and arenas, thread stacks, memory mapped outside malloc),
+and the report says which kinds grew in each process whose own memory grew 1 % or more or rose at
+every rest: a leak of malloc's from one outside it (a driver's host buffers, Python's object arenas).
 
 The warm-up's first third sends only the longest input, from every listener at once: the pools (the
 tensor pool, CUDA's caching allocator, malloc's arenas) grow toward what the heaviest load needs
@@ -64,6 +67,7 @@ from benchmarks.bench_stack import GatewayServer
 from benchmarks.bench_stats import percentiles_ms
 from benchmarks.cpu_default import pinned_cores
 from benchmarks.gpu_query import cuda_mib_by_pid, nvidia_smi, used_mib_by_gpu
+from benchmarks.memory_maps import own_memory_by_kind
 from benchmarks.server_processes import labelled_processes
 
 FORMATS = ("pcm", "wav", "mp3", "opus", "flac", "aac")
@@ -220,6 +224,7 @@ async def _soak(
     first_byte_s: dict[str, list[float]] = {"warmup": [], "soak": []}
     rng = random.Random(0)
     phase = ["warmup"]
+    own_by_kind: dict[str, dict[str, dict[str, float]]] = {}
     started = datetime.datetime.now(datetime.UTC)
     sampler = asyncio.create_task(_sample(roots, phase, samples))
     for name, load_minutes, rest in soak_schedule(minutes, warmup, rest_every):
@@ -232,6 +237,7 @@ async def _soak(
         await _load(url, speech, concurrency, until, longest_until, rng, counts, first_byte_s[name])
         phase[0] = rest
         await asyncio.sleep(REST_S)
+        own_by_kind[rest] = await asyncio.to_thread(_own_by_kind, roots)
     sampler.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sampler
@@ -240,7 +246,18 @@ async def _soak(
         "requests": counts,
         "first_byte_ms": {name: percentiles_ms(values) for name, values in first_byte_s.items()},
         "samples": samples,
+        "own_by_kind": own_by_kind,
     }
+
+
+def _own_by_kind(roots: dict[int, str]) -> dict[str, dict[str, float]]:
+    """Each process's own memory by the kind of mapping holding it (:mod:`benchmarks.memory_maps`)."""
+    found = {}
+    for root, root_label in roots.items():
+        for label, pid in labelled_processes(root, root_label).items():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                found[label] = own_memory_by_kind(pid)
+    return found
 
 
 def soak_schedule(minutes: float, warmup: float, rest_every: float) -> list[tuple[str, float, str]]:
@@ -374,6 +391,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if name.endswith(THREADS)
         },
         "memory_steps": steps,
+        "own_by_kind": result["own_by_kind"],
         "samples": result["samples"],
     }
 
@@ -451,11 +469,48 @@ def report(results: dict[str, Any], command: str) -> str:
     ]
     if threads:
         lines += ["", "Threads at the rest after the warm-up and at the end: " + "; ".join(threads) + "."]
+    lines += _own_growth_lines(results)
     steps = results.get("memory_steps")
     if steps is not None:
         lines += ["", "What the models logged of their CUDA memory stepping up, with the work that took it:", ""]
         lines += [_step_line(step) for step in steps] or ["- nothing"]
     return "\n".join(lines) + "\n"
+
+
+def _own_growth_lines(results: dict[str, Any]) -> list[str]:
+    """Where the own memory of each process that grew 1 % or more, or rose at every rest, grew by kind of
+    mapping, from the first rest to the last; nothing for a run that did not read the mappings."""
+    by_rest: dict[str, dict[str, dict[str, float]]] = results.get("own_by_kind") or {}
+    if len(by_rest) < 2:
+        return []
+    at_first, at_last = by_rest[next(iter(by_rest))], by_rest[list(by_rest)[-1]]
+    grown = sorted(
+        name.removesuffix(" own")
+        for name, row in results["processes"].items()
+        if name.endswith(" own") and (row["growth_after_warmup_pct"] >= 1.0 or climbs(row))
+    )
+    lines = []
+    for label in grown:
+        first, last = at_first.get(label), at_last.get(label)
+        if first is None or last is None:
+            continue
+        moved = sorted(((last[kind] - first[kind], kind) for kind in first if kind in last), key=lambda m: -m[0])
+        parts = [
+            f"{kind} {first[kind]:,.1f} → {last[kind]:,.1f} ({change:+.1f})"
+            for change, kind in moved
+            if abs(change) >= 0.1
+        ]
+        lines.append(f"- {label}: " + ("; ".join(parts) if parts else "no kind moved by 0.1 MiB or more"))
+    if not lines:
+        return []
+    return [
+        "",
+        "Where own memory grew, from the rest after the warm-up to the last (MiB of anonymous pages by the kind of "
+        "mapping holding them, `benchmarks/memory_maps.py`), in each process whose own memory grew 1 % or more or "
+        "rose at every rest:",
+        "",
+        *lines,
+    ]
 
 
 def climbs(row: dict[str, Any]) -> bool:

@@ -214,6 +214,62 @@ def test_climbs_only_where_memory_rose_at_every_rest(
     assert climbs({key: value for key, value in row.items() if key != "rss_rests_between_mib"}) is False
 
 
+def test_the_report_says_by_kind_of_mapping_where_the_own_memory_that_grew_lies() -> None:
+    def own(start: float, between: list[float], end: float) -> dict[str, object]:
+        return {
+            "rss_first_mib": start,
+            "rss_rest_after_warmup_mib": start,
+            "rss_rests_between_mib": between,
+            "rss_rest_at_end_mib": end,
+            "rss_peak_mib": end,
+            "peak_first_at_s": 60.0,
+            "growth_after_warmup_pct": round(100 * (end - start) / start, 2),
+        }
+
+    kinds = {"malloc heap": 10.0, "malloc arenas": 600.0, "other anonymous": 1000.0}
+    results = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "machine": "x86_64, 2 CPUs",
+        "minutes": 18.0,
+        "warmup_minutes": 3.0,
+        "concurrency": 64,
+        "speech": {"model": "tts-1", "voice": "lumen", "max_chars": 4096},
+        "requests": {"ok": 4000},
+        "first_byte_ms": {"soak": {"p50": 900.0, "p90": 1200.0, "p99": 1500.0}},
+        "processes": {
+            "stub:llm own": own(1610.0, [1612.0, 1614.0], 1616.0),  # +0.37 %, but up at every rest
+            "gateway worker own": own(100.0, [103.0, 101.0], 102.0),  # +2 %
+            "stub:token2wav own": own(8000.0, [8010.0, 8000.0], 8001.0),  # neither
+            "gateway own": own(60.0, [60.0, 60.0], 60.0),
+        },
+        "own_by_kind": {
+            "warmup rest": {
+                "stub:llm": kinds,
+                "gateway worker": kinds,
+                "stub:token2wav": kinds,
+                "gateway": kinds,
+            },
+            "soak rest 1": {},
+            "soak rest 2": {
+                "stub:llm": {**kinds, "malloc arenas": 600.04, "other anonymous": 1006.0},
+                "gateway worker": {**kinds, "malloc heap": 11.5, "malloc arenas": 599.5},
+                "stub:token2wav": {**kinds, "other anonymous": 1001.0},
+                "gateway": kinds,
+            },
+        },
+    }
+    lines = report(results, "x").splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("Where own memory grew")))
+    assert lines[start + 1 :] == [
+        "",
+        "- gateway worker: malloc heap 10.0 → 11.5 (+1.5); malloc arenas 600.0 → 599.5 (-0.5)",
+        "- stub:llm: other anonymous 1,000.0 → 1,006.0 (+6.0)",
+    ]
+    results["processes"]["gateway own"] = own(60.0, [60.5, 61.0], 61.5)
+    assert "- gateway: no kind moved by 0.1 MiB or more" in report(results, "x").splitlines()
+    assert "Where own memory grew" not in report({**results, "own_by_kind": {}}, "x")
+
+
 @pytest.mark.parametrize(
     ("parent", "argv", "label"),
     [
