@@ -8,9 +8,10 @@ told apart by the layout glibc gives them on 64-bit Linux:
 - *malloc heap*: ``[heap]``, the main arena's heap;
 - *malloc arenas*: the other threads' arenas, whose heaps are each reserved as 64 MiB aligned to 64 MiB,
   the part in use readable and writable, the rest inaccessible after it;
-- *thread stacks*: a writable mapping right above an inaccessible one, its guard page;
+- *thread stacks*: a writable mapping right above a small inaccessible one, its guard page;
 - *other anonymous*: every other anonymous mapping (mmap outside malloc's arenas, malloc's own large blocks);
 - *file copies*: pages of files mapped privately and then written (relocated data of shared libraries);
+  an anonymous mapping given a name (``[anon:...]``) counts as anonymous;
 - *main stack*: ``[stack]``.
 
 The kinds are read from layout, not from who made a mapping: a library that reserves and guards memory
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import Final
 
 ARENA_BYTES: Final = 64 * 1024 * 1024
+# Larger than a thread's guard page (one page unless a program asks for more), smaller than the regions a
+# GPU driver reserves inaccessible.
+MAX_GUARD_BYTES: Final = 64 * 1024
 KINDS: Final = ("malloc heap", "malloc arenas", "thread stacks", "other anonymous", "file copies", "main stack")
 
 
@@ -35,11 +39,15 @@ class Mapping:
     end: int
     perms: str
     name: str
-    anonymous_kib: int = 0
+    anonymous_kib: int
+
+    @property
+    def from_file(self) -> bool:
+        return self.name.startswith("/")
 
     @property
     def inaccessible(self) -> bool:
-        return self.perms.startswith("---") and not self.name
+        return self.perms.startswith("---") and not self.from_file
 
 
 def parse_smaps(text: str) -> list[Mapping]:
@@ -69,19 +77,28 @@ def kind_of(mapping: Mapping, below: Mapping | None, above: Mapping | None) -> s
         return "malloc heap"
     if mapping.name == "[stack]":
         return "main stack"
-    if mapping.name:
+    if mapping.from_file:
         return "file copies"
     size = mapping.end - mapping.start
-    reserved_rest = above is not None and above.start == mapping.end and above.inaccessible
-    # An arena's heaps that lie next to each other are one mapping: whole heaps, then the one in use.
+    # A heap's reserved rest runs to the next 64 MiB boundary; an arena's heaps that lie next to each other
+    # are one mapping (whole heaps, then the one in use), with no rest after them when all are whole.
+    reserved_rest = (
+        above is not None and above.start == mapping.end and above.inaccessible and above.end % ARENA_BYTES == 0
+    )
     if mapping.start % ARENA_BYTES == 0 and (reserved_rest or size % ARENA_BYTES == 0):
         return "malloc arenas"
-    if below is not None and below.end == mapping.start and below.inaccessible:
+    guarded = (
+        below is not None
+        and below.end == mapping.start
+        and below.inaccessible
+        and below.end - below.start <= MAX_GUARD_BYTES
+    )
+    if guarded and "w" in mapping.perms:
         return "thread stacks"
     return "other anonymous"
 
 
-def own_by_kind(mappings: list[Mapping]) -> dict[str, float]:
+def split_by_kind(mappings: list[Mapping]) -> dict[str, float]:
     """MiB of anonymous pages per kind, every kind present (0 where none)."""
     totals = dict.fromkeys(KINDS, 0.0)
     for index, mapping in enumerate(mappings):
@@ -93,5 +110,5 @@ def own_by_kind(mappings: list[Mapping]) -> dict[str, float]:
 
 
 def own_memory_by_kind(pid: int) -> dict[str, float]:
-    """:func:`own_by_kind` of process ``pid``, read now."""
-    return own_by_kind(parse_smaps(Path(f"/proc/{pid}/smaps").read_text()))
+    """:func:`split_by_kind` of process ``pid``, read now (a mapping's name need not be UTF-8)."""
+    return split_by_kind(parse_smaps(Path(f"/proc/{pid}/smaps").read_bytes().decode(errors="replace")))

@@ -224,7 +224,7 @@ async def _soak(
     first_byte_s: dict[str, list[float]] = {"warmup": [], "soak": []}
     rng = random.Random(0)
     phase = ["warmup"]
-    own_by_kind: dict[str, dict[str, dict[str, float]]] = {}
+    at_rests: dict[str, dict[str, dict[str, float]]] = {}
     started = datetime.datetime.now(datetime.UTC)
     sampler = asyncio.create_task(_sample(roots, phase, samples))
     for name, load_minutes, rest in soak_schedule(minutes, warmup, rest_every):
@@ -237,7 +237,7 @@ async def _soak(
         await _load(url, speech, concurrency, until, longest_until, rng, counts, first_byte_s[name])
         phase[0] = rest
         await asyncio.sleep(REST_S)
-        own_by_kind[rest] = await asyncio.to_thread(_own_by_kind, roots)
+        at_rests[rest] = await asyncio.to_thread(_own_memory_of_each, roots)
     sampler.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await sampler
@@ -246,17 +246,20 @@ async def _soak(
         "requests": counts,
         "first_byte_ms": {name: percentiles_ms(values) for name, values in first_byte_s.items()},
         "samples": samples,
-        "own_by_kind": own_by_kind,
+        "own_by_kind": at_rests,
     }
 
 
-def _own_by_kind(roots: dict[int, str]) -> dict[str, dict[str, float]]:
-    """Each process's own memory by the kind of mapping holding it (:mod:`benchmarks.memory_maps`)."""
+def _own_memory_of_each(roots: dict[int, str]) -> dict[str, dict[str, float]]:
+    """Each process's own memory by the kind of mapping holding it (:mod:`benchmarks.memory_maps`); a
+    process gone or not readable is left out rather than ending a soak that ran for minutes."""
     found = {}
     for root, root_label in roots.items():
         for label, pid in labelled_processes(root, root_label).items():
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                found[label] = own_memory_by_kind(pid)
+            with contextlib.suppress(OSError):
+                kinds = own_memory_by_kind(pid)
+                if any(kinds.values()):  # else an exited child not yet reaped: it maps nothing
+                    found[label] = kinds
     return found
 
 
@@ -498,7 +501,7 @@ def _own_growth_lines(results: dict[str, Any]) -> list[str]:
         parts = [
             f"{kind} {first[kind]:,.1f} → {last[kind]:,.1f} ({change:+.1f})"
             for change, kind in moved
-            if abs(change) >= 0.1
+            if abs(round(change, 1)) >= 0.1
         ]
         lines.append(f"- {label}: " + ("; ".join(parts) if parts else "no kind moved by 0.1 MiB or more"))
     if not lines:

@@ -240,6 +240,8 @@ def test_the_report_says_by_kind_of_mapping_where_the_own_memory_that_grew_lies(
             "stub:llm own": own(1610.0, [1612.0, 1614.0], 1616.0),  # +0.37 %, but up at every rest
             "gateway worker own": own(100.0, [103.0, 101.0], 102.0),  # +2 %
             "stub:token2wav own": own(8000.0, [8010.0, 8000.0], 8001.0),  # neither
+            "stub:piper own": own(100.0, [100.5, 100.2], 101.0),  # +1 %: the bar itself
+            "tritonserver own": own(100.0, [100.5, 100.2], 100.9),  # +0.9 %, no climb
             "gateway own": own(60.0, [60.0, 60.0], 60.0),
         },
         "own_by_kind": {
@@ -247,6 +249,8 @@ def test_the_report_says_by_kind_of_mapping_where_the_own_memory_that_grew_lies(
                 "stub:llm": kinds,
                 "gateway worker": kinds,
                 "stub:token2wav": kinds,
+                "stub:piper": kinds,
+                "tritonserver": kinds,
                 "gateway": kinds,
             },
             "soak rest 1": {},
@@ -254,6 +258,8 @@ def test_the_report_says_by_kind_of_mapping_where_the_own_memory_that_grew_lies(
                 "stub:llm": {**kinds, "malloc arenas": 600.04, "other anonymous": 1006.0},
                 "gateway worker": {**kinds, "malloc heap": 11.5, "malloc arenas": 599.5},
                 "stub:token2wav": {**kinds, "other anonymous": 1001.0},
+                "stub:piper": {**kinds, "malloc heap": 10.1, "other anonymous": 1000.04},
+                "tritonserver": {**kinds, "other anonymous": 1000.9},
                 "gateway": kinds,
             },
         },
@@ -264,6 +270,7 @@ def test_the_report_says_by_kind_of_mapping_where_the_own_memory_that_grew_lies(
         "",
         "- gateway worker: malloc heap 10.0 → 11.5 (+1.5); malloc arenas 600.0 → 599.5 (-0.5)",
         "- stub:llm: other anonymous 1,000.0 → 1,006.0 (+6.0)",
+        "- stub:piper: malloc heap 10.0 → 10.1 (+0.1)",
     ]
     results["processes"]["gateway own"] = own(60.0, [60.5, 61.0], 61.5)
     assert "- gateway: no kind moved by 0.1 MiB or more" in report(results, "x").splitlines()
