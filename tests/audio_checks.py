@@ -26,6 +26,17 @@ class DecodedAudio:
     def rms(self) -> float:
         return float(np.sqrt(np.mean(np.square(self.samples)))) if self.samples.size else 0.0
 
+    @property
+    def speaking_seconds(self) -> float:
+        """Its length without the pauses: the 10 ms windows louder than an RMS of 0.01.
+
+        Piper draws its pauses at random, so two renderings of one text differ in length by up to a
+        second or so; the speech between the pauses varies far less.
+        """
+        window = self.sample_rate // 100
+        frames = self.samples[: self.samples.size // window * window].reshape(-1, window)
+        return float(np.count_nonzero(np.sqrt(np.mean(np.square(frames), axis=1)) > 0.01)) / 100
+
 
 def decode(data: bytes, fmt: str) -> DecodedAudio:
     """Decode a response body of OpenAI ``response_format`` ``fmt`` (FFmpeg reads streamed, unsized files)."""
