@@ -169,12 +169,12 @@ def test_a_client_that_leaves_stops_the_llm_server(stack: Stack) -> None:
         # Still generating (about two minutes of tokens on CPU). How busy a half-second finds the
         # server depends on what else shares the CPUs, so it is looked at until it is seen busy.
         (busy,) = _loads_until(stack.llm.pid, lambda load: load > 0.1, within_s=30.0)
-        assert busy > 0.1
+        assert busy > 0.1, _server_state(stack)
     # The gateway cancels the gRPC stream, the orchestrator closes the HTTP stream, the server stops
     # (left running, it would stay busy for the two minutes): idle for two seconds running.
     quiet = max(0.05, busy / 4)
     idle = _loads_until(stack.llm.pid, lambda load: load < quiet, within_s=20.0, windows=4)
-    assert len(idle) == 4 and max(idle) < quiet, idle
+    assert len(idle) == 4 and max(idle) < quiet, f"{idle}\n{_server_state(stack)}"
     # transformers serve generates one request at a time: the next one is not stuck behind it.
     assert _speech(stack).status_code == 200
 
@@ -204,6 +204,13 @@ def test_the_llm_server_dying_mid_stream_ends_the_stream_with_an_error(stack: St
     # Triton and the gateway stayed up; speech is back with the server.
     stack.llm.start()
     assert _speech(stack).status_code == 200
+
+
+def _server_state(stack: Stack) -> str:
+    """What a failed load check needs to be told apart: a server gone, one idle, one stuck."""
+    state = "running" if stack.llm.is_running() else "exited"
+    logs = f"its log ends:\n{stack.llm.log_tail()}\nthe gateway's log ends:\n{stack.gateway.log_tail()}"
+    return f"LLM server {stack.llm.pid} {state}; {logs}"
 
 
 def _loads_until(
