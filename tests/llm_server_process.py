@@ -52,6 +52,25 @@ class LLMServerProcess:
         assert self._process is not None
         return self._process.pid
 
+    def pids(self) -> list[int]:
+        """The server's process and its descendants: from transformers 5.25 on, ``serve`` generates in a
+        process of its own (its ``model`` process), and the one started here only serves HTTP."""
+        children: dict[int, list[int]] = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            except OSError:
+                continue  # ended while the table was read
+            children.setdefault(parent, []).append(int(proc.name))
+        tree, pending = [], [self.pid]
+        while pending:
+            pid = pending.pop()
+            tree.append(pid)
+            pending += children.get(pid, [])
+        return tree
+
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

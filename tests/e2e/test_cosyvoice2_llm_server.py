@@ -168,12 +168,12 @@ def test_a_client_that_leaves_stops_the_llm_server(stack: Stack) -> None:
         next(chunks)
         # Still generating (about two minutes of tokens on CPU). How busy a half-second finds the
         # server depends on what else shares the CPUs, so it is looked at until it is seen busy.
-        (busy,) = _loads_until(stack.llm.pid, lambda load: load > 0.1, within_s=30.0)
+        (busy,) = _loads_until(stack.llm.pids(), lambda load: load > 0.1, within_s=30.0)
         assert busy > 0.1, _server_state(stack)
     # The gateway cancels the gRPC stream, the orchestrator closes the HTTP stream, the server stops
     # (left running, it would stay busy for the two minutes): idle for two seconds running.
     quiet = max(0.05, busy / 4)
-    idle = _loads_until(stack.llm.pid, lambda load: load < quiet, within_s=20.0, windows=4)
+    idle = _loads_until(stack.llm.pids(), lambda load: load < quiet, within_s=20.0, windows=4)
     assert len(idle) == 4 and max(idle) < quiet, f"{idle}\n{_server_state(stack)}"
     # transformers serve generates one request at a time: the next one is not stuck behind it.
     assert _speech(stack).status_code == 200
@@ -210,20 +210,20 @@ def _server_state(stack: Stack) -> str:
     """What a failed load check needs to be told apart: a server gone, one idle, one stuck."""
     state = "running" if stack.llm.is_running() else "exited"
     logs = f"its log ends:\n{stack.llm.log_tail()}\nthe gateway's log ends:\n{stack.gateway.log_tail()}"
-    return f"LLM server {stack.llm.pid} {state}; {logs}"
+    return f"LLM server {stack.llm.pid} {state}, with its processes {stack.llm.pids()}; {logs}"
 
 
 def _loads_until(
-    pid: int, done: Callable[[float], bool], within_s: float, windows: int = 1, window_s: float = 0.5
+    pids: list[int], done: Callable[[float], bool], within_s: float, windows: int = 1, window_s: float = 0.5
 ) -> list[float]:
-    """The CPUs' share ``pid`` used in consecutive windows, until ``done`` holds for ``windows`` of them
+    """The CPUs' share ``pids`` used together in consecutive windows, until ``done`` holds for ``windows`` of them
     in a row or time is up: the last ``windows`` shares."""
     deadline = time.monotonic() + within_s
     loads: list[float] = []
     while True:
-        before = cpu_seconds([pid])
+        before = cpu_seconds(pids)
         time.sleep(window_s)
-        loads.append((cpu_seconds([pid]) - before) / window_s)
+        loads.append((cpu_seconds(pids) - before) / window_s)
         last = loads[-windows:]
         if (len(last) == windows and all(done(load) for load in last)) or time.monotonic() > deadline:
             return last
