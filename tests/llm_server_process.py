@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.bench_load import process_tree
+
 # The console script next to the interpreter running the tests (the project's virtual environment).
 TRANSFORMERS_CLI = Path(sys.executable).with_name("transformers")
 
@@ -55,21 +57,7 @@ class LLMServerProcess:
     def pids(self) -> list[int]:
         """The server's process and its descendants: from transformers 5.25 on, ``serve`` generates in a
         process of its own (its ``model`` process), and the one started here only serves HTTP."""
-        children: dict[int, list[int]] = {}
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
-            except OSError:
-                continue  # ended while the table was read
-            children.setdefault(parent, []).append(int(proc.name))
-        tree, pending = [], [self.pid]
-        while pending:
-            pid = pending.pop()
-            tree.append(pid)
-            pending += children.get(pid, [])
-        return tree
+        return process_tree(self.pid)
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
