@@ -1,7 +1,8 @@
 """Where a streaming first chunk's flow time goes on the GPU: encoder against solve, kernels against wall time.
 
 On the full-size random flow and HiFT (as ``gpu_engine_check.py`` writes them), token2wav with the solve
-recorded as CUDA graphs, its U-Net levels compiled as the GPU profiles compile them (``--compile-backend``),
+and HiFT recorded as CUDA graphs, its U-Net levels and HiFT's activations compiled as the GPU profiles compile
+them (``--compile-backend``),
 converts ``--rows`` streams' first chunks at once, as the Triton model does (``--tokens``: by default the
 ``gpu-torch`` profile's first hop of 25 tokens and the 3-token look-ahead, after a 4 s voice prompt;
 with ``--prefix-frames``, after the voice prefix recorded for that prompt).
@@ -33,6 +34,9 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.gpu_engine_check import ROOT, _flow_and_hift, _synchronize, four_second_voice
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
+
+# The gpu-torch profile's hops (tokens), for which it records HiFT as CUDA graphs.
+GPU_TORCH_HOPS = (25, 50, 100)
 
 
 def _first_chunks(rows: int, tag: str, prompt: VoicePrompt, tokens: NDArray[np.int64]) -> list[Conversion]:
@@ -134,6 +138,8 @@ def main() -> int:
         fuse_flow=not args.unfused,
         prefix_cache_mb=2048 if args.prefix_frames else 0,
         prefix_frames=args.prefix_frames,
+        hift_graph_rows=max(rows) if cuda else 0,
+        hift_graph_hops=GPU_TORCH_HOPS,
     )
     t2w.sync_timing = True
     rng = np.random.default_rng(0)
