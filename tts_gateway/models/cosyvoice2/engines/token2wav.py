@@ -43,6 +43,7 @@ from tts_gateway.models.cosyvoice2.engines.encoder_graphs import MAX_ROWS as ENC
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import EncoderGraphs
 from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
 from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
+from tts_gateway.models.cosyvoice2.engines.hift_compile import compile_hift_activations
 from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
 from tts_gateway.models.cosyvoice2.model.config import load_config
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem, MelSolver
@@ -240,7 +241,8 @@ class Token2Wav:
         ``hift_graph_hops`` tokens, in batches of powers of two up to that many (:class:`HiftGraphs`).
         A ``compile_backend`` ("inductor" on GPUs) compiles the flow estimator's U-Net levels
         (:mod:`.flow_compile`): where graphs are recorded, while recording the largest one, else at a
-        warm-up. It needs buckets of a multiple of 8 frames. Compiled, the estimator computes in fewer
+        warm-up. It needs buckets of a multiple of 8 frames. It compiles HiFT's activations too
+        (:mod:`.hift_compile`). Compiled, the estimator computes in fewer
         kernels unless ``fuse_flow`` is False (its GELU then stays the exact one on CUDA as well).
         """
         device = torch.device(device)
@@ -294,6 +296,9 @@ class Token2Wav:
                 max_tokens=graph_frames // ratio,
                 token_step=max(1, graph_frame_step // ratio),
             )
+        if compile_backend:
+            seconds = compile_hift_activations(hift, compile_backend)
+            _log.info("HiFT activations compiled (%s) in %.1f s", compile_backend, seconds)
         hift_graphs = None
         if hift_graph_rows > 0 and hift_graph_hops and device.type == "cuda":
             hift_graphs = HiftGraphs(

@@ -110,16 +110,27 @@ def _fourier_bases(n_fft: int, device: torch.device) -> tuple[Tensor, Tensor, Te
     return window, forward, inverse_real, inverse_imag
 
 
+def snake(x: Tensor, alpha: Tensor) -> Tensor:
+    """Periodic activation ``x + sin^2(alpha * x) / alpha`` of ``x`` ``[B, C, T]``, ``alpha`` ``[C]`` per channel."""
+    alpha = alpha[None, :, None]
+    return x + (1.0 / (alpha + _SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
+
+
 class Snake(nn.Module):
-    """Periodic activation ``x + sin^2(alpha * x) / alpha`` with a learned ``alpha`` per channel."""
+    """:func:`snake` with a learned ``alpha`` per channel.
+
+    ``activation`` computes it: :func:`snake` itself, or the same compiled
+    (:func:`~tts_gateway.models.cosyvoice2.engines.hift_compile.compile_hift_activations`)."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
+        self.activation: Callable[[Tensor, Tensor], Tensor] = snake
 
     def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha[None, :, None]
-        return x + (1.0 / (alpha + _SNAKE_EPS)) * torch.sin(x * alpha).pow(2)
+        # Detached, alpha is a plain tensor to a compiler, whose sizes may be symbolic as the input's are
+        # (a parameter's are fixed, and would fix the input's channels to them: a compile per width).
+        return self.activation(x, self.alpha.detach())
 
 
 class ResBlock(nn.Module):
