@@ -115,7 +115,9 @@ def main() -> int:
     parser.add_argument("--rows", default="1,16", help="first chunks converted together, e.g. 1,16")
     parser.add_argument("--tokens", type=int, default=28, help="target tokens of a first chunk, look-ahead included")
     parser.add_argument(
-        "--compile-backend", default="inductor", help="the flow's U-Net levels compiled with this; empty: uncompiled"
+        "--compile-backend",
+        default="inductor",
+        help="the flow's U-Net levels and HiFT's activations compiled with this; empty: uncompiled",
     )
     parser.add_argument(
         "--prefix-frames", type=int, default=0, help="a voice prefix cache for prefixes up to this many frames; 0: none"

@@ -20,6 +20,7 @@ from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, c
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 from tts_gateway.models.cosyvoice2.model.flow_decoder import Attention, UNetLevel
+from tts_gateway.models.cosyvoice2.model.hift import Snake, snake
 
 pytestmark = pytest.mark.cosyvoice
 
@@ -34,6 +35,8 @@ def test_compiled_blocks_convert_every_shape_as_uncompiled_without_compiling_aga
     compiled = Token2Wav.from_model_dir(token2wav_dir, compile_backend="aot_eager")
     loaded = _compiled_graphs()
     assert loaded > before
+    # HiFT's activations too (hift_compile.py), so its part of the audio below runs compiled as well.
+    assert all(m.activation is not snake for m in compiled.hift.modules() if isinstance(m, Snake))
     # One to six rows, first, later and final chunks and offline calls, frames of every length.
     batches = [calls("mixed"), calls("mixed-2")[:1], calls("mixed-3")[2:5]]
     for batch in batches:

@@ -58,6 +58,8 @@ def test_compiled_activations_vocode_every_shape_as_uncompiled_without_compiling
     assert _compiled_graphs() == loaded
 
 
-def test_a_compile_that_fails_says_how_to_run_without() -> None:
+def test_a_compile_that_fails_says_how_to_run_without_and_leaves_hift_uncompiled() -> None:
+    hift = _hift()
     with pytest.raises(RuntimeError, match="empty compile_backend runs it uncompiled"):
-        compile_hift_activations(_hift(), "no-such-backend")
+        compile_hift_activations(hift, "no-such-backend")
+    assert all(m.activation is snake for m in hift.modules() if isinstance(m, Snake))
