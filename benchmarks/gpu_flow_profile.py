@@ -31,12 +31,9 @@ import torch
 from numpy.typing import NDArray
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gpu_engine_check import ROOT, _flow_and_hift, _synchronize, four_second_voice
+from benchmarks.gpu_engine_check import HIFT_HOPS, ROOT, _flow_and_hift, _synchronize, four_second_voice
 from tts_gateway.models.cosyvoice2.engines.token2wav import Conversion, Token2Wav
 from tts_gateway.models.cosyvoice2.model.frontend import VoicePrompt
-
-# The gpu-torch profile's hops (tokens), for which it records HiFT as CUDA graphs.
-GPU_TORCH_HOPS = (25, 50, 100)
 
 
 def _first_chunks(rows: int, tag: str, prompt: VoicePrompt, tokens: NDArray[np.int64]) -> list[Conversion]:
@@ -141,7 +138,7 @@ def main() -> int:
         prefix_cache_mb=2048 if args.prefix_frames else 0,
         prefix_frames=args.prefix_frames,
         hift_graph_rows=max(rows) if cuda else 0,
-        hift_graph_hops=GPU_TORCH_HOPS,
+        hift_graph_hops=HIFT_HOPS,
     )
     t2w.sync_timing = True
     rng = np.random.default_rng(0)

@@ -26,3 +26,11 @@ def read_text_as_utf8() -> None:
             continue
     if not _utf8_locale():
         raise RuntimeError("torch.compile needs a UTF-8 locale; set LANG=C.UTF-8")
+
+
+def compile_failed(what: str, backend: str, exc: Exception) -> RuntimeError:
+    """The error to raise when compiling ``what`` (e.g. "the flow") with ``backend`` fails: it names the way out."""
+    return RuntimeError(
+        f"compiling {what} with {backend!r} failed ({type(exc).__name__}: {exc}); "
+        "an empty compile_backend runs it uncompiled"
+    )

@@ -19,7 +19,7 @@ from typing import Final
 
 import torch
 
-from tts_gateway.models.cosyvoice2.engines.compiling import read_text_as_utf8
+from tts_gateway.models.cosyvoice2.engines.compiling import compile_failed, read_text_as_utf8
 from tts_gateway.models.cosyvoice2.model.flow import CausalFlow, FlowItem
 from tts_gateway.models.cosyvoice2.model.flow_decoder import UNetLevel
 
@@ -63,16 +63,8 @@ def compile_flow_levels(
         if warm_up:
             _warm_up(flow, n_timesteps)
     except Exception as exc:
-        raise compile_failed(backend, exc) from exc
+        raise compile_failed("the flow", backend, exc) from exc
     return time.monotonic() - started
-
-
-def compile_failed(backend: str, exc: Exception) -> RuntimeError:
-    """The error to raise when compiling the flow's levels (at the warm-up or the first recorded graph) fails."""
-    return RuntimeError(
-        f"compiling the flow with {backend!r} failed ({type(exc).__name__}: {exc}); "
-        "an empty compile_backend runs it uncompiled"
-    )
 
 
 def _warm_up(flow: CausalFlow, n_timesteps: int) -> None:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from tts_gateway.models.cosyvoice2.engines.compiling import read_text_as_utf8
+from tts_gateway.models.cosyvoice2.engines.compiling import compile_failed, read_text_as_utf8
 from tts_gateway.models.cosyvoice2.model.hift import HiFTGenerator, Snake, snake
 
 # Mel frames of the warm-up's chunks: about a first chunk's. Sizes stay symbolic, but inductor picks a
@@ -49,10 +49,7 @@ def compile_hift_activations(hift: HiFTGenerator, backend: str) -> float:
     except Exception as exc:
         for module in activations:
             module.activation = snake
-        raise RuntimeError(
-            f"compiling HiFT's activations with {backend!r} failed ({type(exc).__name__}: {exc}); "
-            "an empty compile_backend runs it uncompiled"
-        ) from exc
+        raise compile_failed("HiFT's activations", backend, exc) from exc
     if reference.device.type == "cuda":
         torch.cuda.synchronize(reference.device)
     return time.monotonic() - started

@@ -38,10 +38,11 @@ from numpy.typing import NDArray
 from torch import Tensor
 from torch._dynamo.exc import TorchDynamoException
 
+from tts_gateway.models.cosyvoice2.engines.compiling import compile_failed
 from tts_gateway.models.cosyvoice2.engines.cuda_memory import ReservedMemoryWatch, describe_step
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import MAX_ROWS as ENCODER_GRAPH_ROWS
 from tts_gateway.models.cosyvoice2.engines.encoder_graphs import EncoderGraphs
-from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_failed, compile_flow_levels
+from tts_gateway.models.cosyvoice2.engines.flow_compile import ALIGNED_FRAMES, compile_flow_levels
 from tts_gateway.models.cosyvoice2.engines.flow_graphs import FlowSolverGraphs
 from tts_gateway.models.cosyvoice2.engines.hift_compile import compile_hift_activations
 from tts_gateway.models.cosyvoice2.engines.hift_graphs import HiftGraphs
@@ -284,7 +285,7 @@ class Token2Wav:
                     other_timesteps=[first_chunk_timesteps] if first_chunk_timesteps else [],
                 )
             except TorchDynamoException as exc:
-                raise compile_failed(compile_backend, exc) from exc
+                raise compile_failed("the flow", compile_backend, exc) from exc
             if compile_backend:
                 _log.info("flow U-Net levels compiled (%s) while the first graph was recorded", compile_backend)
         encoder_graphs = None
